@@ -1,0 +1,155 @@
+// The ops interface: every operation the forward pass needs, implemented once on the CPU
+// (fp32 reference, kernels/cpu) and once on CUDA (bf16 storage, fp32 math, kernels/cuda).
+// The model (worker/model.cc) is written once against this interface.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/model_config.h"
+
+namespace tpserve {
+
+// Sampling parameters of one sequence. temperature == 0 means greedy (argmax, lowest id on
+// ties). Random draws use a counter-based RNG keyed by (seed, position), so a seeded request
+// gives the same tokens whatever the batch, TP or PP layout.
+struct SamplingParams {
+  float temperature = 0.0f;
+  int32_t top_k = 0;      // 0 = off
+  float top_p = 1.0f;     // 1 = off
+  uint64_t seed = 0;
+  int64_t position = 0;   // position of the token being sampled (the RNG counter)
+};
+
+// The layout of one step's batch, in host memory. Tokens of all sequences are packed along
+// one axis; sequence s owns query rows [query_start[s], query_start[s+1]).
+// Ops::SetBatch copies what the kernels need (to device memory on CUDA) before the forward.
+struct BatchMeta {
+  int num_seqs = 0;
+  int num_tokens = 0;
+  std::vector<int32_t> token_ids;     // [num_tokens] (used by the first pipeline stage)
+  std::vector<int32_t> positions;     // [num_tokens] absolute position of each token
+  std::vector<int32_t> slot_mapping;  // [num_tokens] KV slot = block * block_size + offset
+  std::vector<int32_t> query_start;   // [num_seqs + 1]
+  std::vector<int32_t> context_lens;  // [num_seqs] cached tokens after this step (incl. new)
+  std::vector<int32_t> block_tables;  // [num_seqs * max_blocks_per_seq], -1 padded
+  int max_blocks_per_seq = 0;
+  int block_size = 16;
+  std::vector<int32_t> logits_rows;   // token rows whose logits are wanted (sampled rows)
+  int max_query_len() const;
+  int max_context_len() const;
+  bool all_decode() const { return num_tokens == num_seqs; }
+};
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+
+  virtual Device device() const = 0;
+  // dtype of weights and activations: kF32 on the CPU reference, kBF16 on CUDA.
+  virtual DType compute_dtype() const = 0;
+
+  // Device memory. Alloc never returns null (it aborts with the sizes when out of memory).
+  virtual void* Alloc(size_t bytes) = 0;
+  virtual void Free(void* ptr) = 0;
+  virtual void CopyToDevice(void* dst, const void* src, size_t bytes) = 0;
+  virtual void CopyToHost(void* dst, const void* src, size_t bytes) = 0;
+  virtual void CopyDeviceToDevice(void* dst, const void* src, size_t bytes) = 0;
+  // Waits for all queued work (no-op on the CPU).
+  virtual void Synchronize() = 0;
+
+  // Makes `meta` the current batch for the ops below.
+  virtual void SetBatch(const BatchMeta& meta) = 0;
+
+  // out[t] = table[token_ids[t] - row_offset] when in [0, table rows), else zeros
+  // (vocab-parallel embedding: each rank holds rows [row_offset, row_offset + rows)).
+  virtual void Embedding(const Tensor& table, int64_t row_offset, Tensor out) = 0;
+  // out = x / rms(x) * weight, rows of x independent.
+  virtual void RmsNorm(const Tensor& x, const Tensor& weight, float eps, Tensor out) = 0;
+  // residual += x; out = RmsNorm(residual). Fused to save one pass over the activations.
+  virtual void AddRmsNorm(Tensor residual, const Tensor& x, const Tensor& weight, float eps,
+                          Tensor out) = 0;
+  // y[M, N] = x[M, K] * w[N, K]^T (+ bias[N]); the layout of torch.nn.Linear.
+  virtual void Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) = 0;
+  // Rotates q [T, Hq * D] and k [T, Hk * D] in place (rotate-half layout, HF Llama) by the
+  // batch positions; inv_freq [D / 2] (f32, on the device) already holds any scaling.
+  virtual void Rope(Tensor q, Tensor k, const Tensor& inv_freq, int head_dim) = 0;
+  // Writes k, v [T, Hk * D] into the paged caches [blocks, block_size, Hk, D] at slot_mapping.
+  virtual void KvWrite(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache) = 0;
+  // Causal attention of q [T, Hq * D] over the paged cache, which already holds this step's
+  // keys and values; query token i of a sequence sees cache positions
+  // [0, context_len - query_len + i]. GQA: q head h reads KV head h / (Hq / Hk).
+  // Prefill handles any query lengths (chunked prefill with a cached prefix, mixed batches);
+  // Decode requires one query per sequence (BatchMeta::all_decode()).
+  virtual void AttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                                int num_heads, int num_kv_heads, int head_dim, float scale,
+                                Tensor out) = 0;
+  virtual void AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                               int num_heads, int num_kv_heads, int head_dim, float scale,
+                               Tensor out) = 0;
+  // gate_up [M, 2I] (gate then up) -> out [M, I] = silu(gate) * up.
+  virtual void SiluMul(const Tensor& gate_up, Tensor out) = 0;
+  // out = a + b (elementwise, same shape).
+  virtual void Add(const Tensor& a, const Tensor& b, Tensor out) = 0;
+  // out[i] = in[rows[i]] for the batch's logits_rows.
+  virtual void GatherLogitRows(const Tensor& in, Tensor out) = 0;
+  // in [S, B, Vs] (one slab per vocab shard, as all-gathered) -> out [B, S * Vs] (f32).
+  virtual void InterleaveShards(const Tensor& in, Tensor out) = 0;
+  // Samples one token per row of logits [B, V_padded]; only the first `vocab_size` columns
+  // count. Returns ids on the host. The rule (shared by every backend): temperature 0 takes the
+  // argmax (lowest id on ties). Otherwise logits / temperature, candidates sorted by
+  // (probability desc, id asc), cut to the top_k first, then to the shortest prefix whose
+  // probability mass reaches top_p (at least one), renormalized; the token is the first
+  // candidate whose cumulative mass exceeds u * total, u = PhiloxUniform(seed, position).
+  virtual std::vector<int32_t> Sample(const Tensor& logits, int64_t vocab_size,
+                                      const std::vector<SamplingParams>& params) = 0;
+};
+
+// A buffer owned through an Ops allocator, freed on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Ops* ops, size_t bytes) : ops_(ops), bytes_(bytes) {
+    ptr_ = bytes ? ops->Alloc(bytes) : nullptr;
+  }
+  ~DeviceBuffer() { Reset(); }
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      ops_ = o.ops_;
+      ptr_ = o.ptr_;
+      bytes_ = o.bytes_;
+      o.ptr_ = nullptr;
+      o.bytes_ = 0;
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+  void Reset() {
+    if (ptr_ != nullptr) ops_->Free(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+
+ private:
+  Ops* ops_ = nullptr;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// The CPU reference implementation (fp32 math, OpenBLAS GEMM).
+std::unique_ptr<Ops> MakeCpuOps();
+
+// Computes RoPE inverse frequencies [head_dim / 2] as Hugging Face transformers does for the
+// config's rope type (default, linear: divided by factor, llama3: smoothed wavelengths).
+std::vector<float> RopeInvFreq(const RopeConfig& rope, int head_dim);
+
+}  // namespace tpserve

@@ -1,0 +1,36 @@
+// The Communicator: collectives and point-to-point transfers inside one process group (a TP
+// group or the PP chain). Implementations: single rank, MPI on host memory (staging device
+// tensors through the host), NCCL on device memory. Every call returns a status: a peer that
+// dies or a transfer that misses its deadline becomes an error naming the rank and the
+// operation, never a hang.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "common/dtype.h"
+
+namespace tpserve {
+
+class Ops;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // In place: t = sum over ranks of t.
+  virtual absl::Status AllReduceSum(Tensor t) = 0;
+  // out = concatenation of every rank's `in` in rank order (out.numel() == size * in.numel()).
+  virtual absl::Status AllGather(const Tensor& in, Tensor out) = 0;
+  virtual absl::Status Send(const Tensor& t, int peer) = 0;
+  virtual absl::Status Recv(Tensor t, int peer) = 0;
+  virtual absl::Status Broadcast(Tensor t, int root) = 0;
+  virtual std::string name() const = 0;  // e.g. "tp group 1 (mpi)", used in error messages
+};
+
+// A group of one: collectives are identities (AllGather copies through `ops`).
+std::unique_ptr<Communicator> MakeSingleRankCommunicator(Ops* ops);
+
+}  // namespace tpserve

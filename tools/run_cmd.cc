@@ -1,0 +1,130 @@
+// `tpserve run --model DIR (--prompt TEXT | --prompt-ids 1,2,3) ...`: loads the model in this
+// process, generates, prints the completion (or one JSON object with --json).
+#include "tools/run_cmd.h"
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/status.h"
+#include "coordinator/tokenizer/tokenizer.h"
+#include "tools/cli_args.h"
+#include "worker/engine.h"
+
+namespace tpserve {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: tpserve run --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]\n"
+    "                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--ignore-eos]\n"
+    "                   [--device cpu|cuda|auto] [--json]";
+
+absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
+  std::vector<int32_t> ids;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    int32_t id;
+    if (!absl::SimpleAtoi(part, &id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--prompt-ids: '", part, "' is not an integer token id"));
+    }
+    ids.push_back(id);
+  }
+  if (ids.empty()) return absl::InvalidArgumentError("--prompt-ids is empty");
+  return ids;
+}
+
+}  // namespace
+
+absl::Status RunRunCommand(const std::vector<std::string>& args) {
+  auto parsed = CliArgs::Parse(
+      args,
+      {"model", "prompt", "prompt-ids", "max-new-tokens", "temperature", "top-p", "top-k", "seed",
+       "device", "kv-cache-mb"},
+      {"json", "ignore-eos"});
+  if (!parsed.ok()) return Annotate(parsed.status(), kUsage);
+  const CliArgs& a = *parsed;
+  TP_ASSIGN_OR_RETURN(std::string model_dir, a.Required("model"));
+  if (a.Has("prompt") == a.Has("prompt-ids")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("give exactly one of --prompt and --prompt-ids\n", kUsage));
+  }
+  GenerateRequest req;
+  TP_ASSIGN_OR_RETURN(int64_t max_new, a.GetInt("max-new-tokens", 64));
+  TP_ASSIGN_OR_RETURN(double temperature, a.GetDouble("temperature", 0.0));
+  TP_ASSIGN_OR_RETURN(double top_p, a.GetDouble("top-p", 1.0));
+  TP_ASSIGN_OR_RETURN(int64_t top_k, a.GetInt("top-k", 0));
+  TP_ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
+  TP_ASSIGN_OR_RETURN(int64_t kv_mb, a.GetInt("kv-cache-mb", 0));
+  if (max_new < 1 || max_new > (1 << 20)) {
+    return absl::InvalidArgumentError("--max-new-tokens must be between 1 and 1048576");
+  }
+  if (temperature < 0) return absl::InvalidArgumentError("--temperature must be >= 0");
+  if (!(top_p > 0 && top_p <= 1)) return absl::InvalidArgumentError("--top-p must be in (0, 1]");
+  if (top_k < 0) return absl::InvalidArgumentError("--top-k must be >= 0");
+  req.max_new_tokens = static_cast<int>(max_new);
+  req.sampling.temperature = static_cast<float>(temperature);
+  req.sampling.top_p = static_cast<float>(top_p);
+  req.sampling.top_k = static_cast<int32_t>(top_k);
+  req.sampling.seed = static_cast<uint64_t>(seed);
+  req.ignore_eos = a.Flag("ignore-eos");
+
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (a.Has("prompt")) {
+    TP_ASSIGN_OR_RETURN(tokenizer, Tokenizer::Load(model_dir));
+    req.prompt = tokenizer->Encode(*a.Get("prompt"), /*add_special_tokens=*/true);
+  } else {
+    TP_ASSIGN_OR_RETURN(req.prompt, ParseIds(*a.Get("prompt-ids")));
+    auto tok = Tokenizer::Load(model_dir);  // optional: only to print text
+    if (tok.ok()) tokenizer = std::move(*tok);
+  }
+
+  EngineOptions options;
+  options.device = a.GetOr("device", "auto");
+  options.kv_cache_bytes = kv_mb * (int64_t{1} << 20);
+  const int64_t need = static_cast<int64_t>(req.prompt.size()) + req.max_new_tokens;
+  options.num_kv_blocks = static_cast<int>((need + options.block_size - 1) / options.block_size);
+  options.model.max_batch_seqs = 1;
+  const auto t0 = std::chrono::steady_clock::now();
+  TP_ASSIGN_OR_RETURN(auto engine, Engine::Create(model_dir, options));
+  const auto t1 = std::chrono::steady_clock::now();
+  TP_ASSIGN_OR_RETURN(auto results, engine->Generate({req}));
+  const auto t2 = std::chrono::steady_clock::now();
+  const GenerateResult& r = results.at(0);
+  const double load_s = std::chrono::duration<double>(t1 - t0).count();
+  const double gen_s = std::chrono::duration<double>(t2 - t1).count();
+
+  std::string text = tokenizer ? tokenizer->Decode(r.output_ids, true) : "";
+  if (a.Flag("json")) {
+    nlohmann::json j;
+    j["prompt_ids"] = req.prompt;
+    j["output_ids"] = r.output_ids;
+    if (tokenizer) j["text"] = text;
+    j["finish_reason"] = r.finish_reason;
+    j["device"] = ResolveDevice(options.device);
+    j["load_seconds"] = load_s;
+    j["generate_seconds"] = gen_s;
+    j["tokens_per_second"] = r.output_ids.size() / gen_s;
+    std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;
+  } else {
+    if (tokenizer && a.Has("prompt")) std::cout << *a.Get("prompt");
+    if (tokenizer) {
+      std::cout << text << std::endl;
+    } else {
+      for (size_t i = 0; i < r.output_ids.size(); ++i) {
+        std::cout << (i ? "," : "") << r.output_ids[i];
+      }
+      std::cout << std::endl;
+    }
+    std::fprintf(stderr, "[%zu tokens in %.2f s, %.1f tokens/s on %s; load %.2f s; finish: %s]\n",
+                 r.output_ids.size(), gen_s, r.output_ids.size() / gen_s,
+                 ResolveDevice(options.device).c_str(), load_s, r.finish_reason.c_str());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tpserve

@@ -1,0 +1,56 @@
+// The `tpserve` command line: subcommands for in-process generation, model tools and the
+// tokenizer (and, with the service, the gRPC client).
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "tools/random_model.h"
+#include "tools/run_cmd.h"
+#include "tools/tokenize_cmd.h"
+
+namespace {
+
+struct Command {
+  const char* name;
+  const char* help;
+  absl::Status (*run)(const std::vector<std::string>&);
+};
+
+const Command kCommands[] = {
+    {"run", "generate a completion in this process", tpserve::RunRunCommand},
+    {"random-model", "write a model directory with random weights for a config",
+     tpserve::RunRandomModelCommand},
+    {"tokenize", "print the token ids of stdin as a JSON array", tpserve::RunTokenizeCommand},
+    {"detokenize", "print the text of a JSON array of ids read from stdin",
+     tpserve::RunDetokenizeCommand},
+};
+
+void PrintUsage(FILE* out) {
+  std::fprintf(out, "usage: tpserve COMMAND [flags]\n\ncommands:\n");
+  for (const Command& c : kCommands) std::fprintf(out, "  %-14s %s\n", c.name, c.help);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "help") == 0) {
+    PrintUsage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  for (const Command& c : kCommands) {
+    if (std::strcmp(argv[1], c.name) == 0) {
+      std::vector<std::string> args(argv + 2, argv + argc);
+      absl::Status status = c.run(args);
+      if (!status.ok()) {
+        std::fprintf(stderr, "tpserve %s: %s\n", c.name, std::string(status.message()).c_str());
+        return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+      }
+      return 0;
+    }
+  }
+  std::fprintf(stderr, "tpserve: unknown command '%s'\n", argv[1]);
+  PrintUsage(stderr);
+  return 2;
+}
