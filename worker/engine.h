@@ -1,0 +1,98 @@
+// The in-process engine: one process runs the whole model (one rank, or this rank of a
+// multi-process group whose other ranks run the same Engine calls in lockstep) with a paged KV
+// cache and a simple batch loop: chunked prefill, then decode of every running sequence
+// together. `tpserve run` and the end-to-end tests use it; the service's scheduler builds the
+// same BatchMeta from the coordinator.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/model_config.h"
+#include "kernels/ops.h"
+#include "parallel/communicator.h"
+#include "parallel/shard_plan.h"
+#include "worker/model.h"
+
+namespace tpserve {
+
+class ModelFiles;
+
+struct EngineOptions {
+  std::string device = "cpu";  // "cpu", "cuda" or "auto" (cuda when a GPU is present)
+  int block_size = 16;
+  int num_kv_blocks = 0;       // 0: enough for max_batch_seqs sequences of the full context
+  int64_t kv_cache_bytes = 0;  // alternative to num_kv_blocks (takes precedence when > 0)
+  ModelOptions model;
+  // Parallel layout; the defaults are one rank. For several ranks the caller passes the
+  // communicators of this rank (see ParallelContext) and every rank calls the same methods.
+  int tp = 1;
+  int pp = 1;
+  int rank = 0;
+  std::string device_map;
+  ParallelContext comms;
+  Ops* ops = nullptr;  // optional: use these ops instead of creating them from `device`
+};
+
+struct GenerateRequest {
+  std::vector<int32_t> prompt;
+  int max_new_tokens = 16;
+  SamplingParams sampling;  // position is filled in per token
+  bool ignore_eos = false;
+  std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
+  bool record_logits = false;           // keep the logits of every sampled step (tests)
+};
+
+struct GenerateResult {
+  std::vector<int32_t> output_ids;
+  std::string finish_reason;                  // "length" or "stop"
+  std::vector<std::vector<float>> step_logits;  // [steps][vocab] when record_logits
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const std::string& model_dir,
+                                                        const EngineOptions& options);
+  ~Engine();
+
+  const ModelConfig& config() const;
+  const GenerationConfig& generation_config() const;
+  Ops* ops() const { return ops_; }
+  const LlamaModel& model() const { return *model_; }
+  int64_t kv_capacity_tokens() const;
+
+  // Runs all requests together (continuous batch of prefill then decode) to completion.
+  // Only the last stage's ranks return results; other ranks return empty results.
+  absl::StatusOr<std::vector<GenerateResult>> Generate(const std::vector<GenerateRequest>& reqs);
+
+  // Logits [prompt.size()][vocab] of every prompt position after one prefill (tests).
+  absl::StatusOr<std::vector<std::vector<float>>> PromptLogits(const std::vector<int32_t>& prompt);
+
+  // One forward over `meta` with block tables already filled; returns host f32 logits
+  // [logits_rows][vocab] on the last stage (empty elsewhere). For tests and benchmarks.
+  absl::StatusOr<std::vector<std::vector<float>>> ForwardLogits(const BatchMeta& meta);
+  absl::StatusOr<Tensor> Forward(const BatchMeta& meta);
+
+ private:
+  Engine() = default;
+  struct Seq;
+  absl::StatusOr<std::vector<std::vector<float>>> LogitsToHost(const Tensor& logits);
+
+  std::unique_ptr<ModelFiles> files_;
+  std::unique_ptr<Ops> owned_ops_;
+  Ops* ops_ = nullptr;
+  std::unique_ptr<Communicator> single_tp_, single_pp_;
+  ShardPlan plan_;
+  EngineOptions options_;
+  std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<KvCache> cache_;
+};
+
+// The device `options.device` names, resolved: "auto" becomes "cuda" when a GPU is present.
+std::string ResolveDevice(const std::string& device);
+// Creates ops for "cpu" or "cuda" (error when CUDA is not built in or no GPU is present).
+absl::StatusOr<std::unique_ptr<Ops>> MakeOps(const std::string& device, int gpu_index = 0);
+
+}  // namespace tpserve

@@ -1,0 +1,36 @@
+// The paged KV cache of one worker: for each local layer a K and a V pool of
+// [num_blocks, block_size, local KV heads, head_dim] in the compute dtype, allocated once.
+// Workers own the contents; block tables (which blocks a sequence uses) live in the scheduler.
+#pragma once
+
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/ops.h"
+
+namespace tpserve {
+
+class KvCache {
+ public:
+  KvCache(Ops* ops, int num_layers, int num_blocks, int block_size, int num_kv_heads,
+          int head_dim);
+
+  // Bytes one block takes over all local layers (K and V).
+  static size_t BlockBytes(int num_layers, int block_size, int num_kv_heads, int head_dim,
+                           DType dtype);
+
+  Tensor k(int local_layer) { return Layer(k_[local_layer]); }
+  Tensor v(int local_layer) { return Layer(v_[local_layer]); }
+  int num_blocks() const { return num_blocks_; }
+  int block_size() const { return block_size_; }
+  int64_t capacity_tokens() const { return static_cast<int64_t>(num_blocks_) * block_size_; }
+
+ private:
+  Tensor Layer(const DeviceBuffer& buf) const;
+
+  Ops* ops_;
+  int num_blocks_, block_size_, num_kv_heads_, head_dim_;
+  std::vector<DeviceBuffer> k_, v_;
+};
+
+}  // namespace tpserve
