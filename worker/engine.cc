@@ -2,6 +2,7 @@
 #include "worker/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -280,6 +281,7 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
       }
     }
 
+    const auto step_start = std::chrono::steady_clock::now();
     TP_ASSIGN_OR_RETURN(Tensor logits, model_->Forward(meta, *cache_));
     std::vector<int32_t> ids(sampled.size());
     if (last_stage && !sampled.empty()) {
@@ -308,9 +310,13 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
       TP_RETURN_IF_ERROR(options_.comms.pp->Broadcast(t, plan_.pp - 1));
       ops_->CopyToHost(ids.data(), t.data, ids.size() * sizeof(int32_t));
     }
+    const double step_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_start)
+            .count();
     for (size_t i = 0; i < sampled.size(); ++i) {
       Seq& s = *sampled[i];
       const int32_t id = ids[i];
+      s.result.step_ms.push_back(step_ms);
       s.tokens.push_back(id);
       s.result.output_ids.push_back(id);
       const bool is_eos = !s.req->ignore_eos && std::find(eos.begin(), eos.end(), id) != eos.end();

@@ -49,6 +49,9 @@ struct GenerateResult {
   std::vector<int32_t> output_ids;
   std::string finish_reason;                  // "length" or "stop"
   std::vector<std::vector<float>> step_logits;  // [steps][vocab] when record_logits
+  // Wall time (ms) of each engine step that sampled a token of this sequence, sampling
+  // included; the first is the prefill (time to first token when alone).
+  std::vector<double> step_ms;
 };
 
 class Engine {

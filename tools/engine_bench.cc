@@ -1,0 +1,190 @@
+// tpserve-engine-bench: the one-GPU engine benchmark of the DeepSeek-Coder bf16 guide's
+// scenario. Reports weight load time, time to first token, ms per decode token and end-to-end
+// time at batch 1, prefill throughput, and batched decode step times, each against the
+// hardware limit measured in the same run (copy bandwidth, cuBLAS bf16 GEMM peak).
+//
+//   tpserve-engine-bench --model DIR [--device cuda] [--prompt-len 512] [--new-tokens 512]
+//       [--prefill-len 2048] [--batches 8,32,64] [--context 1024] [--repeats 3] [--json FILE]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "common/model_files.h"
+#include "common/status.h"
+#include "tools/cli_args.h"
+#include "tools/hw_limits.h"
+#include "worker/engine.h"
+
+namespace tpserve {
+namespace {
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+std::vector<int32_t> RandomPrompt(std::mt19937& rng, int len, int64_t vocab) {
+  std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(vocab - 1));
+  std::vector<int32_t> p(len);
+  for (auto& id : p) id = dist(rng);
+  return p;
+}
+
+absl::Status Main(const std::vector<std::string>& args) {
+  TP_ASSIGN_OR_RETURN(CliArgs a, CliArgs::Parse(args,
+                                                {"model", "device", "prompt-len", "new-tokens",
+                                                 "prefill-len", "batches", "context", "repeats",
+                                                 "json", "max-batch-tokens"},
+                                                {}));
+  TP_ASSIGN_OR_RETURN(std::string model_dir, a.Required("model"));
+  TP_ASSIGN_OR_RETURN(int64_t prompt_len, a.GetInt("prompt-len", 512));
+  TP_ASSIGN_OR_RETURN(int64_t new_tokens, a.GetInt("new-tokens", 512));
+  TP_ASSIGN_OR_RETURN(int64_t prefill_len, a.GetInt("prefill-len", 2048));
+  TP_ASSIGN_OR_RETURN(int64_t context, a.GetInt("context", 1024));
+  TP_ASSIGN_OR_RETURN(int64_t repeats, a.GetInt("repeats", 3));
+  TP_ASSIGN_OR_RETURN(int64_t max_batch_tokens, a.GetInt("max-batch-tokens", 8192));
+  std::vector<int> batches;
+  for (absl::string_view s : absl::StrSplit(a.GetOr("batches", "8,32,64"), ',', absl::SkipEmpty())) {
+    int b;
+    if (!absl::SimpleAtoi(s, &b) || b < 1) return absl::InvalidArgumentError("bad --batches");
+    batches.push_back(b);
+  }
+  const std::string device = ResolveDevice(a.GetOr("device", "auto"));
+  nlohmann::json out;
+  out["device"] = device;
+  out["model"] = model_dir;
+
+  HwLimits hw;
+  if (device == "cuda") {
+    hw = MeasureHwLimits();
+    out["copy_TBps"] = hw.copy_bytes_per_s / 1e12;
+    out["gemm_TFLOPs"] = hw.gemm_flops_per_s / 1e12;
+    std::fprintf(stderr, "hardware: copy %.2f TB/s (read+write), bf16 GEMM %d^3 %.0f TFLOP/s\n",
+                 hw.copy_bytes_per_s / 1e12, hw.gemm_size, hw.gemm_flops_per_s / 1e12);
+  }
+
+  int max_batch = *std::max_element(batches.begin(), batches.end());
+  EngineOptions options;
+  options.device = device;
+  options.model.max_batch_tokens = static_cast<int>(std::max<int64_t>(max_batch_tokens, prefill_len));
+  options.model.max_batch_seqs = std::max(max_batch, 1);
+  const int64_t tokens_needed = std::max<int64_t>(
+      {prompt_len + new_tokens, prefill_len, int64_t{max_batch} * (context + 16)});
+  options.num_kv_blocks = static_cast<int>((tokens_needed + 2 * max_batch) / options.block_size + 2 * max_batch + 8);
+  const auto t0 = std::chrono::steady_clock::now();
+  TP_ASSIGN_OR_RETURN(auto engine, Engine::Create(model_dir, options));
+  const double load_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const ModelConfig& cfg = engine->config();
+  const double weight_bytes = static_cast<double>(engine->model().weight_bytes());
+  out["load_s"] = load_s;
+  out["weight_GB"] = weight_bytes / 1e9;
+  std::fprintf(stderr, "loaded %.2f GB of weights in %.2f s\n", weight_bytes / 1e9, load_s);
+  std::mt19937 rng(1);
+
+  // Batch 1: prompt_len prompt, new_tokens greedy tokens (warm-up run first).
+  {
+    GenerateRequest req;
+    req.prompt = RandomPrompt(rng, static_cast<int>(prompt_len), cfg.vocab_size);
+    req.max_new_tokens = static_cast<int>(new_tokens);
+    req.ignore_eos = true;
+    GenerateRequest warm = req;
+    warm.max_new_tokens = 16;
+    TP_RETURN_IF_ERROR(engine->Generate({warm}).status());
+    std::vector<double> ttft, decode, e2e;
+    for (int r = 0; r < repeats; ++r) {
+      const auto s = std::chrono::steady_clock::now();
+      TP_ASSIGN_OR_RETURN(auto res, engine->Generate({req}));
+      e2e.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - s).count());
+      const auto& ms = res[0].step_ms;
+      ttft.push_back(ms.at(0));
+      decode.push_back(Median(std::vector<double>(ms.begin() + 1, ms.end())));
+    }
+    const double decode_ms = Median(decode);
+    const double floor_ms = hw.copy_bytes_per_s > 0 ? weight_bytes / (hw.copy_bytes_per_s / 2) * 1e3 : 0;
+    out["batch1"] = {{"prompt_len", prompt_len},          {"new_tokens", new_tokens},
+                     {"ttft_ms", Median(ttft)},           {"decode_ms_per_token", decode_ms},
+                     {"e2e_s", Median(e2e)},              {"weight_read_floor_ms", floor_ms},
+                     {"fraction_of_floor", floor_ms > 0 ? floor_ms / decode_ms : 0},
+                     {"effective_weight_TBps", weight_bytes / (decode_ms * 1e-3) / 1e12}};
+    std::fprintf(stderr,
+                 "batch 1, prompt %ld, %ld new: TTFT %.2f ms, decode %.3f ms/token (floor %.3f ms,"
+                 " %.0f%%), e2e %.2f s\n",
+                 long(prompt_len), long(new_tokens), Median(ttft), decode_ms, floor_ms,
+                 floor_ms > 0 ? 100 * floor_ms / decode_ms : 0.0, Median(e2e));
+  }
+
+  // Prefill of prefill_len tokens (one sequence, logits of the last row).
+  {
+    GenerateRequest req;
+    req.prompt = RandomPrompt(rng, static_cast<int>(prefill_len), cfg.vocab_size);
+    req.max_new_tokens = 1;
+    req.ignore_eos = true;
+    TP_RETURN_IF_ERROR(engine->Generate({req}).status());
+    std::vector<double> ms;
+    for (int r = 0; r < std::max<int64_t>(repeats, 3); ++r) {
+      TP_ASSIGN_OR_RETURN(auto res, engine->Generate({req}));
+      ms.push_back(res[0].step_ms.at(0));
+    }
+    const double params = weight_bytes / DTypeSize(engine->ops()->compute_dtype());
+    const double n = static_cast<double>(prefill_len);
+    const double flops = 2.0 * params * n + 2.0 * cfg.num_layers * n * n * cfg.num_heads * cfg.head_dim;
+    const double t = Median(ms);
+    out["prefill"] = {{"tokens", prefill_len}, {"ms", t}, {"TFLOPs", flops / (t * 1e-3) / 1e12},
+                      {"fraction_of_gemm_peak",
+                       hw.gemm_flops_per_s > 0 ? flops / (t * 1e-3) / hw.gemm_flops_per_s : 0}};
+    std::fprintf(stderr, "prefill %ld tokens: %.2f ms, %.0f TFLOP/s (%.0f%% of GEMM peak)\n",
+                 long(prefill_len), t, flops / (t * 1e-3) / 1e12,
+                 hw.gemm_flops_per_s > 0 ? 100 * flops / (t * 1e-3) / hw.gemm_flops_per_s : 0.0);
+  }
+
+  // Batched decode at context `context`.
+  nlohmann::json rows = nlohmann::json::array();
+  for (int b : batches) {
+    std::vector<GenerateRequest> reqs(b);
+    for (auto& r : reqs) {
+      r.prompt = RandomPrompt(rng, static_cast<int>(context), cfg.vocab_size);
+      r.max_new_tokens = 17;
+      r.ignore_eos = true;
+    }
+    TP_ASSIGN_OR_RETURN(auto res, engine->Generate(reqs));
+    const auto& ms = res[0].step_ms;
+    const double step = Median(std::vector<double>(ms.begin() + 2, ms.end()));
+    const double kv_bytes = double(b) * (context + 8) * cfg.num_layers * 2 * cfg.num_kv_heads *
+                            cfg.head_dim * DTypeSize(engine->ops()->compute_dtype());
+    const double floor_ms =
+        hw.copy_bytes_per_s > 0 ? (weight_bytes + kv_bytes) / (hw.copy_bytes_per_s / 2) * 1e3 : 0;
+    rows.push_back({{"batch", b}, {"context", context}, {"step_ms", step},
+                    {"tokens_per_s", b / (step * 1e-3)}, {"bytes_floor_ms", floor_ms},
+                    {"ratio_to_floor", floor_ms > 0 ? step / floor_ms : 0}});
+    std::fprintf(stderr, "decode batch %d, context %ld: %.3f ms/step, %.0f tokens/s (floor %.3f ms,"
+                 " %.2fx)\n", b, long(context), step, b / (step * 1e-3), floor_ms,
+                 floor_ms > 0 ? step / floor_ms : 0.0);
+  }
+  out["batched_decode"] = rows;
+  out["peak_device_memory_GB"] = DeviceMemoryInUse() / 1e9;
+  const std::string json_path = a.GetOr("json", "");
+  if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
+  std::cout << out.dump() << std::endl;
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace tpserve
+
+int main(int argc, char** argv) {
+  absl::Status s = tpserve::Main(std::vector<std::string>(argv + 1, argv + argc));
+  if (!s.ok()) {
+    std::fprintf(stderr, "tpserve-engine-bench: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  return 0;
+}
