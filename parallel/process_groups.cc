@@ -1,0 +1,217 @@
+// Process groups / bootstrap: the tp x pp grid from MPI (split communicators, NCCL ids by
+// MPI_Ibcast) or from relayed NCCL ids.
+#include "parallel/process_groups.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "parallel/mpi_communicator.h"
+#ifdef TPSERVE_WITH_NCCL
+#include "parallel/nccl_communicator.h"
+#endif
+
+namespace tpserve {
+namespace {
+
+absl::Status CheckGrid(int world_size, const GroupOptions& options) {
+  if (options.tp < 1 || options.pp < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tp and pp must be at least 1 (got tp=", options.tp, ", pp=", options.pp, ")"));
+  }
+  if (world_size != options.tp * options.pp) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the world has ", world_size, " ranks but tp=", options.tp,
+                     " x pp=", options.pp, " needs ", options.tp * options.pp));
+  }
+  return absl::OkStatus();
+}
+
+void Place(ProcessGroups& g, int rank, int world_size, const GroupOptions& options) {
+  g.rank = rank;
+  g.world_size = world_size;
+  g.tp = options.tp;
+  g.pp = options.pp;
+  g.tp_rank = rank % options.tp;
+  g.stage = rank / options.tp;
+}
+
+std::string TpName(int stage) { return absl::StrCat("tp group of stage ", stage); }
+std::string PpName(int tp_rank) { return absl::StrCat("pp chain of tp rank ", tp_rank); }
+
+std::string MpiError(int rc) {
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, msg, &len);
+  return std::string(msg, len);
+}
+
+#ifdef TPSERVE_WITH_NCCL
+absl::StatusOr<std::unique_ptr<Communicator>> NcclFromBytes(const std::string& id_bytes, int rank,
+                                                            int size, const GroupOptions& options,
+                                                            std::string name) {
+  TP_ASSIGN_OR_RETURN(ncclUniqueId id, NcclUniqueIdFromBytes(id_bytes));
+  return MakeNcclCommunicator(id, rank, size, static_cast<cudaStream_t>(options.cuda_stream),
+                              options.timeout, std::move(name));
+}
+#endif
+
+// One group's communicator over the split MPI communicator `sub` (freed here).
+absl::StatusOr<std::unique_ptr<Communicator>> GroupFromMpi(MPI_Comm sub,
+                                                           const GroupOptions& options, Ops* ops,
+                                                           const std::string& name) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(sub, &rank);
+  MPI_Comm_size(sub, &size);
+  absl::StatusOr<std::unique_ptr<Communicator>> comm;
+  if (size == 1) {
+    comm = MakeSingleRankCommunicator(ops);
+  } else if (options.backend == CommBackend::kMpi) {
+    comm = MakeMpiCommunicator(sub, ops, options.timeout, name);
+  } else {
+#ifdef TPSERVE_WITH_NCCL
+    std::string id(sizeof(ncclUniqueId), '\0');
+    if (rank == 0) {
+      TP_ASSIGN_OR_RETURN(id, NewNcclUniqueIdBytes());
+    }
+    MPI_Request req;
+    const int rc = MPI_Ibcast(id.data(), static_cast<int>(id.size()), MPI_BYTE, 0, sub, &req);
+    if (rc != MPI_SUCCESS) {
+      return absl::UnavailableError(
+          absl::StrCat(name, ": rank ", rank, " broadcasting the NCCL id: ", MpiError(rc)));
+    }
+    TP_RETURN_IF_ERROR(MpiWaitWithDeadline(
+        &req, absl::Now() + options.timeout,
+        absl::StrCat(name, ": rank ", rank, " receiving the NCCL id from rank 0")));
+    comm = NcclFromBytes(id, rank, size, options, name);
+#else
+    comm = absl::UnimplementedError(
+        absl::StrCat(name, ": the NCCL backend needs a CUDA build (this one has none)"));
+#endif
+  }
+  MPI_Comm_free(&sub);
+  return comm;
+}
+
+}  // namespace
+
+absl::Status InitMpi(int* argc, char*** argv) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    int provided = 0;
+    const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS) {
+      return absl::UnavailableError(absl::StrCat("MPI_Init_thread failed: ", MpiError(rc)));
+    }
+    if (provided < MPI_THREAD_SERIALIZED) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("MPI provides thread level ", provided,
+                       "; tpserve needs at least MPI_THREAD_SERIALIZED"));
+    }
+  }
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ProcessGroups> MakeProcessGroupsFromMpi(MPI_Comm world, const GroupOptions& options,
+                                                       Ops* ops) {
+  int rank = 0, world_size = 1;
+  MPI_Comm_rank(world, &rank);
+  MPI_Comm_size(world, &world_size);
+  TP_RETURN_IF_ERROR(CheckGrid(world_size, options));
+  MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN);
+  ProcessGroups g;
+  Place(g, rank, world_size, options);
+  // MPI_Comm_split has no non-blocking form: a non-blocking barrier with a deadline first makes
+  // sure every rank arrived, so a missing rank is an error here rather than a hang in the split.
+  MPI_Request req;
+  int rc = MPI_Ibarrier(world, &req);
+  if (rc != MPI_SUCCESS) {
+    return absl::UnavailableError(
+        absl::StrCat("bootstrap: rank ", rank, " MPI_Ibarrier failed: ", MpiError(rc)));
+  }
+  TP_RETURN_IF_ERROR(
+      MpiWaitWithDeadline(&req, absl::Now() + options.timeout,
+                          absl::StrCat("bootstrap: rank ", rank, " of ", world_size,
+                                       " waiting for every rank to start (barrier)")));
+  // Color = the group, key = the index inside it (as FasterTransformer's grid).
+  MPI_Comm tp_sub = MPI_COMM_NULL, pp_sub = MPI_COMM_NULL;
+  rc = MPI_Comm_split(world, g.stage, g.tp_rank, &tp_sub);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_split(world, g.tp_rank, g.stage, &pp_sub);
+  if (rc != MPI_SUCCESS) {
+    return absl::UnavailableError(
+        absl::StrCat("bootstrap: rank ", rank, " MPI_Comm_split failed: ", MpiError(rc)));
+  }
+  TP_ASSIGN_OR_RETURN(g.tp_comm, GroupFromMpi(tp_sub, options, ops, TpName(g.stage)));
+  TP_ASSIGN_OR_RETURN(g.pp_comm, GroupFromMpi(pp_sub, options, ops, PpName(g.tp_rank)));
+  TP_CHECK(g.tp_comm->rank() == g.tp_rank && g.tp_comm->size() == g.tp);
+  TP_CHECK(g.pp_comm->rank() == g.stage && g.pp_comm->size() == g.pp);
+  return g;
+}
+
+absl::StatusOr<NcclGroupIds> NewNcclGroupIds(int tp, int pp) {
+#ifdef TPSERVE_WITH_NCCL
+  NcclGroupIds ids;
+  for (int s = 0; s < pp; ++s) {
+    TP_ASSIGN_OR_RETURN(std::string id, NewNcclUniqueIdBytes());
+    ids.tp_ids.push_back(std::move(id));
+  }
+  for (int t = 0; t < tp; ++t) {
+    TP_ASSIGN_OR_RETURN(std::string id, NewNcclUniqueIdBytes());
+    ids.pp_ids.push_back(std::move(id));
+  }
+  return ids;
+#else
+  return absl::UnimplementedError("NCCL ids need a CUDA build (this one has none)");
+#endif
+}
+
+absl::StatusOr<ProcessGroups> MakeProcessGroupsFromNcclIds(int rank, const GroupOptions& options,
+                                                           const NcclGroupIds& ids, Ops* ops) {
+  TP_RETURN_IF_ERROR(CheckGrid(options.tp * options.pp, options));
+  if (rank < 0 || rank >= options.tp * options.pp) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is outside the world of ", options.tp * options.pp));
+  }
+  if (static_cast<int>(ids.tp_ids.size()) != options.pp ||
+      static_cast<int>(ids.pp_ids.size()) != options.tp) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("NCCL ids: expected ", options.pp, " tp group ids and ", options.tp,
+                     " pp chain ids, got ", ids.tp_ids.size(), " and ", ids.pp_ids.size()));
+  }
+  ProcessGroups g;
+  Place(g, rank, options.tp * options.pp, options);
+#ifdef TPSERVE_WITH_NCCL
+  // Both groups are joined in the same order on every rank (tp first) so that no two ranks
+  // wait on each other's second group.
+  if (g.tp == 1) {
+    g.tp_comm = MakeSingleRankCommunicator(ops);
+  } else {
+    TP_ASSIGN_OR_RETURN(
+        g.tp_comm, NcclFromBytes(ids.tp_ids[g.stage], g.tp_rank, g.tp, options, TpName(g.stage)));
+  }
+  if (g.pp == 1) {
+    g.pp_comm = MakeSingleRankCommunicator(ops);
+  } else {
+    TP_ASSIGN_OR_RETURN(
+        g.pp_comm, NcclFromBytes(ids.pp_ids[g.tp_rank], g.stage, g.pp, options, PpName(g.tp_rank)));
+  }
+  return g;
+#else
+  if (g.world_size == 1) {
+    g.tp_comm = MakeSingleRankCommunicator(ops);
+    g.pp_comm = MakeSingleRankCommunicator(ops);
+    return g;
+  }
+  return absl::UnimplementedError("NCCL groups need a CUDA build (this one has none)");
+#endif
+}
+
+ProcessGroups MakeSingleRankGroups(Ops* ops) {
+  ProcessGroups g;
+  g.tp_comm = MakeSingleRankCommunicator(ops);
+  g.pp_comm = MakeSingleRankCommunicator(ops);
+  return g;
+}
+
+}  // namespace tpserve
