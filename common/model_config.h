@@ -36,10 +36,10 @@ struct ModelConfig {
   double rms_norm_eps = 1e-6;
   RopeConfig rope;
   bool tie_word_embeddings = false;
-  bool attention_bias = false;  // q/k/v biases (Qwen2 always has them)
-  bool o_proj_bias = false;     // Llama's attention_bias also biases o_proj; Qwen2's does not
-  bool mlp_bias = false;        // gate/up/down biases (Llama's mlp_bias only)
-  int64_t sliding_window = 0;   // 0 = full attention (Mistral/Qwen2 may set a window)
+  bool attention_bias = false;      // q/k/v biases (Qwen2 always has them)
+  bool o_proj_bias = false;         // Llama's attention_bias also biases o_proj; Qwen2's does not
+  bool mlp_bias = false;            // gate/up/down biases (Llama's mlp_bias only)
+  int64_t sliding_window = 0;       // 0 = full attention (Mistral/Qwen2 may set a window)
   double initializer_range = 0.02;  // std of random weights (tools/random_model)
   std::string torch_dtype = "bfloat16";
   std::vector<int32_t> bos_token_ids;  // from config.json, overridden by generation_config.json

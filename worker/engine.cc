@@ -12,6 +12,11 @@
 #include "common/status.h"
 #ifdef TPSERVE_HAVE_CUDA
 #include "kernels/cuda/cuda_ops.h"
+#include "worker/cuda_graph_runner.h"
+#else
+namespace tpserve {
+class CudaGraphRunner {};  // graphs need CUDA
+}  // namespace tpserve
 #endif
 
 namespace tpserve {
@@ -81,6 +86,7 @@ struct Engine::Seq {
 
 Engine::~Engine() {
   // The model and the cache free device memory through ops_: release them first.
+  graphs_.reset();
   cache_.reset();
   model_.reset();
 }
@@ -134,6 +140,26 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_
     return absl::ResourceExhaustedError("the KV cache budget holds not even one block");
   }
   engine->cache_ = engine->model_->MakeKvCache(blocks, options.block_size);
+#ifdef TPSERVE_HAVE_CUDA
+  if (auto* cuda = dynamic_cast<CudaOps*>(engine->ops_)) {
+    // Size the batch buffers once so that nothing moves after warm-up.
+    CudaReserve reserve;
+    reserve.max_tokens = options.model.max_batch_tokens;
+    reserve.max_seqs = CudaGraphRunner::Bucket(options.model.max_batch_seqs);
+    reserve.max_blocks_per_seq = std::max(
+        16, CudaGraphRunner::Bucket(static_cast<int>(std::min<int64_t>(
+                (config.max_position_embeddings + options.block_size - 1) / options.block_size,
+                blocks))));
+    reserve.block_size = options.block_size;
+    reserve.num_heads = shard.num_q_heads;
+    reserve.head_dim = static_cast<int>(config.head_dim);
+    cuda->Reserve(reserve);
+    if (options.cuda_graphs && options.tp == 1 && options.pp == 1) {
+      engine->graphs_ = std::make_unique<CudaGraphRunner>(
+          cuda, engine->model_.get(), engine->cache_.get(), reserve.max_seqs);
+    }
+  }
+#endif
   return engine;
 }
 
@@ -282,7 +308,16 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
     }
 
     const auto step_start = std::chrono::steady_clock::now();
-    TP_ASSIGN_OR_RETURN(Tensor logits, model_->Forward(meta, *cache_));
+    Tensor logits;
+#ifdef TPSERVE_HAVE_CUDA
+    if (graphs_ != nullptr && meta.all_decode()) {
+      TP_ASSIGN_OR_RETURN(logits, graphs_->RunDecode(meta));
+    } else {
+      TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
+    }
+#else
+    TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
+#endif
     std::vector<int32_t> ids(sampled.size());
     if (last_stage && !sampled.empty()) {
       std::vector<SamplingParams> params;

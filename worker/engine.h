@@ -19,6 +19,7 @@
 namespace tpserve {
 
 class ModelFiles;
+class CudaGraphRunner;
 
 struct EngineOptions {
   std::string device = "cpu";  // "cpu", "cuda" or "auto" (cuda when a GPU is present)
@@ -34,6 +35,8 @@ struct EngineOptions {
   std::string device_map;
   ParallelContext comms;
   Ops* ops = nullptr;  // optional: use these ops instead of creating them from `device`
+  // Replay decode steps as CUDA graphs (CUDA, tp = pp = 1 only).
+  bool cuda_graphs = true;
 };
 
 struct GenerateRequest {
@@ -91,6 +94,7 @@ class Engine {
   EngineOptions options_;
   std::unique_ptr<LlamaModel> model_;
   std::unique_ptr<KvCache> cache_;
+  std::unique_ptr<CudaGraphRunner> graphs_;
 };
 
 // The device `options.device` names, resolved: "auto" becomes "cuda" when a GPU is present.

@@ -62,6 +62,11 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const ModelFiles& f
   if (config.mlp_bias) {
     return absl::UnimplementedError("mlp_bias=true models are not supported yet");
   }
+  if (config.sliding_window > 0 && config.sliding_window < config.max_position_embeddings) {
+    return absl::UnimplementedError(absl::StrCat(
+        "sliding-window attention (sliding_window=", config.sliding_window,
+        ") is not supported yet; the model attends over its whole context"));
+  }
   if (rank < 0 || rank >= plan.world_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " outside the plan's ", plan.world_size(), " ranks"));
@@ -223,6 +228,11 @@ std::unique_ptr<KvCache> LlamaModel::MakeKvCache(int num_blocks, int block_size)
 }
 
 absl::StatusOr<Tensor> LlamaModel::Forward(const BatchMeta& meta, KvCache& cache) {
+  ops_->SetBatch(meta);
+  return Run(meta, cache);
+}
+
+absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
   const int64_t n = meta.num_tokens, rows = static_cast<int64_t>(meta.logits_rows.size());
   if (n > options_.max_batch_tokens || rows > options_.max_batch_seqs) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -235,7 +245,6 @@ absl::StatusOr<Tensor> LlamaModel::Forward(const BatchMeta& meta, KvCache& cache
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   Communicator& tp = *comms_.tp;
 
-  ops_->SetBatch(meta);
   Tensor residual = Act(kResidual, n, h), normed = Act(kNormed, n, h);
   Tensor q = Act(kQ, n, nq * d), k = Act(kK, n, nkv * d), v = Act(kV, n, nkv * d);
   Tensor attn = Act(kAttn, n, nq * d), proj = Act(kProj, n, h);

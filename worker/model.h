@@ -57,6 +57,9 @@ class LlamaModel {
   // the device (every TP rank of the last stage gets the full vocabulary). The returned view
   // is valid until the next Forward.
   absl::StatusOr<Tensor> Forward(const BatchMeta& meta, KvCache& cache);
+  // Forward without the Ops::SetBatch that starts it: the caller made `meta` current already.
+  // Used to capture a step as a CUDA graph (the batch upload stays outside the graph).
+  absl::StatusOr<Tensor> Run(const BatchMeta& meta, KvCache& cache);
 
  private:
   struct Layer;

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The one-GPU job: runs on the GPU machine over binaries built elsewhere (tools/gpu_stage.sh
+# puts them under .carry/gpu/). Runs the gpu-tier tests, makes a random DeepSeek-Coder-6.7B-shaped
+# checkpoint, compares it with transformers bf16, runs the engine benchmark and the HF
+# baselines. Logs and JSON go to $OUT (or ./gpu-out).
+# Usage: bash tools/gpu_job.sh [tests] [ds67] [bench] [hf] [tok]   (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+stage=.carry/gpu
+export LD_LIBRARY_PATH=$PWD/$stage/lib:${LD_LIBRARY_PATH:-}
+export TPSERVE_SOURCE_DIR=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+steps=${*:-tests ds67 bench hf}
+has() { [[ " $steps " == *" $1 "* ]]; }
+log() { echo "=== $(date +%T) $*" | tee -a "$out/summary.txt"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+ds=/tmp/ds67
+if has tests; then
+  for t in "$stage"/bin/*_test; do
+    [ -x "$t" ] || continue
+    log "test $(basename "$t")"
+    timeout 600 "$t" --gtest_color=no >"$out/$(basename "$t").log" 2>&1
+    rc=$?
+    tail -3 "$out/$(basename "$t").log" | tee -a "$out/summary.txt"
+    grep -E "worst|near-ties|GB/s|TFLOP" "$out/$(basename "$t").log" | head -20 >>"$out/summary.txt"
+    log "rc=$rc"
+  done
+fi
+if has ds67 || has bench || has hf; then
+  log "random DeepSeek-Coder-6.7B-shaped model"
+  /usr/bin/time -v "$stage/bin/tpserve" random-model \
+    --config tests/data/deepseek-coder-6.7b-instruct.config.json --out $ds --seed 1 --dtype bf16 \
+    2>&1 | grep -E "random-model|Elapsed|Maximum resident" | tee -a "$out/summary.txt"
+fi
+if has ds67; then
+  log "transformers bf16 reference for the 6.7B shape"
+  python3 tools/hf_reference.py --model $ds --prompt-ids "$(python3 -c 'import random; r=random.Random(5); print(",".join(str(r.randrange(32256)) for _ in range(64)))')" \
+    --steps 32 --dtype bf16 --device cuda --out /tmp/ds67_ref.safetensors >"$out/hf_ref.log" 2>&1
+  log "hf_reference rc=$?"
+  log "gpu_model_test on the 6.7B shape"
+  TPSERVE_DS67_DIR=$ds TPSERVE_DS67_REF=/tmp/ds67_ref.safetensors timeout 600 \
+    "$stage/bin/gpu_model_test" --gtest_filter='*DeepSeek*' >"$out/ds67_test.log" 2>&1
+  log "rc=$?"
+  grep -E "deepseek|OK|FAILED|Failure" "$out/ds67_test.log" | head -20 | tee -a "$out/summary.txt"
+fi
+if has bench; then
+  log "tpserve-engine-bench (6.7B shape, batch 1 512+512, prefill 2048, batch 8/32/64 at 1024)"
+  sync; cat $ds/*.safetensors >/dev/null  # warm page cache for the load-time figure
+  timeout 900 "$stage/bin/tpserve-engine-bench" --model $ds --device cuda --json "$out/engine_bench.json" \
+    2>&1 | tee "$out/engine_bench.log" | grep -v '^{' | tee -a "$out/summary.txt"
+fi
+if has hf; then
+  log "HF transformers baselines"
+  timeout 900 python3 tools/hf_bench.py --model $ds --modes eager-bf16,eager-fp32,compile-bf16 \
+    --prompt-len 512 --new-tokens ${HF_NEW_TOKENS:-128} --out "$out/hf_bench.json" \
+    >"$out/hf_bench.log" 2>&1
+  log "hf_bench rc=$?"
+  grep '^{' "$out/hf_bench.log" | tee -a "$out/summary.txt"
+fi
+log done

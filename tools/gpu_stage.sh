@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Builds the GPU binaries here (Release, sm_90a) and stages them with the shared libraries they
+# need (gRPC, protobuf, abseil...) under .carry/gpu/ for tools/gpu_job.sh on the GPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${TPSERVE_GPU_BUILD_DIR:-build-gpu}
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPSERVE_CUDA=ON >/dev/null
+targets=(tpserve tpserve-engine-bench ${TPSERVE_GPU_TESTS:-})
+ninja -C "$build" -j2 "${targets[@]}"
+rm -rf .carry/gpu && mkdir -p .carry/gpu/bin
+for t in "${targets[@]}"; do
+  f=$(find "$build" -type f -name "$t" -perm -u+x | head -1)
+  cp "$f" .carry/gpu/bin/ && strip .carry/gpu/bin/"$t"
+done
+bash "${TPSERVE_BUNDLE_LIBS:-../shared/tools/bundle-libs.sh}" .carry/gpu/lib .carry/gpu/bin/*
+du -sh .carry/gpu

@@ -1,0 +1,111 @@
+// CUDA graph capture and replay of decode steps (see cuda_graph_runner.h).
+#include "worker/cuda_graph_runner.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/check.h"
+#include "common/status.h"
+#include "kernels/cuda/cuda_ops.h"
+
+namespace tpserve {
+
+struct CudaGraphRunner::Graph {
+  cudaGraphExec_t exec = nullptr;
+  Tensor logits;
+  ~Graph() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+  }
+};
+
+CudaGraphRunner::CudaGraphRunner(CudaOps* ops, LlamaModel* model, KvCache* cache, int max_seqs)
+    : ops_(ops), model_(model), cache_(cache), max_seqs_(max_seqs) {
+  generation_ = ops_->layout_generation();
+}
+
+CudaGraphRunner::~CudaGraphRunner() { Clear(); }
+
+void CudaGraphRunner::Clear() { graphs_.clear(); }
+
+int CudaGraphRunner::Bucket(int n) {
+  int b = 1;
+  while (b < n) b *= 2;
+  return b;
+}
+
+BatchMeta CudaGraphRunner::Pad(const BatchMeta& meta, int seqs, int blocks) const {
+  BatchMeta p = meta;
+  const int extra = seqs - meta.num_seqs;
+  p.num_seqs = seqs;
+  p.num_tokens = seqs;
+  for (int i = 0; i < extra; ++i) {
+    // An empty sequence: no cache to read, nothing to write.
+    p.token_ids.push_back(0);
+    p.positions.push_back(0);
+    p.slot_mapping.push_back(-1);
+    p.context_lens.push_back(0);
+    p.logits_rows.push_back(meta.num_seqs + i);
+  }
+  p.query_start.resize(seqs + 1);
+  for (int s = 0; s <= seqs; ++s) p.query_start[s] = s;
+  p.block_tables.assign(static_cast<size_t>(seqs) * blocks, -1);
+  for (int s = 0; s < meta.num_seqs; ++s) {
+    std::copy_n(meta.block_tables.begin() + static_cast<size_t>(s) * meta.max_blocks_per_seq,
+                meta.max_blocks_per_seq, p.block_tables.begin() + static_cast<size_t>(s) * blocks);
+  }
+  p.max_blocks_per_seq = blocks;
+  return p;
+}
+
+absl::StatusOr<Tensor> CudaGraphRunner::RunDecode(const BatchMeta& meta) {
+  if (!meta.all_decode() || static_cast<int>(meta.logits_rows.size()) != meta.num_seqs) {
+    return absl::InvalidArgumentError("CUDA graphs replay decode-only batches");
+  }
+  const int seqs = std::min(Bucket(meta.num_seqs), std::max(max_seqs_, meta.num_seqs));
+  const int blocks = std::max(16, Bucket(meta.max_blocks_per_seq));
+  const BatchMeta padded = Pad(meta, seqs, blocks);
+  if (ops_->layout_generation() != generation_) {
+    Clear();  // a batch buffer moved: every graph holds stale addresses
+    generation_ = ops_->layout_generation();
+  }
+  auto key = std::make_pair(seqs, blocks);
+  auto it = graphs_.find(key);
+  if (it == graphs_.end()) {
+    // One eager run first: it lets cuBLASLt pick its algorithms and grows any buffer outside
+    // the capture. It writes the same K/V the replay below writes again.
+    ops_->SetBatch(padded);
+    TP_RETURN_IF_ERROR(model_->Run(padded, *cache_).status());
+    ops_->SetBatch(padded);
+    if (ops_->layout_generation() != generation_) {
+      Clear();
+      generation_ = ops_->layout_generation();
+    }
+    auto graph = std::make_unique<Graph>();
+    cudaStream_t stream = ops_->stream();
+    cudaGraph_t g = nullptr;
+    TP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    auto logits = model_->Run(padded, *cache_);
+    TP_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+    if (!logits.ok()) {
+      cudaGraphDestroy(g);
+      return logits.status();
+    }
+    TP_CUDA_CHECK(cudaGraphInstantiate(&graph->exec, g, 0));
+    TP_CUDA_CHECK(cudaGraphDestroy(g));
+    graph->logits = *logits;
+    it = graphs_.emplace(key, std::move(graph)).first;
+  } else {
+    ops_->SetBatch(padded);
+    if (ops_->layout_generation() != generation_) {
+      Clear();
+      generation_ = ops_->layout_generation();
+      return RunDecode(meta);
+    }
+  }
+  TP_CUDA_CHECK(cudaGraphLaunch(it->second->exec, ops_->stream()));
+  return it->second->logits.rows(0, meta.num_seqs);
+}
+
+}  // namespace tpserve
