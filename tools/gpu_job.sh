@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 stage=.carry/gpu
+find "$stage" -name '*.xz' -exec xz -d -T0 {} +  # tools/gpu_stage.sh compressed the big files
+chmod +x "$stage"/bin/* 2>/dev/null
 export LD_LIBRARY_PATH=$PWD/$stage/lib:${LD_LIBRARY_PATH:-}
 export TPSERVE_SOURCE_DIR=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
