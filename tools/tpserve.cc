@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "tools/client_cmd.h"
 #include "tools/random_model.h"
 #include "tools/run_cmd.h"
 #include "tools/tokenize_cmd.h"
@@ -19,6 +20,10 @@ struct Command {
 };
 
 const Command kCommands[] = {
+    {"serve", "start the gRPC service (coordinator + local workers)", tpserve::RunServeCommand},
+    {"generate", "generate through a running server (gRPC)", tpserve::RunGenerateCommand},
+    {"info", "print a server's model info as JSON", tpserve::RunInfoCommand},
+    {"health", "check a server's health (grpc.health.v1)", tpserve::RunHealthCommand},
     {"run", "generate a completion in this process", tpserve::RunRunCommand},
     {"random-model", "write a model directory with random weights for a config",
      tpserve::RunRandomModelCommand},

@@ -1,0 +1,465 @@
+// The public gRPC service (see inference_service.h).
+#include "coordinator/inference_service.h"
+
+#include <cmath>
+#include <mutex>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "coordinator/tokenizer/tokenizer.h"
+
+namespace tpserve {
+
+grpc::Status ToGrpc(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+namespace {
+
+absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
+
+uint64_t RandomSeed() {
+  static std::mutex mu;
+  static std::mt19937_64 rng{std::random_device{}()};
+  std::lock_guard<std::mutex> lock(mu);
+  return rng();
+}
+
+v1::FinishReason ToProto(Finish reason) {
+  switch (reason) {
+    case Finish::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case Finish::kStop:
+      return v1::FINISH_REASON_STOP;
+    default:
+      return v1::FINISH_REASON_UNSPECIFIED;
+  }
+}
+
+void FillFinal(const std::string& request_id, const FinalInfo& info, v1::GenerateResponse* r) {
+  r->set_request_id(request_id);
+  r->set_finished(true);
+  r->set_finish_reason(ToProto(info.reason));
+  r->set_prompt_tokens(info.prompt_tokens);
+  r->set_output_tokens(info.output_tokens);
+  r->mutable_timings()->set_queued_seconds(info.queued_s);
+  r->mutable_timings()->set_time_to_first_token_seconds(info.ttft_s);
+  r->mutable_timings()->set_total_seconds(info.total_s);
+}
+
+// Answers a unary Generate once the request finishes (or is cancelled).
+class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public RequestListener {
+ public:
+  static grpc::ServerUnaryReactor* Start(std::shared_ptr<RequestState> state, Scheduler* scheduler,
+                                         v1::GenerateResponse* response) {
+    auto r =
+        std::shared_ptr<UnaryGenerateReactor>(new UnaryGenerateReactor(state, scheduler, response));
+    r->self_ = r;
+    state->SetListener(r);
+    r->OnRequestUpdate();  // it may already be over
+    return r.get();
+  }
+
+  void OnRequestUpdate() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (finish_called_) return;
+    RequestState::Taken t = state_->Take();
+    if (!t.finished) return;
+    finish_called_ = true;
+    if (t.status.ok()) {
+      std::string text;
+      std::vector<int32_t> ids;
+      state_->Whole(&text, &ids);
+      response_->set_text(text);
+      response_->mutable_token_ids()->Assign(ids.begin(), ids.end());
+      FillFinal(state_->params().request_id, t.info, response_);
+    }
+    lock.unlock();
+    Finish(ToGrpc(t.status));
+  }
+
+  void OnCancel() override {
+    state_->Cancel();
+    scheduler_->Wake();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finish_called_) return;
+      finish_called_ = true;
+    }
+    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the request was cancelled"));
+  }
+
+  void OnDone() override {
+    std::shared_ptr<UnaryGenerateReactor> self = std::move(self_);  // may delete this on return
+  }
+
+ private:
+  UnaryGenerateReactor(std::shared_ptr<RequestState> state, Scheduler* scheduler,
+                       v1::GenerateResponse* response)
+      : state_(std::move(state)), scheduler_(scheduler), response_(response) {}
+
+  std::shared_ptr<RequestState> state_;
+  Scheduler* scheduler_;
+  v1::GenerateResponse* response_;
+  std::shared_ptr<UnaryGenerateReactor> self_;
+  std::mutex mu_;
+  bool finish_called_ = false;
+};
+
+// Streams deltas as the scheduler produces them; one write in flight, deltas coalesce.
+class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+                                    public RequestListener {
+ public:
+  static grpc::ServerWriteReactor<v1::GenerateResponse>* Start(std::shared_ptr<RequestState> state,
+                                                               Scheduler* scheduler) {
+    auto r = std::shared_ptr<StreamGenerateReactor>(new StreamGenerateReactor(state, scheduler));
+    r->self_ = r;
+    state->SetListener(r);
+    r->OnRequestUpdate();
+    return r.get();
+  }
+
+  void OnRequestUpdate() override { Pump(); }
+
+  void OnWriteDone(bool ok) override {
+    bool finish_now = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      writing_ = false;
+      if (!ok || cancelled_) {
+        if (!finish_called_) {
+          finish_called_ = true;
+          finish_now = true;
+        }
+      }
+    }
+    if (finish_now) {
+      state_->Cancel();
+      scheduler_->Wake();
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the request was cancelled"));
+      return;
+    }
+    Pump();
+  }
+
+  void OnCancel() override {
+    state_->Cancel();
+    scheduler_->Wake();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      if (finish_called_ || writing_) return;  // OnWriteDone finishes
+      finish_called_ = true;
+    }
+    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the request was cancelled"));
+  }
+
+  void OnDone() override { std::shared_ptr<StreamGenerateReactor> self = std::move(self_); }
+
+ private:
+  StreamGenerateReactor(std::shared_ptr<RequestState> state, Scheduler* scheduler)
+      : state_(std::move(state)), scheduler_(scheduler) {}
+
+  void Pump() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (writing_ || finish_called_ || cancelled_) return;
+    RequestState::Taken t = state_->Take();
+    if (t.finished && !t.status.ok()) {
+      finish_called_ = true;
+      lock.unlock();
+      Finish(ToGrpc(t.status));
+      return;
+    }
+    if (!t.finished && t.text.empty() && t.ids.empty()) return;
+    response_.Clear();
+    response_.set_request_id(state_->params().request_id);
+    response_.set_text(std::move(t.text));
+    response_.mutable_token_ids()->Assign(t.ids.begin(), t.ids.end());
+    writing_ = true;
+    if (t.finished) {
+      FillFinal(state_->params().request_id, t.info, &response_);
+      finish_called_ = true;
+      lock.unlock();
+      StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+      return;
+    }
+    lock.unlock();
+    StartWrite(&response_);
+  }
+
+  std::shared_ptr<RequestState> state_;
+  Scheduler* scheduler_;
+  std::shared_ptr<StreamGenerateReactor> self_;
+  std::mutex mu_;
+  v1::GenerateResponse response_;
+  bool writing_ = false;
+  bool finish_called_ = false;
+  bool cancelled_ = false;
+};
+
+}  // namespace
+
+absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest& request,
+                                                      const Tokenizer* tokenizer,
+                                                      const ServiceLimits& limits) {
+  RequestParams p;
+  if (request.request_id().size() > 256) {
+    return Invalid(absl::StrCat("request_id is ", request.request_id().size(),
+                                " bytes long; at most 256 are allowed"));
+  }
+  p.request_id = request.request_id();
+  switch (request.prompt_case()) {
+    case v1::GenerateRequest::kText: {
+      const std::string& text = request.text();
+      if (text.empty()) return Invalid("prompt.text is empty");
+      if (static_cast<int64_t>(text.size()) > limits.max_prompt_text_bytes) {
+        return Invalid(absl::StrCat("prompt.text is ", text.size(), " bytes; at most ",
+                                    limits.max_prompt_text_bytes, " are accepted"));
+      }
+      if (tokenizer == nullptr) {
+        return Invalid(
+            "prompt.text: the model directory has no tokenizer.json; send prompt.token_ids");
+      }
+      p.prompt = tokenizer->Encode(text, /*add_special_tokens=*/true);
+      if (p.prompt.empty()) return Invalid("prompt.text encodes to no tokens");
+      break;
+    }
+    case v1::GenerateRequest::kTokenIds: {
+      const auto& ids = request.token_ids().ids();
+      if (ids.empty()) return Invalid("prompt.token_ids is empty");
+      for (int i = 0; i < ids.size(); ++i) {
+        if (ids[i] < 0 || ids[i] >= limits.vocab_size) {
+          return Invalid(absl::StrCat("prompt.token_ids[", i, "] = ", ids[i],
+                                      " is outside the vocabulary [0, ", limits.vocab_size, ")"));
+        }
+      }
+      p.prompt.assign(ids.begin(), ids.end());
+      break;
+    }
+    default:
+      return Invalid("prompt: set prompt.text or prompt.token_ids");
+  }
+  const int64_t prompt_len = static_cast<int64_t>(p.prompt.size());
+
+  const v1::SamplingOptions& s = request.sampling();
+  if (s.has_temperature()) {
+    if (!std::isfinite(s.temperature()) || s.temperature() < 0) {
+      return Invalid(
+          absl::StrCat("sampling.temperature must be a number >= 0 (got ", s.temperature(), ")"));
+    }
+    p.temperature = s.temperature();
+  }
+  if (s.has_top_p()) {
+    if (!std::isfinite(s.top_p()) || s.top_p() <= 0 || s.top_p() > 1) {
+      return Invalid(absl::StrCat("sampling.top_p must be in (0, 1] (got ", s.top_p(), ")"));
+    }
+    p.top_p = s.top_p();
+  }
+  if (s.has_top_k()) {
+    if (s.top_k() < 0) {
+      return Invalid(absl::StrCat("sampling.top_k must be >= 0 (got ", s.top_k(), ")"));
+    }
+    p.top_k = s.top_k();
+  }
+  if (s.has_repetition_penalty()) {
+    if (!std::isfinite(s.repetition_penalty()) || s.repetition_penalty() <= 0) {
+      return Invalid(absl::StrCat("sampling.repetition_penalty must be > 0 (got ",
+                                  s.repetition_penalty(), "; 1 = off)"));
+    }
+    p.repetition_penalty = s.repetition_penalty();
+  }
+  p.seed = s.has_seed() ? s.seed() : (p.temperature > 0 ? RandomSeed() : 0);
+
+  const v1::StoppingOptions& st = request.stopping();
+  if (prompt_len >= limits.context_length) {
+    return Invalid(absl::StrCat("the prompt has ", prompt_len,
+                                " tokens but the model's context length is ", limits.context_length,
+                                " tokens (room for at least one output "
+                                "token is needed)"));
+  }
+  if (st.has_max_new_tokens()) {
+    if (st.max_new_tokens() < 1) {
+      return Invalid(
+          absl::StrCat("stopping.max_new_tokens must be >= 1 (got ", st.max_new_tokens(), ")"));
+    }
+    if (prompt_len + st.max_new_tokens() > limits.context_length) {
+      return Invalid(
+          absl::StrCat("the prompt has ", prompt_len, " tokens and stopping.max_new_tokens is ",
+                       st.max_new_tokens(), ": ", prompt_len + st.max_new_tokens(),
+                       " tokens exceed the model's context length of ", limits.context_length));
+    }
+    p.max_new_tokens = st.max_new_tokens();
+  } else {
+    int64_t room = limits.context_length - prompt_len;
+    if (limits.kv_capacity_tokens > 0)
+      room = std::min(room, limits.kv_capacity_tokens - prompt_len);
+    p.max_new_tokens = static_cast<int>(
+        std::max<int64_t>(1, std::min<int64_t>(limits.default_max_new_tokens, room)));
+  }
+  if (limits.kv_capacity_tokens > 0 && prompt_len + p.max_new_tokens > limits.kv_capacity_tokens) {
+    return Invalid(absl::StrCat("the prompt has ", prompt_len, " tokens and max_new_tokens is ",
+                                p.max_new_tokens, ": ", prompt_len + p.max_new_tokens,
+                                " tokens exceed the KV cache capacity of ",
+                                limits.kv_capacity_tokens, " tokens"));
+  }
+  if (st.stop_size() > limits.max_stop_strings) {
+    return Invalid(absl::StrCat("stopping.stop has ", st.stop_size(), " strings; at most ",
+                                limits.max_stop_strings));
+  }
+  for (int i = 0; i < st.stop_size(); ++i) {
+    if (st.stop(i).empty()) return Invalid(absl::StrCat("stopping.stop[", i, "] is empty"));
+    if (static_cast<int>(st.stop(i).size()) > limits.max_stop_string_bytes) {
+      return Invalid(absl::StrCat("stopping.stop[", i, "] is ", st.stop(i).size(),
+                                  " bytes; at most ", limits.max_stop_string_bytes));
+    }
+    p.stop.push_back(st.stop(i));
+  }
+  if (!p.stop.empty() && tokenizer == nullptr) {
+    return Invalid("stopping.stop needs text, but the model directory has no tokenizer.json");
+  }
+  for (int i = 0; i < st.stop_token_ids_size(); ++i) {
+    const int32_t id = st.stop_token_ids(i);
+    if (id < 0 || id >= limits.vocab_size) {
+      return Invalid(absl::StrCat("stopping.stop_token_ids[", i, "] = ", id,
+                                  " is outside the vocabulary [0, ", limits.vocab_size, ")"));
+    }
+    p.stop_token_ids.push_back(id);
+  }
+  p.ignore_eos = st.ignore_eos();
+  return p;
+}
+
+void InferenceService::Activate(Scheduler* scheduler, ServiceLimits limits, v1::ModelInfo info) {
+  limits_ = limits;
+  info_ = std::move(info);
+  scheduler_.store(scheduler, std::memory_order_release);
+}
+
+namespace {
+absl::Status NotReady() {
+  return absl::UnavailableError("the server is starting: the workers are loading the model");
+}
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Admit(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest& request) {
+  Scheduler* scheduler = scheduler_.load(std::memory_order_acquire);
+  if (scheduler == nullptr) return NotReady();
+  absl::StatusOr<RequestParams> params = ValidateGenerateRequest(request, tokenizer_, limits_);
+  if (!params.ok()) return params.status();
+  if (params->request_id.empty()) {
+    params->request_id = absl::StrCat("req-", next_request_.fetch_add(1));
+  }
+  const auto deadline = context->deadline();
+  if (deadline != std::chrono::system_clock::time_point::max()) {
+    const auto left = deadline - std::chrono::system_clock::now();
+    params->deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
+  }
+  auto state = std::make_shared<RequestState>(std::move(*params));
+  absl::Status submitted = scheduler->Submit(state);
+  if (!submitted.ok()) return submitted;
+  return state;
+}
+
+grpc::ServerUnaryReactor* InferenceService::Generate(grpc::CallbackServerContext* context,
+                                                     const v1::GenerateRequest* request,
+                                                     v1::GenerateResponse* response) {
+  auto state = Admit(context, *request);
+  if (!state.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(ToGrpc(state.status()));
+    return reactor;
+  }
+  return UnaryGenerateReactor::Start(*state, scheduler_.load(), response);
+}
+
+namespace {
+class ErrorWriteReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+ public:
+  explicit ErrorWriteReactor(const absl::Status& status) { Finish(ToGrpc(status)); }
+  void OnDone() override { delete this; }
+};
+}  // namespace
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::GenerateStream(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+  auto state = Admit(context, *request);
+  if (!state.ok()) return new ErrorWriteReactor(state.status());
+  return StreamGenerateReactor::Start(*state, scheduler_.load());
+}
+
+grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext* context,
+                                                     const v1::TokenizeRequest* request,
+                                                     v1::TokenizeResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (tokenizer_ == nullptr) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                 "the model directory has no tokenizer.json"));
+    return reactor;
+  }
+  if (static_cast<int64_t>(request->text().size()) > limits_.max_prompt_text_bytes) {
+    reactor->Finish(ToGrpc(Invalid(absl::StrCat(
+        "text is ", request->text().size(), " bytes; at most ", limits_.max_prompt_text_bytes))));
+    return reactor;
+  }
+  std::vector<int32_t> ids = tokenizer_->Encode(request->text(), request->add_special_tokens());
+  response->mutable_token_ids()->Assign(ids.begin(), ids.end());
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceService::Detokenize(grpc::CallbackServerContext* context,
+                                                       const v1::DetokenizeRequest* request,
+                                                       v1::DetokenizeResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (tokenizer_ == nullptr) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                 "the model directory has no tokenizer.json"));
+    return reactor;
+  }
+  for (int i = 0; i < request->token_ids_size(); ++i) {
+    const int32_t id = request->token_ids(i);
+    if (id < 0 || id >= limits_.vocab_size) {
+      reactor->Finish(ToGrpc(
+          Invalid(absl::StrCat("token_ids[", i, "] = ", id, " is outside the vocabulary [0, ",
+                               limits_.vocab_size, ")"))));
+      return reactor;
+    }
+  }
+  std::vector<int32_t> ids(request->token_ids().begin(), request->token_ids().end());
+  response->set_text(tokenizer_->Decode(ids, request->skip_special_tokens()));
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerContext* context,
+                                                         const v1::GetModelInfoRequest* request,
+                                                         v1::ModelInfo* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  Scheduler* scheduler = scheduler_.load(std::memory_order_acquire);
+  if (scheduler == nullptr) {
+    reactor->Finish(ToGrpc(NotReady()));
+    return reactor;
+  }
+  *response = info_;
+  const SchedulerStats s = scheduler->stats();
+  v1::KvCacheStats* kv = response->mutable_kv();
+  kv->set_block_size(scheduler->options().block_size);
+  kv->set_total_blocks(s.total_blocks);
+  kv->set_free_blocks(s.free_blocks);
+  kv->set_running_sequences(s.running);
+  kv->set_waiting_requests(s.waiting);
+  kv->set_preemptions(s.preemptions);
+  v1::StepStats* steps = response->mutable_steps();
+  steps->set_steps(s.steps);
+  steps->set_tokens(s.step_tokens);
+  steps->set_step_seconds(s.step_seconds);
+  steps->set_round_trip_seconds(s.execute_seconds);
+  steps->set_forward_seconds(s.forward_seconds);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace tpserve

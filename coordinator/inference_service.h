@@ -1,0 +1,74 @@
+// The public gRPC service tpserve.v1.Inference (callback API): validates every request field,
+// tokenizes, queues the request with the scheduler and answers from the reactor; reactors only
+// move bytes, the scheduler thread owns the batch.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/model_config.h"
+#include "coordinator/request.h"
+#include "coordinator/scheduler.h"
+#include "tpserve/v1/inference.grpc.pb.h"
+
+namespace tpserve {
+
+class Tokenizer;
+
+struct ServiceLimits {
+  int64_t context_length = 2048;
+  int64_t vocab_size = 0;
+  int64_t kv_capacity_tokens = 0;  // one sequence can never need more
+  int default_max_new_tokens = 256;
+  int max_stop_strings = 16;
+  int max_stop_string_bytes = 256;
+  int max_prompt_text_bytes = 1 << 22;
+};
+
+// Checks every field of `request` and turns it into scheduler parameters; INVALID_ARGUMENT
+// naming the field otherwise. `tokenizer` may be null (then only token-id prompts work).
+absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest& request,
+                                                      const Tokenizer* tokenizer,
+                                                      const ServiceLimits& limits);
+
+class InferenceService final : public v1::Inference::CallbackService {
+ public:
+  // Until Activate, generation answers UNAVAILABLE (the workers are still loading).
+  explicit InferenceService(const Tokenizer* tokenizer) : tokenizer_(tokenizer) {}
+  // `info` is the static part of GetModelInfo; the KV statistics come from the scheduler.
+  void Activate(Scheduler* scheduler, ServiceLimits limits, v1::ModelInfo info);
+
+  grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* context,
+                                     const v1::GenerateRequest* request,
+                                     v1::GenerateResponse* response) override;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* GenerateStream(
+      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+  grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* context,
+                                     const v1::TokenizeRequest* request,
+                                     v1::TokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* Detokenize(grpc::CallbackServerContext* context,
+                                       const v1::DetokenizeRequest* request,
+                                       v1::DetokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const v1::GetModelInfoRequest* request,
+                                         v1::ModelInfo* response) override;
+
+ private:
+  absl::StatusOr<std::shared_ptr<RequestState>> Admit(grpc::CallbackServerContext* context,
+                                                      const v1::GenerateRequest& request);
+
+  const Tokenizer* tokenizer_;
+  std::atomic<Scheduler*> scheduler_{nullptr};
+  // Written once by Activate before scheduler_ is published.
+  ServiceLimits limits_;
+  v1::ModelInfo info_;
+  std::atomic<uint64_t> next_request_{1};
+};
+
+// absl::Status -> grpc::Status (same code and message).
+grpc::Status ToGrpc(const absl::Status& status);
+
+}  // namespace tpserve

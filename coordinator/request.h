@@ -1,0 +1,144 @@
+// One generation request as the scheduler sees it (validated parameters) and the state it
+// shares with the RPC reactor that answers it: output deltas, the final status, cancellation.
+// The scheduler thread writes; the reactor reads and is told through a Listener.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace tpserve {
+
+using Clock = std::chrono::steady_clock;
+
+struct RequestParams {
+  std::string request_id;
+  std::vector<int32_t> prompt;
+  float temperature = 0.0f;
+  float top_p = 1.0f;
+  int32_t top_k = 0;
+  uint64_t seed = 0;
+  float repetition_penalty = 1.0f;
+  int max_new_tokens = 16;
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  Clock::time_point deadline = Clock::time_point::max();
+};
+
+enum class Finish { kNone, kLength, kStop };
+
+// What the reactor needs at the end.
+struct FinalInfo {
+  Finish reason = Finish::kNone;
+  int prompt_tokens = 0;
+  int output_tokens = 0;
+  double queued_s = 0, ttft_s = 0, total_s = 0;
+};
+
+class RequestListener {
+ public:
+  virtual ~RequestListener() = default;
+  // Called (from the scheduler thread, or the thread that cancels) when there is new output or
+  // the request finished. Must not block.
+  virtual void OnRequestUpdate() = 0;
+};
+
+class RequestState {
+ public:
+  explicit RequestState(RequestParams params)
+      : params_(std::move(params)), arrival_(Clock::now()) {}
+
+  const RequestParams& params() const { return params_; }
+  Clock::time_point arrival() const { return arrival_; }
+
+  void SetListener(std::weak_ptr<RequestListener> listener) {
+    std::lock_guard<std::mutex> lock(mu_);
+    listener_ = std::move(listener);
+  }
+
+  // Scheduler side.
+  void Emit(const std::string& text, int32_t id) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_text_ += text;
+      full_text_ += text;
+      if (id >= 0) {
+        pending_ids_.push_back(id);
+        all_ids_.push_back(id);
+      }
+    }
+    Notify();
+  }
+  void Complete(absl::Status status, const FinalInfo& info) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;
+      finished_ = true;
+      status_ = std::move(status);
+      final_ = info;
+    }
+    Notify();
+  }
+
+  // Reactor side. Takes the output not yet taken; true when there is something to send.
+  struct Taken {
+    std::string text;
+    std::vector<int32_t> ids;
+    bool finished = false;
+    absl::Status status;
+    FinalInfo info;
+  };
+  Taken Take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    Taken t;
+    t.text.swap(pending_text_);
+    t.ids.swap(pending_ids_);
+    t.finished = finished_;
+    t.status = status_;
+    t.info = final_;
+    return t;
+  }
+  // The whole output so far (unary answers).
+  void Whole(std::string* text, std::vector<int32_t>* ids) {
+    std::lock_guard<std::mutex> lock(mu_);
+    *text = full_text_;
+    *ids = all_ids_;
+  }
+  bool finished() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return finished_;
+  }
+
+  void Cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+
+ private:
+  void Notify() {
+    std::shared_ptr<RequestListener> l;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      l = listener_.lock();
+    }
+    if (l) l->OnRequestUpdate();
+  }
+
+  const RequestParams params_;
+  const Clock::time_point arrival_;
+  std::atomic<bool> cancelled_{false};
+  mutable std::mutex mu_;
+  std::weak_ptr<RequestListener> listener_;
+  std::string pending_text_, full_text_;
+  std::vector<int32_t> pending_ids_, all_ids_;
+  bool finished_ = false;
+  absl::Status status_;
+  FinalInfo final_;
+};
+
+}  // namespace tpserve

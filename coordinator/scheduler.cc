@@ -1,0 +1,395 @@
+// The scheduler loop (see scheduler.h).
+#include "coordinator/scheduler.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "coordinator/tokenizer/tokenizer.h"
+
+namespace tpserve {
+
+struct Scheduler::Seq {
+  std::shared_ptr<RequestState> req;
+  uint64_t id = 0;
+  std::vector<int32_t> tokens;  // prompt + outputs
+  int prompt_len = 0;
+  size_t computed = 0;          // tokens whose K/V are in the workers' cache
+  std::vector<int32_t> blocks;  // block table
+  uint64_t admit_order = 0;
+  bool ever_admitted = false;
+  int outputs = 0;
+  std::unique_ptr<IncrementalDecoder> decoder;
+  std::string text;  // output text so far (may run ahead of what was sent)
+  size_t sent = 0;   // bytes of `text` already emitted
+  size_t max_stop_len = 0;
+  Clock::time_point first_scheduled, first_token;
+  bool scheduled = false, got_token = false;
+  bool in_plan = false, preempted = false, done = false;
+};
+
+namespace {
+
+// The end of the text that can be sent: the longest suffix that might start a stop string is
+// held back.
+size_t SafeEnd(const std::string& text, const std::vector<std::string>& stops) {
+  size_t end = text.size();
+  for (const std::string& s : stops) {
+    const size_t max_k = std::min(s.size() - 1, text.size());
+    for (size_t k = max_k; k >= 1; --k) {
+      if (text.compare(text.size() - k, k, s, 0, k) == 0) {
+        end = std::min(end, text.size() - k);
+        break;
+      }
+    }
+  }
+  return end;
+}
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+}  // namespace
+
+Scheduler::Scheduler(const SchedulerOptions& options, const Tokenizer* tokenizer,
+                     StepExecutor* executor)
+    : options_(options),
+      tokenizer_(tokenizer),
+      executor_(executor),
+      blocks_(options.num_blocks, options.block_size) {}
+
+Scheduler::~Scheduler() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  // The thread (if any) failed what it held; whatever arrived after is failed here.
+  FailAll(absl::UnavailableError("the server is shutting down"));
+}
+
+void Scheduler::Start() {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+absl::Status Scheduler::Submit(std::shared_ptr<RequestState> request) {
+  auto seq = std::make_unique<Seq>();
+  seq->req = std::move(request);
+  const RequestParams& p = seq->req->params();
+  seq->tokens = p.prompt;
+  seq->prompt_len = static_cast<int>(p.prompt.size());
+  if (tokenizer_ != nullptr) {
+    seq->decoder = std::make_unique<IncrementalDecoder>(tokenizer_, /*skip_special_tokens=*/true);
+  }
+  for (const std::string& s : p.stop) seq->max_stop_len = std::max(seq->max_stop_len, s.size());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!refuse_.ok()) return refuse_;
+    if (stop_) return absl::UnavailableError("the server is shutting down");
+    if (queued_.load() >= options_.max_queued_requests) {
+      return absl::ResourceExhaustedError(absl::StrCat("the request queue is full (",
+                                                       options_.max_queued_requests,
+                                                       " requests waiting); retry later"));
+    }
+    queued_.fetch_add(1);
+    seq->id = next_seq_id_++;
+    incoming_.push_back(std::move(seq));
+  }
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+void Scheduler::Wake() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    wake_ = true;
+  }
+  cv_.notify_all();
+}
+
+void Scheduler::StopAccepting(absl::Status reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (refuse_.ok()) refuse_ = std::move(reason);
+}
+
+bool Scheduler::Idle() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return incoming_.empty() && stats_.running == 0 && stats_.waiting == 0;
+}
+
+void Scheduler::Fail(absl::Status status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fail_.ok()) fail_ = status;
+    if (refuse_.ok()) refuse_ = status;
+  }
+  cv_.notify_all();
+}
+
+SchedulerStats Scheduler::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void Scheduler::PublishStats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.total_blocks = blocks_.total_blocks();
+  stats_.free_blocks = blocks_.free_blocks();
+  stats_.running = static_cast<int>(running_.size());
+  stats_.waiting = static_cast<int>(waiting_.size() + incoming_.size());
+  stats_.preemptions = preemptions_;
+  stats_.steps = steps_;
+  stats_.step_seconds = step_seconds_;
+  stats_.execute_seconds = execute_seconds_;
+  stats_.forward_seconds = forward_seconds_;
+  stats_.step_tokens = step_tokens_;
+}
+
+void Scheduler::Finish(Seq& seq, absl::Status status, tpserve::Finish reason) {
+  if (seq.done) return;
+  seq.done = true;
+  if (!seq.ever_admitted) queued_.fetch_sub(1);
+  blocks_.Release(seq.blocks);
+  if (seq.ever_admitted) finished_ids_.push_back(seq.id);
+  const Clock::time_point now = Clock::now();
+  FinalInfo info;
+  info.reason = reason;
+  info.prompt_tokens = seq.prompt_len;
+  info.output_tokens = seq.outputs;
+  const Clock::time_point arrival = seq.req->arrival();
+  info.queued_s = Seconds((seq.scheduled ? seq.first_scheduled : now) - arrival);
+  info.ttft_s = seq.got_token ? Seconds(seq.first_token - arrival) : 0.0;
+  info.total_s = Seconds(now - arrival);
+  seq.req->Complete(std::move(status), info);
+}
+
+void Scheduler::FailAll(const absl::Status& status) {
+  std::deque<std::unique_ptr<Seq>> incoming;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    incoming.swap(incoming_);
+  }
+  for (auto& s : incoming) Finish(*s, status, Finish::kNone);
+  for (auto& s : waiting_) Finish(*s, status, Finish::kNone);
+  for (auto& s : running_) Finish(*s, status, Finish::kNone);
+  waiting_.clear();
+  running_.clear();
+  PublishStats();
+}
+
+void Scheduler::Reap(std::vector<uint64_t>& finished_ids) {
+  const Clock::time_point now = Clock::now();
+  auto check = [&](Seq& s) {
+    if (s.req->cancelled()) {
+      Finish(s, absl::CancelledError("the request was cancelled"), Finish::kNone);
+    } else if (now >= s.req->params().deadline) {
+      Finish(s, absl::DeadlineExceededError("the request's deadline expired"), Finish::kNone);
+    }
+  };
+  for (auto& s : running_) check(*s);
+  for (auto& s : waiting_) check(*s);
+  std::erase_if(running_, [](const std::unique_ptr<Seq>& s) { return s->done; });
+  std::erase_if(waiting_, [](const std::unique_ptr<Seq>& s) { return s->done; });
+}
+
+void Scheduler::Admit() {
+  while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_num_seqs) {
+    Seq& s = *waiting_.front();
+    // The whole known sequence gets its blocks now, so prefill chunks never wait for blocks;
+    // decode growth takes one block at a time (and may preempt).
+    if (!blocks_.GrowTo(s.blocks, blocks_.BlocksFor(static_cast<int64_t>(s.tokens.size())))) {
+      break;
+    }
+    if (!s.ever_admitted) {
+      s.ever_admitted = true;
+      queued_.fetch_sub(1);
+    }
+    s.admit_order = ++admit_counter_;
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+  }
+}
+
+void Scheduler::Preempt(Seq* seq) {
+  blocks_.Release(seq->blocks);
+  seq->computed = 0;
+  seq->preempted = true;
+  ++preemptions_;
+  TP_LOG(DEBUG) << "preempted sequence " << seq->id << " (" << seq->tokens.size()
+                << " tokens; recomputed later)";
+}
+
+bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
+                          std::vector<std::pair<Seq*, int>>& chunks) {
+  int budget = options_.max_num_batched_tokens;
+  std::vector<Seq*> order;
+  for (auto& s : running_) {
+    s->in_plan = false;
+    if (s->tokens.size() - s->computed == 1) order.push_back(s.get());  // decodes first
+  }
+  for (auto& s : running_) {
+    if (s->tokens.size() - s->computed != 1) order.push_back(s.get());
+  }
+  const Clock::time_point now = Clock::now();
+  for (Seq* s : order) {
+    if (s->preempted || budget <= 0) continue;
+    const int remaining = static_cast<int>(s->tokens.size() - s->computed);
+    const int chunk = std::min(remaining, budget);
+    const int need = blocks_.BlocksFor(static_cast<int64_t>(s->computed) + chunk);
+    while (!blocks_.GrowTo(s->blocks, need)) {
+      // Out of blocks: preempt the newest sequence not in this step (possibly `s` itself).
+      Seq* victim = nullptr;
+      for (auto& r : running_) {
+        if (!r->in_plan && !r->preempted && (!victim || r->admit_order > victim->admit_order)) {
+          victim = r.get();
+        }
+      }
+      if (victim == nullptr) break;
+      Preempt(victim);
+      if (victim == s) break;
+    }
+    if (s->preempted || static_cast<int>(s->blocks.size()) < need) continue;
+    worker::SeqStep* step = plan.add_seqs();
+    step->set_seq_id(s->id);
+    step->set_start_pos(static_cast<int32_t>(s->computed));
+    for (int i = 0; i < chunk; ++i) step->add_token_ids(s->tokens[s->computed + i]);
+    for (int32_t b : s->blocks) step->add_block_table(b);
+    const bool sample = chunk == remaining;
+    step->set_sample(sample);
+    const RequestParams& p = s->req->params();
+    worker::Sampling* sp = step->mutable_sampling();
+    sp->set_temperature(p.temperature);
+    sp->set_top_p(p.top_p);
+    sp->set_top_k(p.top_k);
+    sp->set_seed(p.seed);
+    sp->set_repetition_penalty(p.repetition_penalty);
+    s->in_plan = true;
+    if (!s->scheduled) {
+      s->scheduled = true;
+      s->first_scheduled = now;
+    }
+    chunks.emplace_back(s, chunk);
+    if (sample) sampled.push_back(s);
+    budget -= chunk;
+  }
+  // Preempted sequences go back to the front of the queue (oldest first) and are recomputed.
+  std::vector<std::unique_ptr<Seq>> preempted;
+  for (auto& s : running_) {
+    if (s->preempted) preempted.push_back(std::move(s));
+  }
+  std::erase_if(running_, [](const std::unique_ptr<Seq>& s) { return s == nullptr; });
+  for (auto it = preempted.rbegin(); it != preempted.rend(); ++it) {
+    (*it)->preempted = false;
+    waiting_.push_front(std::move(*it));
+  }
+  if (plan.seqs_size() == 0) return false;
+  plan.set_step_id(next_step_id_++);
+  for (uint64_t id : finished_ids_) plan.add_finished_seq_ids(id);
+  finished_ids_.clear();
+  return true;
+}
+
+void Scheduler::ApplyToken(Seq& seq, int32_t id, std::vector<uint64_t>& finished_ids) {
+  const RequestParams& p = seq.req->params();
+  seq.tokens.push_back(id);
+  ++seq.outputs;
+  if (!seq.got_token) {
+    seq.got_token = true;
+    seq.first_token = Clock::now();
+  }
+  if (seq.decoder) seq.text += seq.decoder->Add(id);
+  tpserve::Finish reason = Finish::kNone;
+  const auto& eos = options_.eos_token_ids;
+  if ((!p.ignore_eos && std::find(eos.begin(), eos.end(), id) != eos.end()) ||
+      std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), id) != p.stop_token_ids.end()) {
+    reason = Finish::kStop;
+  } else if (seq.outputs >= p.max_new_tokens ||
+             static_cast<int64_t>(seq.tokens.size()) >= options_.context_length) {
+    reason = Finish::kLength;
+  }
+  if (reason != Finish::kNone && seq.decoder) seq.text += seq.decoder->Finish();
+  if (!p.stop.empty()) {
+    size_t cut = std::string::npos;
+    for (const std::string& s : p.stop) cut = std::min(cut, seq.text.find(s, seq.sent));
+    if (cut != std::string::npos) {
+      seq.text.resize(cut);
+      reason = Finish::kStop;
+    }
+  }
+  const size_t end = reason != Finish::kNone ? seq.text.size() : SafeEnd(seq.text, p.stop);
+  std::string delta;
+  if (end > seq.sent) {
+    delta = seq.text.substr(seq.sent, end - seq.sent);
+    seq.sent = end;
+  }
+  seq.req->Emit(delta, id);
+  if (reason != Finish::kNone) Finish(seq, absl::OkStatus(), reason);
+}
+
+void Scheduler::Loop() {
+  while (true) {
+    absl::Status fail;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] {
+        return stop_ || wake_ || !incoming_.empty() || !running_.empty() || !waiting_.empty() ||
+               !fail_.ok();
+      });
+      wake_ = false;
+      if (stop_) break;
+      fail = fail_;
+      while (!incoming_.empty() && fail.ok()) {
+        waiting_.push_back(std::move(incoming_.front()));
+        incoming_.pop_front();
+      }
+    }
+    if (!fail.ok()) {
+      FailAll(fail);
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !incoming_.empty(); });
+      continue;
+    }
+    const Clock::time_point step_start = Clock::now();
+    Reap(finished_ids_);
+    Admit();
+    worker::StepPlan plan;
+    std::vector<Seq*> sampled;
+    std::vector<std::pair<Seq*, int>> chunks;
+    if (!BuildStep(plan, sampled, chunks)) {
+      PublishStats();
+      // Nothing runnable (everything waits for blocks): should not happen; avoid spinning.
+      std::unique_lock<std::mutex> lock(mu_);
+      if (!running_.empty() || !waiting_.empty()) {
+        cv_.wait_for(lock, std::chrono::milliseconds(20));
+      }
+      continue;
+    }
+    PublishStats();
+    const Clock::time_point exec_start = Clock::now();
+    absl::StatusOr<std::vector<int32_t>> ids = executor_->Execute(plan);
+    const Clock::time_point exec_end = Clock::now();
+    if (ids.ok() && ids->size() != sampled.size()) {
+      ids = absl::InternalError(absl::StrCat("a step sampled ", ids->size(), " tokens but ",
+                                             sampled.size(), " were planned"));
+    }
+    if (!ids.ok()) {
+      TP_LOG(ERROR) << "step " << plan.step_id() << " failed: " << ids.status();
+      Fail(ids.status());
+      continue;
+    }
+    ++steps_;
+    for (auto& [seq, n] : chunks) {
+      seq->computed += n;
+      step_tokens_ += n;
+    }
+    for (size_t i = 0; i < sampled.size(); ++i) ApplyToken(*sampled[i], (*ids)[i], finished_ids_);
+    std::erase_if(running_, [](const std::unique_ptr<Seq>& s) { return s->done; });
+    execute_seconds_ += Seconds(exec_end - exec_start);
+    forward_seconds_ += executor_->last_forward_seconds();
+    step_seconds_ += Seconds(Clock::now() - step_start);
+    PublishStats();
+  }
+  FailAll(absl::UnavailableError("the server is shutting down"));
+}
+
+}  // namespace tpserve

@@ -1,0 +1,125 @@
+// The scheduler: ONE thread doing continuous batching with chunked prefill. It admits queued
+// requests under --max-num-seqs, packs decode tokens then prefill chunks under
+// --max-num-batched-tokens, owns every block table (BlockManager), preempts the newest sequence
+// when blocks run out (it is recomputed later), sends each step to the executor (the worker
+// group), and turns sampled ids into text, stop decisions and answers.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "coordinator/block_manager.h"
+#include "coordinator/request.h"
+#include "worker.pb.h"
+
+namespace tpserve {
+
+class Tokenizer;
+
+// Runs one step on the workers; returns the sampled ids (one per sampled sequence, in order).
+class StepExecutor {
+ public:
+  virtual ~StepExecutor() = default;
+  virtual absl::StatusOr<std::vector<int32_t>> Execute(const worker::StepPlan& plan) = 0;
+  // Seconds the sampling worker spent in the last step (forward + sampling), when known.
+  virtual double last_forward_seconds() const { return 0; }
+};
+
+struct SchedulerOptions {
+  int max_num_seqs = 64;
+  int max_num_batched_tokens = 512;
+  int max_queued_requests = 256;  // waiting (not yet running) requests; more: RESOURCE_EXHAUSTED
+  int num_blocks = 0;
+  int block_size = 16;
+  int64_t context_length = 2048;
+  std::vector<int32_t> eos_token_ids;
+};
+
+struct SchedulerStats {
+  int total_blocks = 0;
+  int free_blocks = 0;
+  int running = 0;
+  int waiting = 0;
+  int64_t preemptions = 0;
+  int64_t steps = 0;
+  // Totals over all steps: the scheduler's whole step (plan, round trip to the workers, apply),
+  // the round trip alone (Execute), and the sampling worker's forward + sampling time.
+  double step_seconds = 0;
+  double execute_seconds = 0;
+  double forward_seconds = 0;
+  int64_t step_tokens = 0;
+};
+
+class Scheduler {
+ public:
+  // `tokenizer` may be null (ids only: no text, no stop strings).
+  Scheduler(const SchedulerOptions& options, const Tokenizer* tokenizer, StepExecutor* executor);
+  ~Scheduler();  // Stops the thread; unfinished requests end UNAVAILABLE.
+
+  void Start();
+  // Queues a validated request; RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE when
+  // draining or failed.
+  absl::Status Submit(std::shared_ptr<RequestState> request);
+  // Wakes the loop (a request was cancelled).
+  void Wake();
+  // Stop accepting; existing requests continue.
+  void StopAccepting(absl::Status reason);
+  // True when nothing is running or waiting.
+  bool Idle();
+  // Ends every request with `status` and refuses new ones (the worker group failed).
+  void Fail(absl::Status status);
+  SchedulerStats stats();
+  const SchedulerOptions& options() const { return options_; }
+
+ private:
+  struct Seq;
+  void Loop();
+  void Reap(std::vector<uint64_t>& finished_ids);
+  void Admit();
+  void Preempt(Seq* seq);
+  bool BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
+                 std::vector<std::pair<Seq*, int>>& chunks);
+  void ApplyToken(Seq& seq, int32_t id, std::vector<uint64_t>& finished_ids);
+  void Finish(Seq& seq, absl::Status status, Finish reason);
+  void FailAll(const absl::Status& status);
+  void PublishStats();
+
+  const SchedulerOptions options_;
+  const Tokenizer* tokenizer_;
+  StepExecutor* executor_;
+  BlockManager blocks_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Seq>> incoming_;  // guarded by mu_
+  bool stop_ = false;                          // guarded by mu_
+  absl::Status refuse_;                        // guarded by mu_ (not OK: refuse new requests)
+  absl::Status fail_;                          // guarded by mu_ (not OK: fail everything)
+  SchedulerStats stats_;                       // guarded by mu_
+  bool wake_ = false;                          // guarded by mu_
+
+  // Owned by the scheduler thread.
+  std::deque<std::unique_ptr<Seq>> waiting_;
+  std::vector<std::unique_ptr<Seq>> running_;  // in admission order
+  std::vector<uint64_t> finished_ids_;         // to tell the workers in the next step
+  uint64_t next_seq_id_ = 1;
+  uint64_t next_step_id_ = 1;
+  uint64_t admit_counter_ = 0;
+  int64_t preemptions_ = 0;
+  int64_t steps_ = 0;
+  double step_seconds_ = 0, execute_seconds_ = 0, forward_seconds_ = 0;
+  int64_t step_tokens_ = 0;
+  std::atomic<int> queued_{0};  // submitted, never admitted
+  std::thread thread_;
+};
+
+}  // namespace tpserve

@@ -1,0 +1,54 @@
+// The coordinator process: the gRPC server (public API, control plane, health, reflection), the
+// worker group, the scheduler, optional local worker processes, warm-up, SIGTERM drain.
+// Used by `tpserve-coordinator` and `tpserve serve`.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace tpserve {
+
+struct CoordinatorOptions {
+  std::string model_dir;
+  std::string host = "0.0.0.0";
+  int port = 50051;    // 0: any free port (see ready_file)
+  int world_size = 0;  // workers; 0: tp * pp, or 1
+  int tp = 0;          // 0: world_size
+  int pp = 1;
+  std::string device_map;
+  // Local workers: spawn them (one per visible GPU with --device cuda, else CPU workers).
+  bool spawn_workers = false;
+  std::string device = "auto";  // of spawned workers
+  std::string worker_binary;    // default: tpserve-worker next to this binary or on PATH
+  int64_t kv_cache_mb = 0;      // per worker; 0: the worker's default
+  int block_size = 16;
+  int max_num_seqs = 64;
+  int max_num_batched_tokens = 512;
+  int max_queued_requests = 256;
+  int default_max_new_tokens = 256;
+  int register_timeout_s = 120;
+  int load_timeout_s = 600;
+  int drain_timeout_s = 30;
+  double heartbeat_timeout_s = 4;
+  int step_timeout_s = 120;
+  std::string ready_file;  // written with "HOST:PORT" once the server is SERVING
+};
+
+// Flags shared by tpserve-coordinator and `tpserve serve` (the latter spawns workers by
+// default); `args` excludes the program / subcommand name.
+absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::string>& args,
+                                                         bool serve_command);
+extern const char kCoordinatorUsage[];
+
+// Runs until SIGTERM / SIGINT (then drains) or a startup failure.
+absl::Status RunCoordinator(const CoordinatorOptions& options);
+
+// MPI, when this process was started by mpirun (MPMD with the workers): joins MPI_COMM_WORLD's
+// split so that the workers can form their own communicator. No-op otherwise.
+absl::Status MaybeJoinMpi(int* argc, char*** argv);
+void MaybeFinalizeMpi();
+
+}  // namespace tpserve

@@ -1,0 +1,19 @@
+# The coordinator service (included from coordinator/CMakeLists.txt): tpserve_coordinator (API
+# layer, scheduler, KV block manager, worker group, server) and the tpserve-coordinator binary.
+# No CUDA, no worker/kernels: the planner, the tokenizer, the protos, common (and MPI for MPMD
+# launches).
+add_library(tpserve_coordinator STATIC
+  ${CMAKE_CURRENT_LIST_DIR}/block_manager.cc
+  ${CMAKE_CURRENT_LIST_DIR}/scheduler.cc
+  ${CMAKE_CURRENT_LIST_DIR}/worker_group.cc
+  ${CMAKE_CURRENT_LIST_DIR}/inference_service.cc
+  ${CMAKE_CURRENT_LIST_DIR}/server.cc
+  ${CMAKE_CURRENT_LIST_DIR}/mpi_bootstrap.cc
+)
+target_link_libraries(tpserve_coordinator
+  PUBLIC tpserve_proto tpserve_planner tpserve_tokenizer tpserve_common tpserve_cli_args
+         gRPC::grpc++ absl::status absl::statusor
+  PRIVATE tpserve_grpc_reflection MPI::MPI_CXX absl::strings Threads::Threads)
+
+add_executable(tpserve-coordinator ${CMAKE_CURRENT_LIST_DIR}/coordinator_main.cc)
+target_link_libraries(tpserve-coordinator PRIVATE tpserve_coordinator)

@@ -1,0 +1,368 @@
+// The coordinator's control plane (see worker_group.h).
+#include "coordinator/worker_group.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+
+namespace tpserve {
+
+using Clock = std::chrono::steady_clock;
+
+struct WorkerGroup::Slot {
+  bool registered = false;
+  bool kv_reported = false;
+  worker::Register info;
+  worker::KvReport kv;
+  Clock::time_point last_seen;
+  // Writes are serialized by write_mu; the stream pointers are cleared under it when the
+  // handler returns.
+  std::mutex write_mu;
+  grpc::ServerContext* context = nullptr;
+  grpc::ServerReaderWriter<worker::CoordinatorMessage, worker::WorkerMessage>* stream = nullptr;
+};
+
+WorkerGroup::WorkerGroup(const WorkerGroupOptions& options, const ModelConfig& config)
+    : options_(options), config_(config) {
+  for (int r = 0; r < options.world_size; ++r) slots_.push_back(std::make_unique<Slot>());
+}
+
+WorkerGroup::~WorkerGroup() {
+  Shutdown("the coordinator is exiting");
+  if (monitor_.joinable()) monitor_.join();
+}
+
+void WorkerGroup::SetFailureCallback(std::function<void(const absl::Status&)> callback) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_failure_ = std::move(callback);
+}
+
+absl::Status WorkerGroup::failure() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
+std::vector<std::string> WorkerGroup::rank_devices() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  for (const auto& s : slots_) {
+    std::string d = s->info.device();
+    if (d == "cuda") d = absl::StrCat("cuda:", s->info.gpu_index());
+    out.push_back(absl::StrCat(d, "@", s->info.hostname()));
+  }
+  return out;
+}
+
+bool WorkerGroup::Send(int rank, const worker::CoordinatorMessage& msg) {
+  Slot& slot = *slots_[rank];
+  std::lock_guard<std::mutex> lock(slot.write_mu);
+  if (slot.stream == nullptr) return false;
+  return slot.stream->Write(msg);
+}
+
+void WorkerGroup::Fail(int rank, const std::string& reason) {
+  std::function<void(const absl::Status&)> callback;
+  absl::Status status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.ok() || shutdown_) return;
+    const worker::Register& info = slots_[rank]->info;
+    failure_ = absl::UnavailableError(absl::StrCat(
+        "worker rank ", rank,
+        info.hostname().empty() ? std::string()
+                                : absl::StrCat(" (", info.hostname(), ", pid ", info.pid(), ")"),
+        " failed: ", reason));
+    status = failure_;
+    callback = on_failure_;
+  }
+  cv_.notify_all();
+  TP_LOG(ERROR) << status.message();
+  if (callback) callback(status);
+  // The group is unusable: close every stream so the other workers exit too.
+  for (auto& s : slots_) {
+    std::lock_guard<std::mutex> lock(s->write_mu);
+    if (s->context != nullptr) s->context->TryCancel();
+  }
+}
+
+grpc::Status WorkerGroup::Control(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<worker::CoordinatorMessage, worker::WorkerMessage>* stream) {
+  worker::WorkerMessage msg;
+  if (!stream->Read(&msg)) return grpc::Status(grpc::StatusCode::CANCELLED, "no register");
+  if (!msg.has_register_()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the first control message must be a register");
+  }
+  const worker::Register reg = msg.register_();
+  const int rank = reg.rank();
+  if (reg.world_size() != options_.world_size) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("register: world_size ", reg.world_size(),
+                                     " but the coordinator expects ", options_.world_size));
+  }
+  if (rank < 0 || rank >= options_.world_size) {
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("register: rank ", rank, " outside [0, ", options_.world_size, ")"));
+  }
+  Slot& slot = *slots_[rank];
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (slot.registered || started_ || shutdown_) {
+      return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                          absl::StrCat("register: rank ", rank, " is already taken"));
+    }
+    slot.registered = true;
+    slot.info = reg;
+    slot.last_seen = Clock::now();
+    std::lock_guard<std::mutex> wlock(slot.write_mu);
+    slot.context = context;
+    slot.stream = stream;
+    ++active_streams_;
+  }
+  cv_.notify_all();
+  TP_LOG(INFO) << "worker rank " << rank << " registered (" << reg.device() << " on "
+               << reg.hostname() << ", pid " << reg.pid() << ")";
+
+  while (stream->Read(&msg)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    slot.last_seen = Clock::now();
+    switch (msg.msg_case()) {
+      case worker::WorkerMessage::kKvReport:
+        slot.kv = msg.kv_report();
+        slot.kv_reported = true;
+        lock.unlock();
+        cv_.notify_all();
+        break;
+      case worker::WorkerMessage::kStepResult: {
+        const worker::StepResult& r = msg.step_result();
+        if (!r.error().empty()) {
+          lock.unlock();
+          Fail(rank, absl::StrCat("step ", r.step_id(), ": ", r.error()));
+        } else if (rank == sampler_rank_) {
+          results_[r.step_id()].assign(r.token_ids().begin(), r.token_ids().end());
+          forward_seconds_[r.step_id()] = r.forward_seconds();
+          lock.unlock();
+          cv_.notify_all();
+        }
+        break;
+      }
+      case worker::WorkerMessage::kNcclIds: {
+        lock.unlock();
+        worker::CoordinatorMessage relay;
+        *relay.mutable_nccl_ids() = msg.nccl_ids();
+        for (int r = 0; r < options_.world_size; ++r) {
+          if (r != rank) Send(r, relay);
+        }
+        break;
+      }
+      case worker::WorkerMessage::kFatalError:
+        lock.unlock();
+        Fail(rank, msg.fatal_error());
+        break;
+      default:
+        break;
+    }
+  }
+  Fail(rank, "its control stream closed (the worker exited or lost its connection)");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> wlock(slot.write_mu);
+    slot.stream = nullptr;
+    slot.context = nullptr;
+    --active_streams_;
+  }
+  cv_.notify_all();
+  return grpc::Status::OK;
+}
+
+absl::Status WorkerGroup::Start(std::chrono::seconds register_timeout,
+                                std::chrono::seconds load_timeout) {
+  const int n = options_.world_size;
+  std::unique_lock<std::mutex> lock(mu_);
+  auto all = [&](bool Slot::*field) {
+    return std::all_of(slots_.begin(), slots_.end(), [&](const auto& s) { return (*s).*field; });
+  };
+  if (!cv_.wait_for(lock, register_timeout,
+                    [&] { return all(&Slot::registered) || !failure_.ok() || shutdown_; })) {
+    std::vector<int> missing;
+    for (int r = 0; r < n; ++r) {
+      if (!slots_[r]->registered) missing.push_back(r);
+    }
+    return absl::DeadlineExceededError(absl::StrCat(
+        "only ", n - static_cast<int>(missing.size()), " of ", n, " workers registered within ",
+        register_timeout.count(), " s; missing ranks: ", absl::StrJoin(missing, ", ")));
+  }
+  if (!failure_.ok()) return failure_;
+  if (shutdown_) return absl::CancelledError("shut down while waiting for workers");
+  const std::string device = slots_[0]->info.device();
+  bool all_mpi = true;
+  for (int r = 0; r < n; ++r) {
+    if (slots_[r]->info.device() != device) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("worker rank 0 runs on ", device, " but rank ", r, " on ",
+                       slots_[r]->info.device(), "; all workers must use the same device"));
+    }
+    all_mpi = all_mpi && slots_[r]->info.mpi();
+  }
+  PlanOptions plan_options;
+  plan_options.tp = options_.tp > 0 ? options_.tp : n;
+  plan_options.pp = options_.tp > 0 ? options_.pp : 1;
+  plan_options.device_map = options_.device_map;
+  plan_options.bytes_per_elem = device == "cpu" ? 4 : 2;
+  if (plan_options.tp * plan_options.pp != n) {
+    return absl::InvalidArgumentError(absl::StrCat("--tp ", plan_options.tp, " x --pp ",
+                                                   plan_options.pp, " does not match the ", n,
+                                                   " workers"));
+  }
+  auto plan = PlanShards(config_, plan_options);
+  if (!plan.ok()) return plan.status();
+  plan_ = *plan;
+  for (const std::string& note : plan_.notes) TP_LOG(INFO) << "plan: " << note;
+  sampler_rank_ = (plan_.pp - 1) * plan_.tp;
+  const bool relay = n > 1 && !all_mpi;
+  if (relay && device == "cpu") {
+    return absl::FailedPreconditionError(
+        "CPU workers with a world size above 1 communicate over MPI: launch them with mpirun "
+        "(e.g. mpirun -np N tpserve-worker --coordinator ADDR) or use `tpserve serve`, which "
+        "does");
+  }
+  started_ = true;
+  lock.unlock();
+  for (int r = 0; r < n; ++r) {
+    worker::CoordinatorMessage msg;
+    worker::Assignment* a = msg.mutable_assignment();
+    a->set_model_dir(options_.model_dir);
+    a->set_tp(plan_.tp);
+    a->set_pp(plan_.pp);
+    a->set_device_map(plan_.DeviceMapString());
+    a->set_rank(r);
+    a->set_kv_cache_bytes(options_.kv_cache_bytes);
+    a->set_block_size(options_.block_size);
+    a->set_max_num_batched_tokens(options_.max_num_batched_tokens);
+    a->set_max_num_seqs(options_.max_num_seqs);
+    a->set_wait_for_nccl_ids(relay);
+    a->set_make_nccl_ids(relay && r == 0);
+    a->set_comm_timeout_seconds(options_.comm_timeout_seconds);
+    if (!Send(r, msg)) Fail(r, "could not send its assignment");
+  }
+  TP_LOG(INFO) << "assignments sent: tp=" << plan_.tp << " pp=" << plan_.pp << " layers "
+               << plan_.DeviceMapString() << "; waiting for the workers to load";
+  monitor_ = std::thread([this] { Monitor(); });
+  lock.lock();
+  if (!cv_.wait_for(lock, load_timeout,
+                    [&] { return all(&Slot::kv_reported) || !failure_.ok() || shutdown_; })) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("the workers did not load the model within ", load_timeout.count(), " s"));
+  }
+  if (!failure_.ok()) return failure_;
+  if (shutdown_) return absl::CancelledError("shut down while loading");
+  num_blocks_ = slots_[0]->kv.num_blocks();
+  for (int r = 0; r < n; ++r) {
+    const worker::KvReport& kv = slots_[r]->kv;
+    if (kv.block_size() != options_.block_size) {
+      return absl::InternalError(absl::StrCat("worker rank ", r, " reports KV blocks of ",
+                                              kv.block_size(), " tokens, expected ",
+                                              options_.block_size));
+    }
+    num_blocks_ = std::min(num_blocks_, kv.num_blocks());
+    TP_LOG(INFO) << "worker rank " << r << ": " << kv.num_blocks() << " KV blocks, "
+                 << kv.weight_bytes() / (1 << 20) << " MiB of weights, loaded in "
+                 << kv.load_seconds() << " s";
+  }
+  if (num_blocks_ <= 0) return absl::ResourceExhaustedError("a worker has no KV cache blocks");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int32_t>> WorkerGroup::Execute(const worker::StepPlan& plan) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.ok()) return failure_;
+    if (shutdown_) return absl::UnavailableError("the worker group is shut down");
+  }
+  worker::CoordinatorMessage msg;
+  *msg.mutable_step() = plan;
+  for (int r = 0; r < options_.world_size; ++r) {
+    if (!Send(r, msg)) Fail(r, "could not send a step plan (stream closed)");
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t id = plan.step_id();
+  if (!cv_.wait_for(lock, options_.step_timeout,
+                    [&] { return results_.count(id) > 0 || !failure_.ok() || shutdown_; })) {
+    lock.unlock();
+    Fail(sampler_rank_,
+         absl::StrCat("no result for step ", id, " within ", options_.step_timeout.count(), " s"));
+    lock.lock();
+  }
+  if (!failure_.ok()) return failure_;
+  if (shutdown_) return absl::UnavailableError("the worker group is shut down");
+  std::vector<int32_t> ids = std::move(results_[id]);
+  results_.erase(id);
+  last_forward_seconds_ = forward_seconds_[id];
+  forward_seconds_.erase(id);
+  return ids;
+}
+
+void WorkerGroup::Monitor() {
+  Clock::time_point last_beat = Clock::now();
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return shutdown_; })) return;
+      if (!failure_.ok()) return;
+    }
+    const Clock::time_point now = Clock::now();
+    int silent = -1;
+    double silent_s = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (int r = 0; r < options_.world_size; ++r) {
+        const double s = std::chrono::duration<double>(now - slots_[r]->last_seen).count();
+        if (slots_[r]->registered && now - slots_[r]->last_seen > options_.heartbeat_timeout) {
+          silent = r;
+          silent_s = s;
+          break;
+        }
+      }
+    }
+    if (silent >= 0) {
+      Fail(silent, absl::StrCat("no heartbeat for ", static_cast<int>(silent_s * 10) / 10.0, " s"));
+      return;
+    }
+    if (now - last_beat >= options_.heartbeat_interval) {
+      last_beat = now;
+      worker::CoordinatorMessage beat;
+      beat.mutable_heartbeat()->set_unix_micros(
+          std::chrono::duration_cast<std::chrono::microseconds>(
+              std::chrono::system_clock::now().time_since_epoch())
+              .count());
+      for (int r = 0; r < options_.world_size; ++r) Send(r, beat);
+    }
+  }
+}
+
+void WorkerGroup::Shutdown(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_) return;
+    shutdown_ = true;
+  }
+  cv_.notify_all();
+  worker::CoordinatorMessage msg;
+  msg.mutable_shutdown()->set_reason(reason);
+  for (int r = 0; r < options_.world_size; ++r) Send(r, msg);
+  // The workers close their streams when they get the message; cancel the ones that do not.
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(3), [&] { return active_streams_ == 0; });
+  }
+  for (auto& s : slots_) {
+    std::lock_guard<std::mutex> lock(s->write_mu);
+    if (s->context != nullptr) s->context->TryCancel();
+  }
+}
+
+}  // namespace tpserve

@@ -1,0 +1,93 @@
+// The worker group: the coordinator's side of the control plane (worker.proto). Each worker
+// holds one bidirectional stream: it registers, gets its assignment (model, shard plan, rank,
+// NCCL ids relayed when there is no MPI), reports its KV capacity, then takes the same StepPlan
+// as every other worker; the sampling rank (last stage, tp rank 0) answers with the ids.
+// Heartbeats go both ways; a closed stream or a silent worker fails the group naming the rank.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/model_config.h"
+#include "coordinator/scheduler.h"
+#include "parallel/shard_plan.h"
+#include "worker.grpc.pb.h"
+
+namespace tpserve {
+
+struct WorkerGroupOptions {
+  std::string model_dir;
+  int world_size = 1;
+  int tp = 0;  // 0: world_size (pp = 1)
+  int pp = 1;
+  std::string device_map;      // optional manual layer map
+  int64_t kv_cache_bytes = 0;  // per worker; 0: the worker's default
+  int block_size = 16;
+  int max_num_batched_tokens = 512;
+  int max_num_seqs = 64;
+  std::chrono::milliseconds heartbeat_interval{1000};
+  std::chrono::milliseconds heartbeat_timeout{4000};
+  std::chrono::seconds step_timeout{120};
+  int comm_timeout_seconds = 60;
+};
+
+class WorkerGroup final : public worker::WorkerControl::Service, public StepExecutor {
+ public:
+  WorkerGroup(const WorkerGroupOptions& options, const ModelConfig& config);
+  ~WorkerGroup() override;
+
+  // Waits for every rank to register, sends the assignments and waits for the KV reports.
+  absl::Status Start(std::chrono::seconds register_timeout, std::chrono::seconds load_timeout);
+  absl::StatusOr<std::vector<int32_t>> Execute(const worker::StepPlan& plan) override;
+  double last_forward_seconds() const override { return last_forward_seconds_; }
+  // Tells every worker to exit and closes the streams.
+  void Shutdown(const std::string& reason);
+  // Called once when the group fails (from the thread that notices).
+  void SetFailureCallback(std::function<void(const absl::Status&)> callback);
+  absl::Status failure();
+
+  const ShardPlan& plan() const { return plan_; }
+  int num_blocks() const { return num_blocks_; }
+  int block_size() const { return options_.block_size; }
+  std::vector<std::string> rank_devices();
+
+  grpc::Status Control(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<worker::CoordinatorMessage, worker::WorkerMessage>* stream) override;
+
+ private:
+  struct Slot;
+  void Fail(int rank, const std::string& reason);
+  bool Send(int rank, const worker::CoordinatorMessage& msg);
+  void Monitor();
+
+  const WorkerGroupOptions options_;
+  const ModelConfig config_;
+  ShardPlan plan_;
+  int num_blocks_ = 0;
+  int sampler_rank_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::unique_ptr<Slot>> slots_;  // by rank
+  bool started_ = false;                      // assignments sent
+  bool shutdown_ = false;
+  int active_streams_ = 0;  // control handlers running
+  absl::Status failure_;
+  std::function<void(const absl::Status&)> on_failure_;
+  std::map<uint64_t, std::vector<int32_t>> results_;  // step id -> sampled ids
+  std::map<uint64_t, double> forward_seconds_;        // step id -> the sampler's time
+  double last_forward_seconds_ = 0;                   // scheduler thread only
+  std::thread monitor_;
+};
+
+}  // namespace tpserve

@@ -1,0 +1,97 @@
+#!/usr/bin/python3
+"""End-to-end check of tpserve's gRPC API from Python with Debian's python3-grpcio.
+
+Stubs are generated at test time into a temp dir from proto/ (protoc + grpc_python_plugin; the
+Debian grpc_tools bundles protoc 3.5, too old for proto3 `optional`, so it is only a fallback).
+Usage: python_client_test.py --server HOST:PORT --proto-dir proto
+"""
+
+import argparse
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+
+def generate_stubs(proto_dir, out_dir):
+    protos = ["tpserve/v1/inference.proto", "grpc/health/v1/health.proto"]
+    plugin = shutil.which("grpc_python_plugin")
+    protoc = shutil.which("protoc")
+    if protoc and plugin:
+        cmd = [protoc, "--proto_path=" + proto_dir, "--python_out=" + out_dir,
+               "--grpc_python_out=" + out_dir, "--plugin=protoc-gen-grpc_python=" + plugin]
+    else:
+        cmd = [sys.executable, "-m", "grpc_tools.protoc", "--proto_path=" + proto_dir,
+               "--python_out=" + out_dir, "--grpc_python_out=" + out_dir]
+    subprocess.run(cmd + protos, check=True, timeout=60)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--server", required=True)
+    parser.add_argument("--proto-dir", required=True)
+    args = parser.parse_args()
+
+    import grpc  # Debian's python3-grpcio
+
+    tmp = tempfile.mkdtemp(prefix="tpserve_py_")
+    try:
+        generate_stubs(os.path.abspath(args.proto_dir), tmp)
+        # grpc (the real package) is imported already; the generated grpc/health/v1 joins it as
+        # a subpackage, tpserve/v1 is a namespace package under tmp.
+        grpc.__path__.append(os.path.join(tmp, "grpc"))
+        sys.path.append(tmp)
+        pb = importlib.import_module("tpserve.v1.inference_pb2")
+        pb_grpc = importlib.import_module("tpserve.v1.inference_pb2_grpc")
+        health_pb = importlib.import_module("grpc.health.v1.health_pb2")
+        health_grpc = importlib.import_module("grpc.health.v1.health_pb2_grpc")
+
+        channel = grpc.insecure_channel(args.server)
+        grpc.channel_ready_future(channel).result(timeout=10)
+
+        health = health_grpc.HealthStub(channel)
+        status = health.Check(health_pb.HealthCheckRequest(service=""), timeout=5).status
+        assert status == health_pb.HealthCheckResponse.SERVING, status
+
+        stub = pb_grpc.InferenceStub(channel)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert info.tp >= 1 and info.kv.total_blocks > 0, info
+
+        req = pb.GenerateRequest(text="def add(a, b):\n", request_id="py-1")
+        req.stopping.max_new_tokens = 12
+        req.stopping.ignore_eos = True
+        unary = stub.Generate(req, timeout=60)
+        assert unary.request_id == "py-1", unary.request_id
+        assert unary.output_tokens == 12 and len(unary.token_ids) == 12, unary
+        assert unary.finish_reason == pb.FINISH_REASON_LENGTH, unary.finish_reason
+
+        text, ids, last = "", [], None
+        for msg in stub.GenerateStream(req, timeout=60):
+            text += msg.text
+            ids.extend(msg.token_ids)
+            last = msg
+        assert last is not None and last.finished, last
+        assert text == unary.text, (text, unary.text)
+        assert ids == list(unary.token_ids), (ids, list(unary.token_ids))
+
+        bad = pb.GenerateRequest(text="x")
+        bad.sampling.top_p = 2.0
+        try:
+            stub.Generate(bad, timeout=10)
+            raise AssertionError("top_p = 2 was accepted")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.code()
+            assert "sampling.top_p" in e.details(), e.details()
+
+        toks = stub.Tokenize(pb.TokenizeRequest(text="print('hi')"), timeout=10)
+        back = stub.Detokenize(pb.DetokenizeRequest(token_ids=toks.token_ids), timeout=10)
+        assert back.text == "print('hi')", back.text
+        print("python client: OK (%d output tokens, %r)" % (unary.output_tokens, unary.text[:40]))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

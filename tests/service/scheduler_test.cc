@@ -1,0 +1,242 @@
+// Unit tests of the scheduler, the KV block manager and request validation, with a fake worker
+// group whose "model" is a pure function of each sequence's tokens, so that any batching,
+// chunking or preemption must give exactly what a request gets alone.
+#include "coordinator/scheduler.h"
+
+#include <chrono>
+#include <map>
+#include <set>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "coordinator/block_manager.h"
+#include "coordinator/inference_service.h"
+
+namespace tpserve {
+namespace {
+
+constexpr int kVocab = 50;
+
+// Next token = hash of the whole context, mod kVocab. Checks every plan: tokens continue the
+// sequence, slots are in the sequence's own blocks, no block is shared by two live sequences.
+class FakeExecutor : public StepExecutor {
+ public:
+  explicit FakeExecutor(int num_blocks, int block_size)
+      : num_blocks_(num_blocks), block_size_(block_size) {}
+
+  absl::StatusOr<std::vector<int32_t>> Execute(const worker::StepPlan& plan) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fail_) return absl::UnavailableError("worker rank 1 failed: killed by the test");
+    for (uint64_t id : plan.finished_seq_ids()) {
+      history_.erase(id);
+      owner_blocks_.erase(id);
+    }
+    int tokens = 0;
+    std::vector<int32_t> out;
+    std::map<int32_t, uint64_t> owner;
+    for (const worker::SeqStep& s : plan.seqs()) {
+      std::vector<int32_t>& h = history_[s.seq_id()];
+      EXPECT_LE(s.start_pos(), static_cast<int>(h.size()));
+      h.resize(s.start_pos());
+      h.insert(h.end(), s.token_ids().begin(), s.token_ids().end());
+      tokens += s.token_ids_size();
+      const int need = (static_cast<int>(h.size()) + block_size_ - 1) / block_size_;
+      EXPECT_GE(s.block_table_size(), need);
+      for (int b = 0; b < need; ++b) {
+        const int32_t block = s.block_table(b);
+        EXPECT_TRUE(block >= 0 && block < num_blocks_);
+        EXPECT_TRUE(owner.emplace(block, s.seq_id()).second) << "block " << block << " shared";
+      }
+      if (s.sample()) {
+        uint64_t x = 1469598103934665603ull;
+        for (int32_t t : h) x = (x ^ static_cast<uint64_t>(t)) * 1099511628211ull;
+        out.push_back(static_cast<int32_t>(3 + x % (kVocab - 3)));
+      }
+    }
+    max_tokens_ = std::max(max_tokens_, tokens);
+    max_seqs_ = std::max(max_seqs_, plan.seqs_size());
+    ++steps_;
+    if (delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_));
+    return out;
+  }
+
+  std::mutex mu_;
+  int num_blocks_, block_size_;
+  std::map<uint64_t, std::vector<int32_t>> history_;
+  std::map<uint64_t, std::vector<int32_t>> owner_blocks_;
+  int max_tokens_ = 0, max_seqs_ = 0, steps_ = 0;
+  int delay_ms_ = 0;
+  bool fail_ = false;
+};
+
+std::shared_ptr<RequestState> MakeRequest(int prompt_len, int max_new, int salt) {
+  RequestParams p;
+  for (int i = 0; i < prompt_len; ++i) p.prompt.push_back(3 + (i * 7 + salt) % (kVocab - 3));
+  p.max_new_tokens = max_new;
+  p.ignore_eos = true;
+  return std::make_shared<RequestState>(p);
+}
+
+bool WaitFinished(const std::vector<std::shared_ptr<RequestState>>& reqs, double seconds) {
+  const auto end = std::chrono::steady_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  while (std::chrono::steady_clock::now() < end) {
+    bool all = true;
+    for (auto& r : reqs) all = all && r->finished();
+    if (all) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return false;
+}
+
+std::vector<int32_t> Output(RequestState& r) {
+  std::string text;
+  std::vector<int32_t> ids;
+  r.Whole(&text, &ids);
+  return ids;
+}
+
+SchedulerOptions Options(int blocks, int seqs, int tokens) {
+  SchedulerOptions o;
+  o.num_blocks = blocks;
+  o.block_size = 4;
+  o.max_num_seqs = seqs;
+  o.max_num_batched_tokens = tokens;
+  o.max_queued_requests = 1000;
+  o.context_length = 512;
+  o.eos_token_ids = {2};
+  return o;
+}
+
+TEST(BlockManagerTest, GrowsReleasesAndRefusesWithoutPartialChange) {
+  BlockManager m(5, 16);
+  std::vector<int32_t> a, b;
+  EXPECT_EQ(m.BlocksFor(33), 3);
+  EXPECT_TRUE(m.GrowTo(a, 3));
+  EXPECT_FALSE(m.GrowTo(b, 3));
+  EXPECT_TRUE(b.empty());
+  EXPECT_EQ(m.free_blocks(), 2);
+  m.Release(a);
+  EXPECT_TRUE(a.empty());
+  EXPECT_EQ(m.free_blocks(), 5);
+}
+
+// Batched, chunked and preempted runs give exactly the solo results.
+TEST(SchedulerTest, ContinuousBatchingWithPreemptionMatchesSoloRuns) {
+  constexpr int kRequests = 24;
+  std::vector<std::vector<int32_t>> solo;
+  for (int i = 0; i < kRequests; ++i) {
+    FakeExecutor ex(1000, 4);
+    Scheduler s(Options(1000, 1, 1000), nullptr, &ex);
+    s.Start();
+    auto r = MakeRequest(5 + i * 3, 10 + i % 7, i);
+    ASSERT_TRUE(s.Submit(r).ok());
+    ASSERT_TRUE(WaitFinished({r}, 10));
+    solo.push_back(Output(*r));
+    ASSERT_EQ(static_cast<int>(solo.back().size()), 10 + i % 7);
+  }
+  // 40 blocks of 4 tokens: far less than the 24 requests need together -> preemption.
+  FakeExecutor ex(40, 4);
+  Scheduler s(Options(40, 8, 16), nullptr, &ex);
+  s.Start();
+  std::vector<std::shared_ptr<RequestState>> reqs;
+  for (int i = 0; i < kRequests; ++i) {
+    reqs.push_back(MakeRequest(5 + i * 3, 10 + i % 7, i));
+    ASSERT_TRUE(s.Submit(reqs.back()).ok());
+  }
+  ASSERT_TRUE(WaitFinished(reqs, 30));
+  for (int i = 0; i < kRequests; ++i) {
+    RequestState::Taken t = reqs[i]->Take();
+    EXPECT_TRUE(t.status.ok()) << t.status;
+    EXPECT_EQ(Output(*reqs[i]), solo[i]) << "request " << i;
+    EXPECT_EQ(t.info.reason, Finish::kLength);
+  }
+  EXPECT_LE(ex.max_tokens_, 16);
+  EXPECT_LE(ex.max_seqs_, 8);
+  const SchedulerStats st = s.stats();
+  EXPECT_GT(st.preemptions, 0) << "the test should exercise preemption";
+  EXPECT_EQ(st.free_blocks, 40);
+}
+
+TEST(SchedulerTest, CancelFreesBlocksAndQueueOverflowIsResourceExhausted) {
+  FakeExecutor ex(64, 4);
+  ex.delay_ms_ = 2;
+  SchedulerOptions o = Options(64, 2, 64);
+  o.max_queued_requests = 2;
+  Scheduler s(o, nullptr, &ex);
+  s.Start();
+  std::vector<std::shared_ptr<RequestState>> reqs;
+  for (int i = 0; i < 2; ++i) {
+    reqs.push_back(MakeRequest(10, 400, i));
+    ASSERT_TRUE(s.Submit(reqs.back()).ok());
+  }
+  // Wait until both run, then fill the queue.
+  for (int i = 0; i < 500 && s.stats().running < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_EQ(s.stats().running, 2);
+  for (int i = 0; i < 2; ++i) {
+    reqs.push_back(MakeRequest(10, 400, 10 + i));
+    ASSERT_TRUE(s.Submit(reqs.back()).ok());
+  }
+  absl::Status full = s.Submit(MakeRequest(10, 5, 99));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_LT(s.stats().free_blocks, 64);
+  for (auto& r : reqs) r->Cancel();
+  s.Wake();
+  ASSERT_TRUE(WaitFinished(reqs, 5));
+  for (auto& r : reqs) EXPECT_EQ(r->Take().status.code(), absl::StatusCode::kCancelled);
+  for (int i = 0; i < 200 && s.stats().free_blocks != 64; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(s.stats().free_blocks, 64);
+  auto after = MakeRequest(4, 3, 5);
+  EXPECT_TRUE(s.Submit(after).ok());
+  EXPECT_TRUE(WaitFinished({after}, 5));
+}
+
+TEST(SchedulerTest, WorkerFailureEndsEverythingUnavailable) {
+  FakeExecutor ex(64, 4);
+  ex.delay_ms_ = 1;
+  Scheduler s(Options(64, 4, 64), nullptr, &ex);
+  s.Start();
+  auto r = MakeRequest(10, 400, 1);
+  ASSERT_TRUE(s.Submit(r).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  {
+    std::lock_guard<std::mutex> lock(ex.mu_);
+    ex.fail_ = true;
+  }
+  ASSERT_TRUE(WaitFinished({r}, 5));
+  const absl::Status st = r->Take().status;
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("rank 1"), absl::string_view::npos);
+  EXPECT_EQ(s.Submit(MakeRequest(3, 3, 3)).code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(ValidateTest, DefaultsAndLimits) {
+  ServiceLimits limits;
+  limits.context_length = 100;
+  limits.vocab_size = 50;
+  limits.kv_capacity_tokens = 80;
+  limits.default_max_new_tokens = 30;
+  v1::GenerateRequest req;
+  for (int i = 0; i < 60; ++i) req.mutable_token_ids()->add_ids(5);
+  auto p = ValidateGenerateRequest(req, nullptr, limits);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->max_new_tokens, 20);  // the default (30) capped by the KV capacity (80 - 60)
+  EXPECT_EQ(p->temperature, 0.0f);
+  EXPECT_EQ(p->repetition_penalty, 1.0f);
+  req.mutable_stopping()->set_max_new_tokens(25);  // 85 > the KV capacity of 80
+  auto q = ValidateGenerateRequest(req, nullptr, limits);
+  EXPECT_EQ(q.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(q.status().message().find("80"), absl::string_view::npos) << q.status();
+  v1::GenerateRequest text;
+  text.set_text("hello");
+  auto t = ValidateGenerateRequest(text, nullptr, limits);
+  EXPECT_NE(t.status().message().find("tokenizer"), absl::string_view::npos) << t.status();
+}
+
+}  // namespace
+}  // namespace tpserve

@@ -1,0 +1,614 @@
+// End-to-end tests of the service: a coordinator and 2 CPU workers (TP=2, spawned under mpirun)
+// answering over gRPC, checked against the in-process engine and against itself (batching,
+// streaming, stop strings, cancellation, overflow, worker death, health, a Python client).
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "coordinator/tokenizer/tokenizer.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "tests/service/service_test_util.h"
+#include "tpserve/v1/inference.grpc.pb.h"
+#include "worker/engine.h"
+
+namespace tpserve {
+namespace {
+
+using service_test::ServerProcess;
+using Clock = std::chrono::steady_clock;
+
+struct Result {
+  grpc::Status status;
+  v1::GenerateResponse response;  // unary answer, or the stream folded into one
+  int messages = 0;
+};
+
+void SetDeadline(grpc::ClientContext& ctx, double seconds) {
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+}
+
+Result Unary(v1::Inference::Stub& stub, const v1::GenerateRequest& req, double timeout = 120) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, timeout);
+  Result r;
+  r.status = stub.Generate(&ctx, req, &r.response);
+  r.messages = 1;
+  return r;
+}
+
+Result Stream(v1::Inference::Stub& stub, const v1::GenerateRequest& req, double timeout = 120) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, timeout);
+  Result r;
+  auto reader = stub.GenerateStream(&ctx, req);
+  v1::GenerateResponse msg;
+  std::string text;
+  std::vector<int32_t> ids;
+  while (reader->Read(&msg)) {
+    ++r.messages;
+    text += msg.text();
+    ids.insert(ids.end(), msg.token_ids().begin(), msg.token_ids().end());
+    if (msg.finished()) r.response = msg;
+  }
+  r.status = reader->Finish();
+  r.response.set_text(text);
+  r.response.mutable_token_ids()->Assign(ids.begin(), ids.end());
+  return r;
+}
+
+std::vector<int32_t> Ids(const v1::GenerateResponse& r) {
+  return std::vector<int32_t>(r.token_ids().begin(), r.token_ids().end());
+}
+
+v1::GenerateRequest IdsRequest(const std::vector<int32_t>& prompt, int max_new) {
+  v1::GenerateRequest req;
+  req.mutable_token_ids()->mutable_ids()->Assign(prompt.begin(), prompt.end());
+  req.mutable_stopping()->set_max_new_tokens(max_new);
+  req.mutable_stopping()->set_ignore_eos(true);
+  return req;
+}
+
+v1::GenerateRequest TextRequest(const std::string& text, int max_new) {
+  v1::GenerateRequest req;
+  req.set_text(text);
+  req.mutable_stopping()->set_max_new_tokens(max_new);
+  req.mutable_stopping()->set_ignore_eos(true);
+  return req;
+}
+
+std::vector<int32_t> PromptIds(int n, int salt) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < n; ++i) p.push_back(3 + (i * 37 + salt * 101) % 250);
+  return p;
+}
+
+v1::ModelInfo Info(v1::Inference::Stub& stub) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, 10);
+  v1::ModelInfo info;
+  grpc::Status s = stub.GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return info;
+}
+
+// Waits until every KV block is free again and nothing runs.
+bool WaitAllBlocksFree(v1::Inference::Stub& stub, double seconds) {
+  const auto end = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  while (Clock::now() < end) {
+    v1::ModelInfo info = Info(stub);
+    if (info.kv().free_blocks() == info.kv().total_blocks() && info.kv().running_sequences() == 0 &&
+        info.kv().waiting_requests() == 0) {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+grpc::health::v1::HealthCheckResponse::ServingStatus Health(const ServerProcess& server,
+                                                            const std::string& service,
+                                                            grpc::StatusCode* code = nullptr) {
+  auto stub = grpc::health::v1::Health::NewStub(server.Channel());
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, 5);
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = stub->Check(&ctx, req, &resp);
+  if (code) *code = s.error_code();
+  return resp.status();
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_dir_ = new std::string(service_test::ServiceModelDir());
+    server_ = ServerProcess::Start(
+                  *model_dir_, {"--workers", "2", "--max-num-seqs", "8", "--max-num-batched-tokens",
+                                "64", "--max-queued-requests", "32"})
+                  .release();
+  }
+  static void TearDownTestSuite() {
+    if (server_ != nullptr) {
+      const int status = server_->Stop();
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+          << "the coordinator did not drain and exit cleanly (status " << status << "):\n"
+          << server_->Log();
+    }
+    delete server_;
+    delete model_dir_;
+  }
+  void SetUp() override {
+    ASSERT_NE(server_, nullptr);
+    stub_ = v1::Inference::NewStub(server_->Channel());
+  }
+
+  static std::string* model_dir_;
+  static ServerProcess* server_;
+  std::unique_ptr<v1::Inference::Stub> stub_;
+};
+std::string* ServiceTest::model_dir_ = nullptr;
+ServerProcess* ServiceTest::server_ = nullptr;
+
+TEST_F(ServiceTest, HealthAnswersLikeGrpcHealthV1) {
+  EXPECT_EQ(Health(*server_, ""), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(Health(*server_, "tpserve.v1.Inference"),
+            grpc::health::v1::HealthCheckResponse::SERVING);
+  grpc::StatusCode code;
+  Health(*server_, "no.such.Service", &code);
+  EXPECT_EQ(code, grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServiceTest, ModelInfoDescribesTheGroup) {
+  v1::ModelInfo info = Info(*stub_);
+  EXPECT_EQ(info.tp(), 2);
+  EXPECT_EQ(info.pp(), 1);
+  EXPECT_EQ(info.rank_devices_size(), 2);
+  EXPECT_GT(info.kv().total_blocks(), 0);
+  EXPECT_EQ(info.kv_capacity_tokens(), int64_t{info.kv().total_blocks()} * info.kv().block_size());
+  EXPECT_TRUE(info.has_tokenizer());
+  EXPECT_EQ(info.architecture(), "LlamaForCausalLM");
+}
+
+TEST_F(ServiceTest, GreedyMatchesInProcessEngine) {
+  EngineOptions options;
+  options.device = "cpu";
+  auto engine = Engine::Create(*model_dir_, options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto tokenizer = Tokenizer::Load(*model_dir_);
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  std::vector<std::vector<int32_t>> prompts = {PromptIds(5, 1), PromptIds(40, 2), PromptIds(97, 3)};
+  const std::string text = "def fibonacci(n):\n    ";
+  prompts.push_back((*tokenizer)->Encode(text, true));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    GenerateRequest req;
+    req.prompt = prompts[i];
+    req.max_new_tokens = 16;
+    req.ignore_eos = true;
+    auto expected = (*engine)->Generate({req});
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    Result got = i + 1 < prompts.size() ? Unary(*stub_, IdsRequest(prompts[i], 16))
+                                        : Unary(*stub_, TextRequest(text, 16));
+    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+    EXPECT_EQ(Ids(got.response), expected->at(0).output_ids) << "prompt " << i;
+    EXPECT_EQ(got.response.prompt_tokens(), static_cast<int>(prompts[i].size()));
+    EXPECT_EQ(got.response.output_tokens(), 16);
+    EXPECT_EQ(got.response.finish_reason(), v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(got.response.text(), (*tokenizer)->Decode(expected->at(0).output_ids, true));
+    EXPECT_GT(got.response.timings().total_seconds(), 0);
+    EXPECT_GE(got.response.timings().total_seconds(),
+              got.response.timings().time_to_first_token_seconds());
+  }
+}
+
+TEST_F(ServiceTest, SixteenConcurrentClientsGetWhatTheyGetAlone) {
+  constexpr int kClients = 16;
+  std::vector<v1::GenerateRequest> reqs;
+  for (int i = 0; i < kClients; ++i) {
+    reqs.push_back(IdsRequest(PromptIds(3 + i * 7, 10 + i), 8 + i % 5));
+    if (i % 3 == 0) {  // some seeded sampling too: the RNG is keyed by (seed, position)
+      reqs.back().mutable_sampling()->set_temperature(0.8f);
+      reqs.back().mutable_sampling()->set_seed(1000 + i);
+      reqs.back().mutable_sampling()->set_top_k(20);
+    }
+  }
+  std::vector<Result> alone(kClients), together(kClients);
+  for (int i = 0; i < kClients; ++i) alone[i] = Unary(*stub_, reqs[i]);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      auto stub = v1::Inference::NewStub(server_->Channel());
+      together[i] = i % 2 ? Stream(*stub, reqs[i]) : Unary(*stub, reqs[i]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) {
+    ASSERT_TRUE(alone[i].status.ok()) << alone[i].status.error_message();
+    ASSERT_TRUE(together[i].status.ok()) << together[i].status.error_message();
+    EXPECT_EQ(Ids(together[i].response), Ids(alone[i].response)) << "client " << i;
+    EXPECT_EQ(together[i].response.text(), alone[i].response.text()) << "client " << i;
+  }
+  EXPECT_TRUE(WaitAllBlocksFree(*stub_, 5));
+}
+
+TEST_F(ServiceTest, StreamConcatenationEqualsUnary) {
+  v1::GenerateRequest req = TextRequest("import os\nimport sys\n", 24);
+  Result unary = Unary(*stub_, req);
+  Result stream = Stream(*stub_, req);
+  ASSERT_TRUE(unary.status.ok()) << unary.status.error_message();
+  ASSERT_TRUE(stream.status.ok()) << stream.status.error_message();
+  EXPECT_EQ(stream.response.text(), unary.response.text());
+  EXPECT_EQ(Ids(stream.response), Ids(unary.response));
+  EXPECT_EQ(stream.response.output_tokens(), 24);
+  EXPECT_TRUE(stream.response.finished());
+  EXPECT_GT(stream.messages, 1);
+}
+
+TEST_F(ServiceTest, StopStringsAndStopIdsCutWhereTheyShould) {
+  v1::GenerateRequest req = TextRequest("class Node:\n", 40);
+  Result full = Unary(*stub_, req);
+  ASSERT_TRUE(full.status.ok()) << full.status.error_message();
+  const std::string text = full.response.text();
+  // A stop string: the 2 characters (UTF-8) starting at the 6th character boundary.
+  size_t start = 0;
+  for (int chars = 0; chars < 6 && start < text.size(); ++chars) {
+    ++start;
+    while (start < text.size() && (static_cast<unsigned char>(text[start]) & 0xC0) == 0x80) ++start;
+  }
+  size_t end = start;
+  for (int chars = 0; chars < 2 && end < text.size(); ++chars) {
+    ++end;
+    while (end < text.size() && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) ++end;
+  }
+  ASSERT_LT(start, end) << "the completion is too short: '" << text << "'";
+  const std::string stop = text.substr(start, end - start);
+  const std::string expected = text.substr(0, text.find(stop));
+  for (bool streaming : {false, true}) {
+    v1::GenerateRequest s = req;
+    s.mutable_stopping()->add_stop(stop);
+    s.mutable_stopping()->add_stop("this string never appears \x01\x02");
+    Result r = streaming ? Stream(*stub_, s) : Unary(*stub_, s);
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.response.text(), expected) << "stop '" << stop << "' streaming " << streaming;
+    EXPECT_EQ(r.response.finish_reason(), v1::FINISH_REASON_STOP);
+    EXPECT_LT(r.response.output_tokens(), 40);
+  }
+  // A stop token id: generation ends right after its first occurrence.
+  const std::vector<int32_t> ids = Ids(full.response);
+  const int32_t stop_id = ids.at(5);
+  const size_t first = std::find(ids.begin(), ids.end(), stop_id) - ids.begin();
+  v1::GenerateRequest s = req;
+  s.mutable_stopping()->add_stop_token_ids(stop_id);
+  Result r = Unary(*stub_, s);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(Ids(r.response), std::vector<int32_t>(ids.begin(), ids.begin() + first + 1));
+  EXPECT_EQ(r.response.finish_reason(), v1::FINISH_REASON_STOP);
+}
+
+TEST_F(ServiceTest, EveryBadFieldIsInvalidArgumentNamingIt) {
+  struct Case {
+    v1::GenerateRequest req;
+    std::vector<std::string> mentions;
+  };
+  const v1::ModelInfo info = Info(*stub_);
+  const int ctx = static_cast<int>(info.context_length());
+  const int vocab = static_cast<int>(info.vocab_size());
+  const std::string ctx_s = std::to_string(ctx);
+  std::vector<Case> cases;
+  cases.push_back({v1::GenerateRequest(), {"prompt"}});
+  {
+    v1::GenerateRequest r = IdsRequest({5, vocab + 41, 7}, 4);
+    cases.push_back(
+        {r, {"prompt.token_ids[1]", std::to_string(vocab + 41), std::to_string(vocab)}});
+  }
+  {
+    v1::GenerateRequest r = IdsRequest(PromptIds(ctx + 88, 1), 4);
+    cases.push_back({r, {std::to_string(ctx + 88), ctx_s}});
+  }
+  {
+    v1::GenerateRequest r = IdsRequest(PromptIds(ctx - 12, 1), 20);
+    cases.push_back({r, {std::to_string(ctx - 12), "max_new_tokens", "20", ctx_s}});
+  }
+  {
+    v1::GenerateRequest r = IdsRequest({5}, 0);
+    cases.push_back({r, {"stopping.max_new_tokens"}});
+  }
+  {
+    v1::GenerateRequest r = IdsRequest({5}, 4);
+    r.mutable_sampling()->set_top_p(1.5f);
+    cases.push_back({r, {"sampling.top_p"}});
+  }
+  {
+    v1::GenerateRequest r = IdsRequest({5}, 4);
+    r.mutable_sampling()->set_temperature(-1);
+    cases.push_back({r, {"sampling.temperature"}});
+  }
+  {
+    v1::GenerateRequest r = IdsRequest({5}, 4);
+    r.mutable_sampling()->set_top_k(-3);
+    cases.push_back({r, {"sampling.top_k"}});
+  }
+  {
+    v1::GenerateRequest r = IdsRequest({5}, 4);
+    r.mutable_sampling()->set_repetition_penalty(0);
+    cases.push_back({r, {"sampling.repetition_penalty"}});
+  }
+  {
+    v1::GenerateRequest r = IdsRequest({5}, 4);
+    r.mutable_stopping()->add_stop("");
+    cases.push_back({r, {"stopping.stop[0]"}});
+  }
+  {
+    v1::GenerateRequest r = IdsRequest({5}, 4);
+    r.mutable_stopping()->add_stop_token_ids(-1);
+    cases.push_back({r, {"stopping.stop_token_ids[0]"}});
+  }
+  {
+    v1::GenerateRequest r = TextRequest("", 4);
+    cases.push_back({r, {"prompt.text"}});
+  }
+  for (size_t i = 0; i < cases.size(); ++i) {
+    for (bool streaming : {false, true}) {
+      Result r = streaming ? Stream(*stub_, cases[i].req) : Unary(*stub_, cases[i].req);
+      EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "case " << i;
+      for (const std::string& m : cases[i].mentions) {
+        EXPECT_NE(r.status.error_message().find(m), std::string::npos)
+            << "case " << i << ": '" << r.status.error_message() << "' should mention '" << m
+            << "'";
+      }
+    }
+  }
+}
+
+TEST_F(ServiceTest, CancelAndDeadlineReturnEveryKvBlock) {
+  ASSERT_TRUE(WaitAllBlocksFree(*stub_, 5));
+  {
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, 60);
+    auto reader = stub_->GenerateStream(&ctx, IdsRequest(PromptIds(60, 4), 400));
+    v1::GenerateResponse msg;
+    int got = 0;
+    while (got < 3 && reader->Read(&msg)) got += msg.token_ids_size();
+    EXPECT_GE(got, 3);
+    EXPECT_LT(Info(*stub_).kv().free_blocks(), Info(*stub_).kv().total_blocks());
+    ctx.TryCancel();
+    while (reader->Read(&msg)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  EXPECT_TRUE(WaitAllBlocksFree(*stub_, 2)) << "cancelling must free the blocks at once";
+  // An expired deadline too.
+  const auto t0 = Clock::now();
+  Result r = Unary(*stub_, IdsRequest(PromptIds(30, 5), 450), 0.08);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(3));
+  EXPECT_TRUE(WaitAllBlocksFree(*stub_, 2)) << "an expired deadline must free the blocks";
+  // The service still answers.
+  Result ok = Unary(*stub_, IdsRequest({7, 8, 9}, 3));
+  EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
+}
+
+TEST_F(ServiceTest, TokenizeDetokenizeAndRepetitionPenalty) {
+  grpc::ClientContext c1;
+  SetDeadline(c1, 10);
+  v1::TokenizeRequest treq;
+  treq.set_text("héllo wörld");
+  treq.set_add_special_tokens(true);
+  v1::TokenizeResponse tresp;
+  ASSERT_TRUE(stub_->Tokenize(&c1, treq, &tresp).ok());
+  ASSERT_GT(tresp.token_ids_size(), 1);
+  grpc::ClientContext c2;
+  SetDeadline(c2, 10);
+  v1::DetokenizeRequest dreq;
+  dreq.mutable_token_ids()->CopyFrom(tresp.token_ids());
+  dreq.set_skip_special_tokens(true);
+  v1::DetokenizeResponse dresp;
+  ASSERT_TRUE(stub_->Detokenize(&c2, dreq, &dresp).ok());
+  EXPECT_EQ(dresp.text(), "héllo wörld");
+
+  v1::GenerateRequest req = IdsRequest(PromptIds(10, 6), 24);
+  Result plain = Unary(*stub_, req);
+  req.mutable_sampling()->set_repetition_penalty(1.0f);
+  Result one = Unary(*stub_, req);
+  req.mutable_sampling()->set_repetition_penalty(50.0f);
+  Result strong = Unary(*stub_, req);
+  Result strong_again = Unary(*stub_, req);
+  ASSERT_TRUE(plain.status.ok() && one.status.ok() && strong.status.ok() &&
+              strong_again.status.ok());
+  EXPECT_EQ(Ids(one.response), Ids(plain.response));
+  EXPECT_EQ(Ids(strong.response), Ids(strong_again.response));
+  EXPECT_NE(Ids(strong.response), Ids(plain.response));
+}
+
+TEST_F(ServiceTest, PythonClientWithDebianGrpcio) {
+  if (access("/usr/bin/python3", X_OK) != 0) GTEST_SKIP() << "no /usr/bin/python3";
+  const char* src = std::getenv("TPSERVE_SOURCE_DIR");
+  const std::string root = src ? src : ".";
+  const std::string cmd = "timeout -k 5 120 /usr/bin/python3 " + root +
+                          "/tests/service/python_client_test.py --server " + server_->address() +
+                          " --proto-dir " + root + "/proto 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  const int status = pclose(p);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+}
+
+// A small queue: overflow answers RESOURCE_EXHAUSTED and the service keeps serving; SIGTERM then
+// drains a running request to completion.
+TEST(ServiceOverflowTest, FullQueueIsResourceExhaustedAndServiceKeepsServing) {
+  const std::string model = service_test::ServiceModelDir();
+  auto server = ServerProcess::Start(
+      model, {"--workers", "2", "--max-num-seqs", "2", "--max-queued-requests", "3"});
+  ASSERT_NE(server, nullptr);
+  constexpr int kClients = 12;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<grpc::Status> statuses(kClients);
+  std::vector<std::thread> threads;
+  std::atomic<int> exhausted{0};
+  for (int i = 0; i < kClients; ++i) contexts.push_back(std::make_unique<grpc::ClientContext>());
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      auto stub = v1::Inference::NewStub(server->Channel());
+      SetDeadline(*contexts[i], 60);
+      v1::GenerateResponse resp;
+      statuses[i] = stub->Generate(contexts[i].get(), IdsRequest(PromptIds(20, i), 300), &resp);
+      if (statuses[i].error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) exhausted++;
+    });
+  }
+  // Rejections come at once; then cancel the rest.
+  const auto end = Clock::now() + std::chrono::seconds(20);
+  while (exhausted.load() < kClients - 2 - 3 && Clock::now() < end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // 2 running + 3 queued are accepted (up to 2 more when the first admissions free queue slots
+  // before the burst is over); the rest are refused at once.
+  EXPECT_GE(exhausted.load(), kClients - 2 - 3);
+  EXPECT_LE(exhausted.load(), kClients - 3);
+  for (auto& c : contexts) c->TryCancel();
+  for (auto& t : threads) t.join();
+  for (const grpc::Status& s : statuses) {
+    EXPECT_TRUE(s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ||
+                s.error_code() == grpc::StatusCode::CANCELLED)
+        << s.error_code() << " " << s.error_message();
+  }
+  auto stub = v1::Inference::NewStub(server->Channel());
+  EXPECT_TRUE(WaitAllBlocksFree(*stub, 5));
+  Result ok = Unary(*stub, IdsRequest({7, 8, 9}, 3));
+  EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
+  EXPECT_EQ(Health(*server, ""), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  // SIGTERM drains: the running request finishes, new ones are refused, the process exits 0.
+  Result drained;
+  std::thread running([&] { drained = Unary(*stub, IdsRequest(PromptIds(10, 9), 480)); });
+  // Stop while it runs: wait until it holds KV blocks.
+  for (int i = 0; i < 500 && Info(*stub).kv().running_sequences() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  const int status = server->Stop();
+  running.join();
+  EXPECT_TRUE(drained.status.ok()) << drained.status.error_message();
+  EXPECT_EQ(drained.response.output_tokens(), 480);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << server->Log();
+}
+
+// Pipeline parallelism (2 stages) and a single worker (no mpirun) give the engine's tokens too.
+TEST(ServiceLayoutTest, PipelineAndSingleWorkerMatchTheEngine) {
+  const std::string model = service_test::ServiceModelDir();
+  EngineOptions options;
+  options.device = "cpu";
+  auto engine = Engine::Create(model, options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::vector<std::vector<int32_t>> expected;
+  const std::vector<std::vector<int32_t>> prompts = {PromptIds(9, 21), PromptIds(70, 22)};
+  for (const auto& p : prompts) {
+    GenerateRequest req;
+    req.prompt = p;
+    req.max_new_tokens = 12;
+    req.ignore_eos = true;
+    auto r = (*engine)->Generate({req});
+    ASSERT_TRUE(r.ok()) << r.status();
+    expected.push_back(r->at(0).output_ids);
+  }
+  for (const std::vector<std::string>& layout : {std::vector<std::string>{"--tp", "1", "--pp", "2"},
+                                                 std::vector<std::string>{"--workers", "1"}}) {
+    auto server = ServerProcess::Start(model, layout);
+    ASSERT_NE(server, nullptr);
+    auto stub = v1::Inference::NewStub(server->Channel());
+    v1::ModelInfo info = Info(*stub);
+    EXPECT_EQ(info.tp() * info.pp(), layout[0] == "--tp" ? 2 : 1);
+    std::vector<Result> results(prompts.size());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      threads.emplace_back([&, i] {
+        auto s = v1::Inference::NewStub(server->Channel());
+        results[i] = Stream(*s, IdsRequest(prompts[i], 12));
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      ASSERT_TRUE(results[i].status.ok()) << results[i].status.error_message();
+      EXPECT_EQ(Ids(results[i].response), expected[i]) << layout[0] << " prompt " << i;
+    }
+    const int status = server->Stop();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << server->Log();
+  }
+}
+
+TEST(ServiceWorkerFailureTest, KilledWorkerFailsTheStreamWithUnavailableWithinFiveSeconds) {
+  const std::string model = service_test::ServiceModelDir();
+  auto server = ServerProcess::Start(model, {"--workers", "2"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::Inference::NewStub(server->Channel());
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, 60);
+  auto reader = stub->GenerateStream(&ctx, IdsRequest(PromptIds(30, 7), 480));
+  v1::GenerateResponse msg;
+  ASSERT_TRUE(reader->Read(&msg));
+  const std::vector<pid_t> workers = server->WorkerPids();
+  ASSERT_EQ(workers.size(), 2u) << server->Log();
+  const auto t0 = Clock::now();
+  kill(workers.back(), SIGKILL);
+  while (reader->Read(&msg)) {
+  }
+  const grpc::Status s = reader->Finish();
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_NE(s.error_message().find("rank"), std::string::npos) << s.error_message();
+  EXPECT_LT(seconds, 5.0);
+  // Health turns NOT_SERVING and new requests are refused, promptly.
+  auto end = Clock::now() + std::chrono::seconds(3);
+  while (Health(*server, "") != grpc::health::v1::HealthCheckResponse::NOT_SERVING &&
+         Clock::now() < end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(Health(*server, ""), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  Result after = Unary(*stub, IdsRequest({7, 8, 9}, 3), 10);
+  EXPECT_EQ(after.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(after.status.error_message().find("rank"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tpserve
+
+namespace tpserve {
+namespace {
+
+TEST(ServiceWorkerFailureTest, SilentWorkerFailsTheRequestWithUnavailable) {
+  const std::string model = service_test::ServiceModelDir();
+  auto server = ServerProcess::Start(model, {"--workers", "2", "--heartbeat-timeout", "2"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::Inference::NewStub(server->Channel());
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, 60);
+  auto reader = stub->GenerateStream(&ctx, IdsRequest(PromptIds(30, 8), 480));
+  v1::GenerateResponse msg;
+  ASSERT_TRUE(reader->Read(&msg));
+  const std::vector<pid_t> workers = server->WorkerPids();
+  ASSERT_EQ(workers.size(), 2u) << server->Log();
+  const auto t0 = Clock::now();
+  kill(workers.back(), SIGSTOP);  // alive, connected, silent
+  while (reader->Read(&msg)) {
+  }
+  const grpc::Status s = reader->Finish();
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  kill(workers.back(), SIGKILL);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_NE(s.error_message().find("rank"), std::string::npos) << s.error_message();
+  EXPECT_LT(seconds, 5.0) << "a 2 s heartbeat timeout";
+  EXPECT_EQ(Health(*server, ""), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+}
+
+}  // namespace
+}  // namespace tpserve

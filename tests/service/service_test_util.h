@@ -1,0 +1,270 @@
+// Helpers of the service tests: a small random model with a byte-level tokenizer, and a
+// coordinator process (with its spawned workers) that is always cleaned up.
+#pragma once
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/model_config.h"
+#include "tools/random_model.h"
+
+namespace tpserve::service_test {
+
+namespace fs = std::filesystem;
+
+inline std::string Utf8(int cp) {
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    s += static_cast<char>(0xC0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    s += static_cast<char>(0xE0 | (cp >> 12));
+    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+// A byte-level BPE tokenizer without merges: ids 0..2 are <unk>, <s>, </s>; byte b is id 3 + b.
+inline std::string ByteTokenizerJson() {
+  std::vector<int> bs, cs;
+  for (int b = 33; b <= 126; ++b) bs.push_back(b);
+  for (int b = 161; b <= 172; ++b) bs.push_back(b);
+  for (int b = 174; b <= 255; ++b) bs.push_back(b);
+  cs = bs;
+  int n = 0;
+  for (int b = 0; b < 256; ++b) {
+    if (std::find(bs.begin(), bs.end(), b) == bs.end()) {
+      bs.push_back(b);
+      cs.push_back(256 + n++);
+    }
+  }
+  nlohmann::json vocab = nlohmann::json::object();
+  vocab["<unk>"] = 0;
+  vocab["<s>"] = 1;
+  vocab["</s>"] = 2;
+  for (size_t i = 0; i < bs.size(); ++i) vocab[Utf8(cs[i])] = 3 + bs[i];
+  auto special = [](int id, const char* content) {
+    return nlohmann::json{{"id", id},        {"content", content}, {"single_word", false},
+                          {"lstrip", false}, {"rstrip", false},    {"normalized", false},
+                          {"special", true}};
+  };
+  nlohmann::json level = {{"type", "ByteLevel"},
+                          {"add_prefix_space", false},
+                          {"trim_offsets", true},
+                          {"use_regex", true}};
+  nlohmann::json j = {
+      {"version", "1.0"},
+      {"truncation", nullptr},
+      {"padding", nullptr},
+      {"added_tokens", {special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")}},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", level},
+      {"post_processor", nullptr},
+      {"decoder", level},
+      {"model",
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", nullptr},
+        {"continuing_subword_prefix", nullptr},
+        {"end_of_word_suffix", nullptr},
+        {"fuse_unk", false},
+        {"byte_fallback", false},
+        {"vocab", vocab},
+        {"merges", nlohmann::json::array()}}}};
+  return j.dump();
+}
+
+inline ModelConfig ServiceModelConfig() {
+  ModelConfig c;
+  c.architecture = "LlamaForCausalLM";
+  c.model_type = "llama";
+  c.hidden_size = 64;
+  c.intermediate_size = 160;
+  c.num_layers = 3;
+  c.num_heads = 8;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.vocab_size = 259;
+  c.max_position_embeddings = 512;
+  c.rms_norm_eps = 1e-6;
+  c.rope.theta = 10000;
+  c.bos_token_ids = {1};
+  c.eos_token_ids = {2};
+  return c;
+}
+
+// models/tiny-coder when it exists, else (or with TPSERVE_SERVICE_TEST_MODEL=random) a random
+// model with the byte tokenizer in the temp dir.
+inline std::string ServiceModelDir() {
+  const char* src = std::getenv("TPSERVE_SOURCE_DIR");
+  const char* choice = std::getenv("TPSERVE_SERVICE_TEST_MODEL");
+  const bool random = choice != nullptr && std::string(choice) == "random";
+  const fs::path tiny = fs::path(src ? src : ".") / "models" / "tiny-coder";
+  if (!random && fs::exists(tiny / "config.json") && fs::exists(tiny / "tokenizer.json")) {
+    return tiny.string();
+  }
+  const fs::path dir = fs::path(::testing::TempDir()) / "tpserve_service_model";
+  if (fs::exists(dir / "model.safetensors") && fs::exists(dir / "tokenizer.json")) {
+    return dir.string();
+  }
+  fs::create_directories(dir);
+  std::ofstream(dir / "source_config.json") << ModelConfigToJson(ServiceModelConfig());
+  RandomModelOptions o;
+  o.config_path = (dir / "source_config.json").string();
+  o.out_dir = dir.string();
+  o.seed = 11;
+  o.dtype = DType::kF32;
+  o.threads = 1;
+  absl::Status st = WriteRandomModel(o);
+  EXPECT_TRUE(st.ok()) << st;
+  std::ofstream(dir / "tokenizer.json") << ByteTokenizerJson();
+  std::ofstream(dir / "tokenizer_config.json")
+      << R"({"add_bos_token": true, "bos_token": "<s>", "eos_token": "</s>"})";
+  return dir.string();
+}
+
+// A tpserve-coordinator with --spawn-workers (CPU), on a free port. Killed (with its workers)
+// when destroyed.
+class ServerProcess {
+ public:
+  static std::unique_ptr<ServerProcess> Start(const std::string& model_dir,
+                                              std::vector<std::string> extra, int timeout_s = 90) {
+    auto p = std::unique_ptr<ServerProcess>(new ServerProcess());
+    static int counter = 0;
+    const fs::path tmp =
+        fs::path(::testing::TempDir()) /
+        ("tpserve_server_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
+    fs::create_directories(tmp);
+    p->ready_file_ = (tmp / "ready").string();
+    p->log_file_ = (tmp / "log").string();
+    std::vector<std::string> args = {TPSERVE_COORDINATOR_BIN,
+                                     "--model",
+                                     model_dir,
+                                     "--host",
+                                     "127.0.0.1",
+                                     "--port",
+                                     "0",
+                                     "--ready-file",
+                                     p->ready_file_,
+                                     "--spawn-workers",
+                                     "--device",
+                                     "cpu",
+                                     "--worker-binary",
+                                     TPSERVE_WORKER_BIN};
+    args.insert(args.end(), extra.begin(), extra.end());
+    p->pid_ = fork();
+    if (p->pid_ == 0) {
+      setpgid(0, 0);
+      FILE* log = std::fopen(p->log_file_.c_str(), "w");
+      dup2(fileno(log), 1);
+      dup2(fileno(log), 2);
+      setenv("OPENBLAS_NUM_THREADS", "1", 1);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+    while (std::chrono::steady_clock::now() < end) {
+      if (fs::exists(p->ready_file_)) {
+        std::ifstream(p->ready_file_) >> p->address_;
+        return p;
+      }
+      int status;
+      if (waitpid(p->pid_, &status, WNOHANG) == p->pid_) {
+        p->pid_ = -1;
+        ADD_FAILURE() << "the coordinator exited during startup:\n" << p->Log();
+        return nullptr;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ADD_FAILURE() << "the coordinator was not ready within " << timeout_s << " s:\n" << p->Log();
+    return nullptr;
+  }
+
+  ~ServerProcess() { Stop(); }
+
+  const std::string& address() const { return address_; }
+  pid_t pid() const { return pid_; }
+  std::string Log() const {
+    std::ifstream in(log_file_);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+  std::shared_ptr<grpc::Channel> Channel() const {
+    return grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+  }
+
+  // Pids of this server's worker processes (their command line names its port).
+  std::vector<pid_t> WorkerPids() const {
+    std::vector<pid_t> pids;
+    for (const auto& e : fs::directory_iterator("/proc")) {
+      const std::string name = e.path().filename().string();
+      if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::ifstream in(e.path() / "cmdline");
+      std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      for (char& c : cmd) c = c == '\0' ? ' ' : c;
+      if (cmd.find("tpserve-worker") != std::string::npos &&
+          cmd.find(" --coordinator " + address_ + " ") != std::string::npos &&
+          cmd.find("mpirun") == std::string::npos) {
+        pids.push_back(std::stoi(name));
+      }
+    }
+    return pids;
+  }
+
+  // SIGTERM (drain), then SIGKILL of the whole process group after `grace`; returns the exit
+  // status (or -1).
+  int Stop(std::chrono::seconds grace = std::chrono::seconds(20)) {
+    if (pid_ <= 0) return -1;
+    const std::vector<pid_t> workers = WorkerPids();
+    kill(pid_, SIGTERM);
+    int status = -1;
+    const auto end = std::chrono::steady_clock::now() + grace;
+    bool exited = false;
+    while (std::chrono::steady_clock::now() < end) {
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        exited = true;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (!exited) {
+      ADD_FAILURE() << "the coordinator did not exit within " << grace.count() << " s of SIGTERM:\n"
+                    << Log();
+      kill(-pid_, SIGKILL);
+      kill(pid_, SIGKILL);
+      waitpid(pid_, &status, 0);
+    }
+    for (pid_t w : workers) kill(w, SIGKILL);  // no-op when they exited
+    kill(-pid_, SIGKILL);
+    pid_ = -1;
+    return status;
+  }
+
+ private:
+  ServerProcess() = default;
+  pid_t pid_ = -1;
+  std::string ready_file_, log_file_, address_;
+};
+
+}  // namespace tpserve::service_test

@@ -1,0 +1,230 @@
+// The gRPC client subcommands (see client_cmd.h).
+#include "tools/client_cmd.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/status.h"
+#include "coordinator/server.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "tools/cli_args.h"
+#include "tpserve/v1/inference.grpc.pb.h"
+
+namespace tpserve {
+namespace {
+
+constexpr char kGenerateUsage[] =
+    "usage: tpserve generate --server ADDR (--prompt TEXT | --prompt-ids 1,2,3) [--stream]\n"
+    "         [--json] [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K]\n"
+    "         [--seed S] [--repetition-penalty R] [--stop STR] [--stop-token-ids 1,2]\n"
+    "         [--ignore-eos] [--request-id ID] [--timeout S]";
+
+std::string ServerAddress(const CliArgs& a) {
+  if (a.Has("server")) return *a.Get("server");
+  if (const char* env = std::getenv("TPSERVE_SERVER")) return env;
+  return "localhost:50051";
+}
+
+absl::Status FromGrpc(const grpc::Status& s, const std::string& server) {
+  if (s.ok()) return absl::OkStatus();
+  std::string message = s.error_message();
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    message = absl::StrCat(server, ": ", message);
+  }
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), message);
+}
+
+absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& flag, const std::string& text) {
+  std::vector<int32_t> ids;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    int32_t id;
+    if (!absl::SimpleAtoi(part, &id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, ": '", std::string(part), "' is not an integer token id"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& server) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  return grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), args);
+}
+
+const char* FinishName(v1::FinishReason r) {
+  switch (r) {
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    default:
+      return "unspecified";
+  }
+}
+
+}  // namespace
+
+absl::Status RunGenerateCommand(const std::vector<std::string>& args) {
+  auto parsed = CliArgs::Parse(
+      args,
+      {"server", "prompt", "prompt-ids", "max-new-tokens", "temperature", "top-p", "top-k", "seed",
+       "repetition-penalty", "stop", "stop-token-ids", "request-id", "timeout"},
+      {"stream", "json", "ignore-eos"});
+  if (!parsed.ok()) return Annotate(parsed.status(), kGenerateUsage);
+  const CliArgs& a = *parsed;
+  if (a.Has("prompt") == a.Has("prompt-ids")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("give exactly one of --prompt and --prompt-ids\n", kGenerateUsage));
+  }
+  v1::GenerateRequest req;
+  req.set_request_id(a.GetOr("request-id", ""));
+  if (a.Has("prompt")) {
+    req.set_text(*a.Get("prompt"));
+  } else {
+    TP_ASSIGN_OR_RETURN(auto ids, ParseIds("prompt-ids", *a.Get("prompt-ids")));
+    req.mutable_token_ids()->mutable_ids()->Assign(ids.begin(), ids.end());
+  }
+  // Only flags given are sent: the server validates and applies its defaults.
+  v1::SamplingOptions* s = req.mutable_sampling();
+  if (a.Has("temperature")) {
+    TP_ASSIGN_OR_RETURN(double v, a.GetDouble("temperature", 0));
+    s->set_temperature(static_cast<float>(v));
+  }
+  if (a.Has("top-p")) {
+    TP_ASSIGN_OR_RETURN(double v, a.GetDouble("top-p", 1));
+    s->set_top_p(static_cast<float>(v));
+  }
+  if (a.Has("top-k")) {
+    TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt("top-k", 0));
+    s->set_top_k(static_cast<int32_t>(v));
+  }
+  if (a.Has("seed")) {
+    TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt("seed", 0));
+    s->set_seed(static_cast<uint64_t>(v));
+  }
+  if (a.Has("repetition-penalty")) {
+    TP_ASSIGN_OR_RETURN(double v, a.GetDouble("repetition-penalty", 1));
+    s->set_repetition_penalty(static_cast<float>(v));
+  }
+  v1::StoppingOptions* st = req.mutable_stopping();
+  if (a.Has("max-new-tokens")) {
+    TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt("max-new-tokens", 0));
+    st->set_max_new_tokens(static_cast<int32_t>(v));
+  }
+  if (a.Has("stop")) st->add_stop(*a.Get("stop"));
+  if (a.Has("stop-token-ids")) {
+    TP_ASSIGN_OR_RETURN(auto ids, ParseIds("stop-token-ids", *a.Get("stop-token-ids")));
+    st->mutable_stop_token_ids()->Assign(ids.begin(), ids.end());
+  }
+  st->set_ignore_eos(a.Flag("ignore-eos"));
+  TP_ASSIGN_OR_RETURN(double timeout, a.GetDouble("timeout", 600));
+
+  const std::string server = ServerAddress(a);
+  auto stub = v1::Inference::NewStub(MakeChannel(server));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
+  v1::GenerateResponse final;
+  std::string text;
+  std::vector<int32_t> ids;
+  const bool json = a.Flag("json");
+  if (a.Flag("stream")) {
+    auto reader = stub->GenerateStream(&ctx, req);
+    v1::GenerateResponse msg;
+    while (reader->Read(&msg)) {
+      text += msg.text();
+      ids.insert(ids.end(), msg.token_ids().begin(), msg.token_ids().end());
+      if (!json) {
+        std::cout << msg.text() << std::flush;
+      }
+      if (msg.finished()) final = msg;
+    }
+    TP_RETURN_IF_ERROR(FromGrpc(reader->Finish(), server));
+    if (!json) std::cout << std::endl;
+  } else {
+    TP_RETURN_IF_ERROR(FromGrpc(stub->Generate(&ctx, req, &final), server));
+    text = final.text();
+    ids.assign(final.token_ids().begin(), final.token_ids().end());
+    if (!json) std::cout << text << std::endl;
+  }
+  final.set_text(text);
+  final.mutable_token_ids()->Assign(ids.begin(), ids.end());
+  if (json) {
+    std::string out;
+    google::protobuf::util::JsonPrintOptions o;
+    o.preserve_proto_field_names = true;
+    o.always_print_primitive_fields = true;
+    google::protobuf::util::MessageToJsonString(final, &out, o);
+    std::cout << out << std::endl;
+  } else {
+    std::fprintf(stderr,
+                 "[%d prompt + %d output tokens, finish: %s; queued %.3f s, first token %.3f s, "
+                 "total %.3f s]\n",
+                 final.prompt_tokens(), final.output_tokens(), FinishName(final.finish_reason()),
+                 final.timings().queued_seconds(), final.timings().time_to_first_token_seconds(),
+                 final.timings().total_seconds());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunInfoCommand(const std::vector<std::string>& args) {
+  auto parsed = CliArgs::Parse(args, {"server", "timeout"}, {});
+  if (!parsed.ok()) return Annotate(parsed.status(), "usage: tpserve info --server ADDR");
+  const std::string server = ServerAddress(*parsed);
+  TP_ASSIGN_OR_RETURN(double timeout, parsed->GetDouble("timeout", 10));
+  auto stub = v1::Inference::NewStub(MakeChannel(server));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
+  v1::ModelInfo info;
+  TP_RETURN_IF_ERROR(FromGrpc(stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info), server));
+  std::string out;
+  google::protobuf::util::JsonPrintOptions o;
+  o.preserve_proto_field_names = true;
+  o.always_print_primitive_fields = true;
+  o.add_whitespace = true;
+  google::protobuf::util::MessageToJsonString(info, &out, o);
+  std::cout << out;
+  return absl::OkStatus();
+}
+
+absl::Status RunHealthCommand(const std::vector<std::string>& args) {
+  auto parsed = CliArgs::Parse(args, {"server", "service", "timeout"}, {});
+  if (!parsed.ok()) {
+    return Annotate(parsed.status(), "usage: tpserve health --server ADDR [--service NAME]");
+  }
+  const std::string server = ServerAddress(*parsed);
+  TP_ASSIGN_OR_RETURN(double timeout, parsed->GetDouble("timeout", 5));
+  auto stub = grpc::health::v1::Health::NewStub(MakeChannel(server));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(parsed->GetOr("service", ""));
+  grpc::health::v1::HealthCheckResponse resp;
+  TP_RETURN_IF_ERROR(FromGrpc(stub->Check(&ctx, req, &resp), server));
+  const std::string name = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
+  std::cout << name << std::endl;
+  if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat(server, " is ", name));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunServeCommand(const std::vector<std::string>& args) {
+  TP_ASSIGN_OR_RETURN(CoordinatorOptions options,
+                      ParseCoordinatorFlags(args, /*serve_command=*/true));
+  return RunCoordinator(options);
+}
+
+}  // namespace tpserve

@@ -1,0 +1,93 @@
+// The worker's control-plane client (see control_client.h).
+#include "worker/control_client.h"
+
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+
+namespace tpserve {
+
+absl::StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(
+    const std::string& address, std::chrono::seconds connect_timeout) {
+  std::unique_ptr<ControlClient> c(new ControlClient());
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  c->channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  const auto deadline = std::chrono::system_clock::now() + connect_timeout;
+  if (!c->channel_->WaitForConnected(deadline)) {
+    return absl::UnavailableError(absl::StrCat("could not reach the coordinator at ", address,
+                                               " within ", connect_timeout.count(), " s"));
+  }
+  c->stub_ = worker::WorkerControl::NewStub(c->channel_);
+  c->stream_ = c->stub_->Control(&c->context_);
+  if (c->stream_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("could not open the control stream to ", address));
+  }
+  return c;
+}
+
+ControlClient::~ControlClient() {
+  Close();
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+bool ControlClient::Send(const worker::WorkerMessage& msg) {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  if (writes_done_) return false;
+  return stream_->Write(msg);
+}
+
+bool ControlClient::Read(worker::CoordinatorMessage* msg) {
+  while (stream_->Read(msg)) {
+    if (!msg->has_heartbeat()) return true;
+  }
+  return false;
+}
+
+void ControlClient::StartHeartbeats(std::chrono::milliseconds interval,
+                                    std::chrono::milliseconds grace) {
+  heartbeat_ = std::thread([this, interval, grace] {
+    while (!closing_.load()) {
+      worker::WorkerMessage beat;
+      beat.mutable_heartbeat()->set_unix_micros(
+          std::chrono::duration_cast<std::chrono::microseconds>(
+              std::chrono::system_clock::now().time_since_epoch())
+              .count());
+      if (!Send(beat)) {
+        const auto end = std::chrono::steady_clock::now() + grace;
+        while (!closing_.load() && std::chrono::steady_clock::now() < end) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        if (!closing_.load()) {
+          TP_LOG(ERROR) << "the control stream to the coordinator broke and this worker is "
+                           "stuck; exiting";
+          _exit(3);
+        }
+        return;
+      }
+      const auto end = std::chrono::steady_clock::now() + interval;
+      while (!closing_.load() && std::chrono::steady_clock::now() < end) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+  });
+}
+
+void ControlClient::Close() {
+  if (closing_.exchange(true)) return;
+  if (heartbeat_.joinable()) heartbeat_.join();
+  std::lock_guard<std::mutex> lock(write_mu_);
+  if (!writes_done_) {
+    writes_done_ = true;
+    stream_->WritesDone();
+  }
+  context_.TryCancel();
+}
+
+}  // namespace tpserve

@@ -1,0 +1,51 @@
+// The worker's side of the control plane (worker.proto): one bidirectional stream to the
+// coordinator; writes are serialized, a background thread sends heartbeats, and a worker whose
+// stream breaks while it is stuck (e.g. in a collective whose peer died) exits on its own.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker.grpc.pb.h"
+
+namespace tpserve {
+
+class ControlClient {
+ public:
+  // Connects (retrying until `connect_timeout`) and opens the control stream.
+  static absl::StatusOr<std::unique_ptr<ControlClient>> Connect(
+      const std::string& address, std::chrono::seconds connect_timeout);
+  ~ControlClient();
+
+  bool Send(const worker::WorkerMessage& msg);
+  // Blocks for the next coordinator message other than a heartbeat; false when the stream ended.
+  bool Read(worker::CoordinatorMessage* msg);
+  // Starts heartbeats every `interval`. If sending fails (the coordinator is gone) and the worker
+  // has not finished on its own `grace` later, the process exits with status 3.
+  void StartHeartbeats(std::chrono::milliseconds interval, std::chrono::milliseconds grace);
+  // The worker is exiting normally: stop heartbeats, close the stream.
+  void Close();
+
+ private:
+  ControlClient() = default;
+
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<worker::WorkerControl::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<worker::WorkerMessage, worker::CoordinatorMessage>>
+      stream_;
+  std::mutex write_mu_;
+  bool writes_done_ = false;
+  std::atomic<bool> closing_{false};
+  std::thread heartbeat_;
+};
+
+}  // namespace tpserve

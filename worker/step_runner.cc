@@ -1,0 +1,162 @@
+// The worker's step runner (see step_runner.h).
+#include "worker/step_runner.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "absl/strings/str_cat.h"
+#include "common/bf16.h"
+#include "common/status.h"
+
+namespace tpserve {
+
+StepRunner::~StepRunner() {
+  cache_.reset();
+  model_.reset();
+}
+
+absl::StatusOr<std::unique_ptr<StepRunner>> StepRunner::Create(const ModelFiles& files,
+                                                               const ShardPlan& plan, int rank,
+                                                               Ops* ops, ParallelContext comms,
+                                                               const StepRunnerOptions& options) {
+  std::unique_ptr<StepRunner> r(new StepRunner());
+  r->ops_ = ops;
+  r->options_ = options;
+  TP_ASSIGN_OR_RETURN(r->model_, LlamaModel::Load(files, plan, rank, ops, comms, options.model));
+  const ModelConfig& config = files.config();
+  const RankShard& shard = r->model_->shard();
+  const int bs = options.block_size;
+  int64_t blocks = 0;
+  if (options.kv_cache_bytes > 0) {
+    const size_t per_block =
+        KvCache::BlockBytes(std::max(1, r->model_->num_local_layers()), bs, shard.num_kv_heads,
+                            static_cast<int>(config.head_dim), ops->compute_dtype());
+    blocks = options.kv_cache_bytes / static_cast<int64_t>(per_block);
+  } else {
+    const int64_t per_seq = (config.max_position_embeddings + bs - 1) / bs;
+    blocks = std::min<int64_t>(per_seq * 4, 1 << 16);
+  }
+  if (blocks <= 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a KV cache of ", options.kv_cache_bytes, " bytes holds not even one block"));
+  }
+  r->cache_ = r->model_->MakeKvCache(static_cast<int>(std::min<int64_t>(blocks, 1 << 24)), bs);
+  r->sampler_ = shard.last_stage && shard.tp_rank == 0;
+  return r;
+}
+
+absl::StatusOr<BatchMeta> StepRunner::MakeBatch(const worker::StepPlan& plan, int block_size,
+                                                int num_blocks) {
+  BatchMeta meta;
+  meta.block_size = block_size;
+  for (const worker::SeqStep& s : plan.seqs()) {
+    meta.max_blocks_per_seq = std::max(meta.max_blocks_per_seq, s.block_table_size());
+  }
+  for (const worker::SeqStep& s : plan.seqs()) {
+    if (s.token_ids_size() == 0 || s.start_pos() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id(), ": sequence ",
+                                                     s.seq_id(), " has no tokens to compute"));
+    }
+    meta.query_start.push_back(meta.num_tokens);
+    for (int i = 0; i < s.token_ids_size(); ++i) {
+      const int pos = s.start_pos() + i;
+      const int b = pos / block_size;
+      if (b >= s.block_table_size() || s.block_table(b) < 0 || s.block_table(b) >= num_blocks) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("step ", plan.step_id(), ": sequence ", s.seq_id(), " position ", pos,
+                         " has no valid KV block (table of ", s.block_table_size(),
+                         " blocks, pool of ", num_blocks, ")"));
+      }
+      meta.token_ids.push_back(s.token_ids(i));
+      meta.positions.push_back(pos);
+      meta.slot_mapping.push_back(s.block_table(b) * block_size + pos % block_size);
+    }
+    meta.num_tokens += s.token_ids_size();
+    meta.num_seqs++;
+    meta.context_lens.push_back(s.start_pos() + s.token_ids_size());
+    for (int b = 0; b < meta.max_blocks_per_seq; ++b) {
+      meta.block_tables.push_back(b < s.block_table_size() ? s.block_table(b) : -1);
+    }
+    if (s.sample()) meta.logits_rows.push_back(meta.num_tokens - 1);
+  }
+  meta.query_start.push_back(meta.num_tokens);
+  return meta;
+}
+
+absl::Status StepRunner::ApplyRepetitionPenalty(const Tensor& logits, int row, float penalty,
+                                                const std::vector<int32_t>& history) {
+  const int64_t width = logits.dim(1);
+  const size_t elem = DTypeSize(logits.dtype);
+  char* base = static_cast<char*>(logits.data) + static_cast<size_t>(row) * width * elem;
+  std::vector<char> host(width * elem);
+  ops_->CopyToHost(host.data(), base, host.size());
+  std::unordered_set<int32_t> seen(history.begin(), history.end());
+  for (int32_t id : seen) {
+    if (id < 0 || id >= width) continue;
+    float x;
+    if (logits.dtype == DType::kF32) {
+      x = reinterpret_cast<float*>(host.data())[id];
+    } else if (logits.dtype == DType::kBF16) {
+      x = Bf16ToF32(reinterpret_cast<uint16_t*>(host.data())[id]);
+    } else {
+      return absl::UnimplementedError("repetition penalty: logits dtype not supported");
+    }
+    x = x > 0 ? x / penalty : x * penalty;  // the Hugging Face rule
+    if (logits.dtype == DType::kF32) {
+      reinterpret_cast<float*>(host.data())[id] = x;
+    } else {
+      reinterpret_cast<uint16_t*>(host.data())[id] = F32ToBf16(x);
+    }
+  }
+  ops_->CopyToDevice(base, host.data(), host.size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int32_t>> StepRunner::Run(const worker::StepPlan& plan) {
+  TP_ASSIGN_OR_RETURN(BatchMeta meta, MakeBatch(plan, cache_->block_size(), cache_->num_blocks()));
+  if (meta.num_tokens > options_.model.max_batch_tokens ||
+      static_cast<int>(meta.logits_rows.size()) > options_.model.max_batch_seqs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step ", plan.step_id(), " has ", meta.num_tokens, " tokens and ",
+                     meta.logits_rows.size(), " sampled rows; this worker was sized for ",
+                     options_.model.max_batch_tokens, " and ", options_.model.max_batch_seqs));
+  }
+  if (sampler_) {
+    for (uint64_t id : plan.finished_seq_ids()) history_.erase(id);
+    for (const worker::SeqStep& s : plan.seqs()) {
+      std::vector<int32_t>& h = history_[s.seq_id()];
+      if (static_cast<int>(h.size()) < s.start_pos()) {
+        return absl::InternalError(absl::StrCat("sequence ", s.seq_id(), " resumes at ",
+                                                s.start_pos(), " but this worker saw only ",
+                                                h.size(), " of its tokens"));
+      }
+      h.resize(s.start_pos());
+      h.insert(h.end(), s.token_ids().begin(), s.token_ids().end());
+    }
+  }
+  TP_ASSIGN_OR_RETURN(Tensor logits, model_->Forward(meta, *cache_));
+  std::vector<int32_t> ids;
+  if (!sampler_ || meta.logits_rows.empty()) return ids;
+  std::vector<SamplingParams> params;
+  int row = 0;
+  for (const worker::SeqStep& s : plan.seqs()) {
+    if (!s.sample()) continue;
+    const worker::Sampling& sp = s.sampling();
+    if (sp.repetition_penalty() > 0 && sp.repetition_penalty() != 1.0f) {
+      TP_RETURN_IF_ERROR(
+          ApplyRepetitionPenalty(logits, row, sp.repetition_penalty(), history_[s.seq_id()]));
+    }
+    SamplingParams p;
+    p.temperature = sp.temperature();
+    p.top_k = sp.top_k();
+    p.top_p = sp.top_p() > 0 ? sp.top_p() : 1.0f;
+    p.seed = sp.seed();
+    p.position = s.start_pos() + s.token_ids_size();
+    params.push_back(p);
+    ++row;
+  }
+  ids = ops_->Sample(logits, model_->config().vocab_size, params);
+  return ids;
+}
+
+}  // namespace tpserve

@@ -1,0 +1,61 @@
+// A worker's step runner: its shard of the model and its KV cache, driven by the coordinator's
+// StepPlans (worker.proto). Builds the BatchMeta of a plan, runs the forward and, on the
+// sampling rank (last stage, tp rank 0), applies repetition penalties and samples.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/model_files.h"
+#include "kernels/ops.h"
+#include "parallel/shard_plan.h"
+#include "worker.pb.h"
+#include "worker/kv_cache.h"
+#include "worker/model.h"
+
+namespace tpserve {
+
+struct StepRunnerOptions {
+  int block_size = 16;
+  int64_t kv_cache_bytes = 0;  // 0: room for 4 full-length sequences (at most 65536 blocks)
+  ModelOptions model;
+};
+
+class StepRunner {
+ public:
+  // Loads rank `rank`'s shard of `plan` (files must outlive the runner) and allocates its cache.
+  static absl::StatusOr<std::unique_ptr<StepRunner>> Create(const ModelFiles& files,
+                                                            const ShardPlan& plan, int rank,
+                                                            Ops* ops, ParallelContext comms,
+                                                            const StepRunnerOptions& options);
+  ~StepRunner();
+
+  // Runs one step. Returns the sampled ids (one per sampled sequence, in plan order) on the
+  // sampling rank; an empty vector on the others.
+  absl::StatusOr<std::vector<int32_t>> Run(const worker::StepPlan& plan);
+
+  bool is_sampler() const { return sampler_; }
+  int num_blocks() const { return cache_->num_blocks(); }
+  const LlamaModel& model() const { return *model_; }
+
+  // The BatchMeta a plan describes (exposed for tests).
+  static absl::StatusOr<BatchMeta> MakeBatch(const worker::StepPlan& plan, int block_size,
+                                             int num_blocks);
+
+ private:
+  StepRunner() = default;
+  absl::Status ApplyRepetitionPenalty(const Tensor& logits, int row, float penalty,
+                                      const std::vector<int32_t>& history);
+
+  Ops* ops_ = nullptr;
+  StepRunnerOptions options_;
+  std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<KvCache> cache_;
+  bool sampler_ = false;
+  // Sampling rank only: every token of each live sequence (for repetition penalties).
+  std::map<uint64_t, std::vector<int32_t>> history_;
+};
+
+}  // namespace tpserve
