@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
-# Does all set-up on a fresh Debian 12 machine, builds tpserve and runs it on the bundled
-# tiny-coder model. Usage: bash deploy/run.sh ["prompt text"]
+# Does all set-up on a fresh Debian 12 machine, builds tpserve and starts the service on the
+# bundled tiny-coder model: the coordinator on port ${TPSERVE_PORT:-50051} with its workers (one
+# per visible GPU, else 2 CPU workers with TP=2). Query it from another shell:
+#   build/tools/tpserve generate --server localhost:50051 --prompt "def quick_sort(arr):" --stream
+#   build/tools/tpserve info --server localhost:50051
+#   build/tools/tpserve health --server localhost:50051
+# Ctrl-C (SIGINT) or SIGTERM drains and stops it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install-deps.sh >&2
 build=${TPSERVE_BUILD_DIR:-build}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${TPSERVE_CMAKE_ARGS:-} >&2
-cmake --build "$build" -j "$(nproc)" --target tpserve >&2
-prompt=${1:-"def quick_sort(arr):"}
-exec "$build/tools/tpserve" run --model models/tiny-coder --prompt "$prompt" --max-new-tokens 64
+cmake --build "$build" -j "$(nproc)" --target tpserve tpserve-worker tpserve-coordinator >&2
+port=${TPSERVE_PORT:-50051}
+echo "tpserve: starting on localhost:$port; query it with" >&2
+echo "  $build/tools/tpserve generate --server localhost:$port --prompt \"def quick_sort(arr):\" --stream" >&2
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+exec "$build/tools/tpserve" serve --model models/tiny-coder --port "$port" \
+  --worker-binary "$build/worker/tpserve-worker"
