@@ -10,7 +10,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libpcre2-dev libutf8proc-dev libopenblas-dev
-  python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy
+  python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy python3-matplotlib
 )
 # Node.js and npm run the tokenizer conformance references; any install that provides the
 # commands will do (Debian's packages, or a Node.js build that bundles npm).

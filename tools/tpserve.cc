@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "tools/bench/bench_cmd.h"
 #include "tools/client_cmd.h"
 #include "tools/random_model.h"
 #include "tools/run_cmd.h"
@@ -24,6 +25,8 @@ const Command kCommands[] = {
     {"generate", "generate through a running server (gRPC)", tpserve::RunGenerateCommand},
     {"info", "print a server's model info as JSON", tpserve::RunInfoCommand},
     {"health", "check a server's health (grpc.health.v1)", tpserve::RunHealthCommand},
+    {"bench", "measure a running server: throughput, latency percentiles (presets, JSON)",
+     tpserve::RunBenchCommand},
     {"run", "generate a completion in this process", tpserve::RunRunCommand},
     {"random-model", "write a model directory with random weights for a config",
      tpserve::RunRandomModelCommand},

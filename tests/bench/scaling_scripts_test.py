@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Unit tests of tools/scaling/*.py without a server or a GPU: the HF peers' statistics and JSON
+fields (the same percentile rule and field names as `tpserve bench --json`), and the scaling
+runner's config checks, bench flags, table and (when matplotlib exists) plots."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = os.environ.get("TPSERVE_SOURCE_DIR") or os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools", "scaling"))
+
+import hf_peers  # noqa: E402
+import run_scaling  # noqa: E402
+
+# The fields `tpserve bench --json` writes (tools/bench/bench_cmd.cc ReportJson).
+BENCH_FIELDS = {
+    "tool", "backend", "label", "preset", "server", "model", "tp", "pp", "world_size",
+    "rank_devices", "config", "num_requests", "completed", "failed", "errors",
+    "output_length_mismatches", "duration_s", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "output_throughput", "total_token_throughput", "ttft_ms", "tpot_ms",
+    "itl_ms", "e2e_ms", "server_ttft_ms",
+}
+SUMMARY_FIELDS = {"count", "mean", "median", "p90", "p99", "min", "max"}
+
+
+class Args:
+    seed = 0
+
+
+class HfPeersTest(unittest.TestCase):
+    def test_percentiles_match_the_cpp_rule(self):
+        v = list(range(1, 11))
+        self.assertAlmostEqual(hf_peers.percentile(v, 50), 5.5)
+        self.assertAlmostEqual(hf_peers.percentile(v, 90), 9.1)
+        self.assertAlmostEqual(hf_peers.percentile(v, 99), 9.91)
+        s = hf_peers.summarize([(i * 37) % 100 + 1 for i in range(100)])
+        self.assertEqual(s["count"], 100)
+        self.assertAlmostEqual(s["mean"], 50.5)
+        self.assertAlmostEqual(s["p90"], 90.1)
+        self.assertAlmostEqual(s["p99"], 99.01)
+        self.assertEqual(hf_peers.summarize([])["count"], 0)
+
+    def test_report_has_the_bench_fields(self):
+        # A batch of 2 requests: prefill 0.1 s, then 3 decode steps of 0.02 s.
+        times = [0.1, 0.12, 0.14, 0.16]
+        records = [hf_peers.batch_records(512, times) for _ in range(2)]
+        spec = hf_peers.PRESETS["batch32"]
+        r = hf_peers.report("eager-bf16", "batch32", "/tmp/ds67", spec, records, 0.2, Args())
+        self.assertEqual(set(r) - {"peak_gpu_gib"}, BENCH_FIELDS)
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            self.assertEqual(set(r[key]), SUMMARY_FIELDS)
+        self.assertEqual(r["backend"], "hf-eager-bf16")
+        self.assertEqual(r["model"], "ds67")
+        self.assertEqual(r["completed"], 2)
+        self.assertEqual(r["total_output_tokens"], 8)
+        self.assertEqual(r["total_input_tokens"], 1024)
+        self.assertAlmostEqual(r["output_throughput"], 40.0)
+        self.assertAlmostEqual(r["ttft_ms"]["median"], 100.0)
+        self.assertAlmostEqual(r["tpot_ms"]["mean"], 20.0)
+        self.assertEqual(r["itl_ms"]["count"], 6)
+        self.assertAlmostEqual(r["itl_ms"]["p99"], 20.0)
+
+    def test_presets_match_the_cpp_presets(self):
+        p = hf_peers.PRESETS
+        self.assertEqual((p["latency"]["prompt_len"], p["latency"]["output_len"],
+                          p["latency"]["batch"]), (512, 512, 1))
+        self.assertEqual(p["batch32"]["batch"], 32)
+        self.assertEqual(p["batch64"]["batch"], 64)
+        self.assertEqual((p["chat"]["turns"], p["chat"]["conversations"], p["chat"]["batch"],
+                          p["chat"]["user_turn_len"]), (4, 16, 8, 128))
+        # The last chat turn: 256 + 4 * 128 outputs + 3 * 128 user turns.
+        self.assertEqual(hf_peers.cache_len(p["chat"]), 256 + 512 + 384)
+
+
+class RunScalingTest(unittest.TestCase):
+    def write(self, d, name, obj):
+        path = os.path.join(d, name)
+        with open(path, "w") as f:
+            f.write(obj if isinstance(obj, str) else json.dumps(obj))
+        return path
+
+    def test_bench_flags(self):
+        label, flags = run_scaling.bench_flags("latency", {"warmup": 2})
+        self.assertEqual(label, "latency")
+        self.assertEqual(flags, ["--warmup", "2", "--preset", "latency"])
+        label, flags = run_scaling.bench_flags(
+            {"label": "c8", "concurrency": 8, "prompt_len": 64, "no_stream": True,
+             "allow_errors": False}, None)
+        self.assertEqual(label, "c8")
+        self.assertEqual(flags, ["--concurrency", "8", "--prompt-len", "64", "--no-stream"])
+
+    def test_bad_configs_name_the_field(self):
+        with tempfile.TemporaryDirectory() as d:
+            for cfg, needle in [
+                ("{", "not valid JSON"),
+                ({"model": "m"}, "'servers'"),
+                ({"servers": [{"benches": ["latency"]}]}, "'model'"),
+                ({"model": "m", "servers": [{"tp": 0, "benches": ["latency"]}]},
+                 "servers[0].tp"),
+                ({"model": "m", "servers": [{"tp": 1}]}, "servers[0] needs"),
+            ]:
+                path = self.write(d, "c.json", cfg)
+                r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "scaling",
+                                                                 "run_scaling.py"),
+                                    "--config", path, "--dry-run"],
+                                   capture_output=True, text=True)
+                self.assertNotEqual(r.returncode, 0)
+                self.assertIn(needle, r.stderr, cfg)
+
+    def test_table_and_plots_from_results(self):
+        with tempfile.TemporaryDirectory() as d:
+            rows = []
+            for gpus, tput in ((1, 100.0), (2, 180.0)):
+                result = {"tool": "tpserve bench", "backend": "tpserve", "preset": "batch32",
+                          "tp": gpus, "pp": 1, "world_size": gpus, "num_requests": 4,
+                          "completed": 4, "failed": 0, "errors": {},
+                          "config": {"mode": "closed", "concurrency": 32},
+                          "duration_s": 2.0, "request_throughput": 2.0,
+                          "output_throughput": tput, "total_token_throughput": tput * 2}
+                for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+                    result[m] = {"mean": 1.0, "median": 1.0, "p90": 2.0, "p99": 3.0}
+                path = self.write(d, f"r{gpus}.json", result)
+                rows.append(run_scaling.row_of(result, {"server": f"tp{gpus}", "gpus": gpus},
+                                               "batch32", path))
+            peer = hf_peers.report("eager-bf16", "batch32", "/tmp/m", hf_peers.PRESETS["batch32"],
+                                   [hf_peers.batch_records(512, [0.1, 0.2])], 1.0, Args())
+            rows += run_scaling.peer_rows([self.write(d, "hf.json", peer)])
+            csv_path = run_scaling.write_table(rows, d)
+            with open(csv_path) as f:
+                table = list(csv.DictReader(f))
+            self.assertEqual(len(table), 3)
+            self.assertEqual(table[0]["gpus"], "1")
+            self.assertEqual(float(table[1]["output_throughput"]), 180.0)
+            self.assertEqual(table[2]["backend"], "hf-eager-bf16")
+            self.assertEqual(list(table[0].keys()), run_scaling.COLUMNS)
+            self.assertTrue(os.path.exists(os.path.join(d, "summary.md")))
+            paths = run_scaling.plot(rows, d)
+            try:
+                import matplotlib  # noqa: F401
+                self.assertEqual(len(paths), 3)
+                for p in paths:
+                    self.assertGreater(os.path.getsize(p), 1000)
+            except ImportError:
+                self.assertEqual(paths, [])
+
+
+if __name__ == "__main__":
+    unittest.main()

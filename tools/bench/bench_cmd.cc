@@ -1,0 +1,462 @@
+// `tpserve bench` (see bench_cmd.h): flags, presets, the progress bar, the text and JSON reports.
+#include "tools/bench/bench_cmd.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include <google/protobuf/util/json_util.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "tools/bench/load_gen.h"
+#include "tools/bench/workload.h"
+#include "tools/cli_args.h"
+
+namespace tpserve {
+namespace {
+
+using bench::LengthDist;
+
+constexpr char kBenchUsage[] =
+    "usage: tpserve bench --server ADDR [--preset latency|batch32|batch64|chat]\n"
+    "  load:     [--concurrency N] [--request-rate R|inf (open loop, Poisson)] [--num-requests N]\n"
+    "            [--warmup N (1)] [--timeout S (600, per request)]\n"
+    "            [--info-timeout S (60): wait this long for the server to answer GetModelInfo]\n"
+    "  lengths:  [--prompt-len N|DIST] [--output-len N|DIST]   DIST: uniform:LO:HI,\n"
+    "            normal:MEAN:STD[:MIN:MAX]  (also --prompt-len-dist / --output-len-dist)\n"
+    "  chat:     [--turns T] [--num-conversations C] [--user-turn-len N|DIST]\n"
+    "  prompts:  [--prompt-kind ids|text] (random token ids below the model's vocab size, or\n"
+    "            their text) [--seed S (0): prompts, lengths and arrivals]\n"
+    "  sampling: [--temperature T] [--top-p P] [--top-k K] [--sampling-seed S]\n"
+    "            [--repetition-penalty R] [--no-ignore-eos] [--no-stream]\n"
+    "  output:   [--json FILE|- (- : JSON on stdout instead of the table)] [--per-request]\n"
+    "            [--label TEXT] [--progress|--no-progress] [--allow-errors] [--list-presets]";
+
+struct Flags {
+  std::string server;
+  std::string preset;
+  std::string label;
+  bench::WorkloadSpec spec;
+  bench::LoadOptions load;
+  std::string json_path;
+  bool per_request = false;
+  bool progress = false;
+  bool allow_errors = false;
+};
+
+absl::StatusOr<LengthDist> LengthFlag(const CliArgs& a, const std::string& name,
+                                      const LengthDist& fallback) {
+  const std::string dist_name = name + "-dist";
+  if (a.Has(name) && a.Has(dist_name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("give at most one of --", name, " and --", dist_name));
+  }
+  if (a.Has(name)) return LengthDist::Parse(name, *a.Get(name));
+  if (a.Has(dist_name)) return LengthDist::Parse(dist_name, *a.Get(dist_name));
+  return fallback;
+}
+
+absl::StatusOr<int64_t> PositiveInt(const CliArgs& a, const std::string& name, int64_t fallback,
+                                    int64_t min = 1) {
+  TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt(name, fallback));
+  if (v < min) return absl::InvalidArgumentError(absl::StrCat("--", name, " must be >= ", min));
+  return v;
+}
+
+absl::StatusOr<Flags> ParseFlags(const CliArgs& a) {
+  Flags f;
+  if (a.Has("server")) {
+    f.server = *a.Get("server");
+  } else if (const char* env = std::getenv("TPSERVE_SERVER")) {
+    f.server = env;
+  } else {
+    f.server = "localhost:50051";
+  }
+  bench::Preset preset;  // defaults when no preset is named
+  preset.name = "";
+  preset.prompt_len = 512;
+  preset.output_len = 128;
+  preset.concurrency = 1;
+  preset.num_requests = 16;
+  if (a.Has("preset")) {
+    TP_ASSIGN_OR_RETURN(preset, bench::FindPreset(*a.Get("preset")));
+  }
+  f.preset = preset.name;
+  f.label = a.GetOr("label", "");
+  bench::WorkloadSpec& s = f.spec;
+  TP_ASSIGN_OR_RETURN(s.prompt_len,
+                      LengthFlag(a, "prompt-len", LengthDist::Fixed(preset.prompt_len)));
+  TP_ASSIGN_OR_RETURN(s.output_len,
+                      LengthFlag(a, "output-len", LengthDist::Fixed(preset.output_len)));
+  TP_ASSIGN_OR_RETURN(s.num_requests,
+                      PositiveInt(a, "num-requests", std::max<int64_t>(preset.num_requests, 1)));
+  TP_ASSIGN_OR_RETURN(s.turns, PositiveInt(a, "turns", preset.turns, 0));
+  TP_ASSIGN_OR_RETURN(s.conversations, PositiveInt(a, "num-conversations",
+                                                   std::max<int64_t>(preset.conversations, 1)));
+  TP_ASSIGN_OR_RETURN(s.user_turn_len,
+                      LengthFlag(a, "user-turn-len",
+                                 LengthDist::Fixed(std::max<int64_t>(preset.user_turn_len, 1))));
+  if (s.turns == 0 && (a.Has("num-conversations") || a.Has("user-turn-len"))) {
+    return absl::InvalidArgumentError(
+        "--num-conversations / --user-turn-len need --turns (or --preset chat)");
+  }
+  if (s.turns > 0 && a.Has("num-requests")) {
+    return absl::InvalidArgumentError(
+        "--num-requests does not apply to chat: it sends --num-conversations x --turns requests");
+  }
+  TP_ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
+  s.seed = static_cast<uint64_t>(seed);
+
+  bench::LoadOptions& l = f.load;
+  l.server = f.server;
+  TP_ASSIGN_OR_RETURN(l.concurrency, PositiveInt(a, "concurrency", preset.concurrency,
+                                                 a.Has("request-rate") ? 0 : 1));
+  if (a.Has("request-rate")) {
+    const std::string rate = absl::AsciiStrToLower(*a.Get("request-rate"));
+    if (rate == "inf") {
+      s.request_rate = INFINITY;
+    } else {
+      TP_ASSIGN_OR_RETURN(s.request_rate, a.GetDouble("request-rate", 0));
+      if (!(s.request_rate > 0)) {
+        return absl::InvalidArgumentError("--request-rate must be > 0 (requests/s) or inf");
+      }
+    }
+    l.open_loop = true;
+    // Open loop: --concurrency caps the requests in flight; unset = no cap.
+    if (!a.Has("concurrency")) l.concurrency = 0;
+  }
+  l.stream = !a.Flag("no-stream");
+  l.ignore_eos = !a.Flag("no-ignore-eos");
+  const std::string kind = a.GetOr("prompt-kind", "ids");
+  if (kind != "ids" && kind != "text") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--prompt-kind '", kind, "': expected ids or text"));
+  }
+  l.text_prompts = kind == "text";
+  if (a.Has("temperature")) {
+    TP_ASSIGN_OR_RETURN(double v, a.GetDouble("temperature", 0));
+    l.sampling.set_temperature(static_cast<float>(v));
+  }
+  if (a.Has("top-p")) {
+    TP_ASSIGN_OR_RETURN(double v, a.GetDouble("top-p", 1));
+    l.sampling.set_top_p(static_cast<float>(v));
+  }
+  if (a.Has("top-k")) {
+    TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt("top-k", 0));
+    l.sampling.set_top_k(static_cast<int32_t>(v));
+  }
+  if (a.Has("sampling-seed")) {
+    TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt("sampling-seed", 0));
+    l.sampling.set_seed(static_cast<uint64_t>(v));
+  }
+  if (a.Has("repetition-penalty")) {
+    TP_ASSIGN_OR_RETURN(double v, a.GetDouble("repetition-penalty", 1));
+    l.sampling.set_repetition_penalty(static_cast<float>(v));
+  }
+  TP_ASSIGN_OR_RETURN(l.timeout_s, a.GetDouble("timeout", 600));
+  if (!(l.timeout_s > 0)) return absl::InvalidArgumentError("--timeout must be > 0 (seconds)");
+  TP_ASSIGN_OR_RETURN(l.warmup, PositiveInt(a, "warmup", 1, 0));
+  f.json_path = a.GetOr("json", "");
+  f.per_request = a.Flag("per-request");
+  f.progress = a.Flag("progress") || (!a.Flag("no-progress") && isatty(STDERR_FILENO));
+  f.allow_errors = a.Flag("allow-errors");
+  return f;
+}
+
+nlohmann::json SummaryJson(const bench::Summary& s) {
+  return {{"count", s.count}, {"mean", s.mean}, {"median", s.median}, {"p90", s.p90},
+          {"p99", s.p99},     {"min", s.min},   {"max", s.max}};
+}
+
+nlohmann::json ReportJson(const Flags& f, const v1::ModelInfo& info, const bench::Report& r,
+                          const bench::LoadResult& result) {
+  nlohmann::json j;
+  j["tool"] = "tpserve bench";
+  j["backend"] = "tpserve";
+  j["label"] = f.label;
+  j["preset"] = f.preset;
+  j["server"] = f.server;
+  j["model"] = info.model();
+  j["tp"] = info.tp();
+  j["pp"] = info.pp();
+  j["world_size"] = info.rank_devices_size();
+  j["rank_devices"] =
+      std::vector<std::string>(info.rank_devices().begin(), info.rank_devices().end());
+  const bench::WorkloadSpec& s = f.spec;
+  const bool chat = s.turns > 0;
+  j["config"] = {
+      {"mode", f.load.open_loop ? "open" : "closed"},
+      {"concurrency", f.load.concurrency},
+      {"request_rate", f.load.open_loop
+                           ? (std::isfinite(s.request_rate) ? nlohmann::json(s.request_rate)
+                                                            : nlohmann::json("inf"))
+                           : nlohmann::json(nullptr)},
+      {"num_requests", chat ? s.conversations * s.turns : s.num_requests},
+      {"prompt_len", s.prompt_len.ToString()},
+      {"output_len", s.output_len.ToString()},
+      {"turns", s.turns},
+      {"num_conversations", chat ? s.conversations : 0},
+      {"user_turn_len",
+       chat ? nlohmann::json(s.user_turn_len.ToString()) : nlohmann::json(nullptr)},
+      {"prompt_kind", f.load.text_prompts ? "text" : "ids"},
+      {"stream", f.load.stream},
+      {"ignore_eos", f.load.ignore_eos},
+      {"seed", s.seed},
+      {"warmup", f.load.warmup},
+      {"timeout_s", f.load.timeout_s},
+  };
+  std::string sampling;
+  google::protobuf::util::JsonPrintOptions o;
+  o.preserve_proto_field_names = true;
+  google::protobuf::util::MessageToJsonString(f.load.sampling, &sampling, o);
+  j["config"]["sampling"] = nlohmann::json::parse(sampling.empty() ? "{}" : sampling);
+  j["num_requests"] = r.num_requests;
+  j["completed"] = r.completed;
+  j["failed"] = r.failed;
+  j["errors"] = r.errors;
+  j["output_length_mismatches"] = r.output_length_mismatches;
+  j["duration_s"] = r.duration_s;
+  j["total_input_tokens"] = r.input_tokens;
+  j["total_output_tokens"] = r.output_tokens;
+  j["request_throughput"] = r.request_throughput;
+  j["output_throughput"] = r.output_throughput;
+  j["total_token_throughput"] = r.total_token_throughput;
+  j["ttft_ms"] = SummaryJson(r.ttft_ms);
+  j["tpot_ms"] = SummaryJson(r.tpot_ms);
+  j["itl_ms"] = SummaryJson(r.itl_ms);
+  j["e2e_ms"] = SummaryJson(r.e2e_ms);
+  j["server_ttft_ms"] = SummaryJson(r.server_ttft_ms);
+  if (f.per_request) {
+    nlohmann::json reqs = nlohmann::json::array();
+    for (const bench::RequestRecord& q : result.records) {
+      nlohmann::json e = {{"index", q.index},
+                          {"ok", q.ok},
+                          {"start_s", q.start_s},
+                          {"ttft_s", q.ttft_s},
+                          {"e2e_s", q.e2e_s},
+                          {"prompt_tokens", q.prompt_tokens},
+                          {"output_tokens", q.output_tokens},
+                          {"max_new_tokens", q.max_new_tokens},
+                          {"itl_s", q.itl_s}};
+      if (q.conversation >= 0) {
+        e["conversation"] = q.conversation;
+        e["turn"] = q.turn;
+      }
+      if (!q.ok) {
+        e["error_code"] = q.error_code;
+        e["error_message"] = q.error_message;
+      }
+      reqs.push_back(std::move(e));
+    }
+    j["requests"] = std::move(reqs);
+  }
+  return j;
+}
+
+void PrintTable(const Flags& f, const v1::ModelInfo& info, const bench::Report& r) {
+  const bench::WorkloadSpec& s = f.spec;
+  std::printf("===== tpserve bench%s%s =====\n", f.preset.empty() ? "" : ": preset ",
+              f.preset.c_str());
+  std::printf("%-30s %s (model %s, tp %d, pp %d, %d ranks)\n", "server", f.server.c_str(),
+              info.model().c_str(), info.tp(), info.pp(), info.rank_devices_size());
+  if (f.load.open_loop) {
+    std::printf("%-30s open loop, Poisson %s req/s, %s\n", "load",
+                std::isfinite(s.request_rate) ? absl::StrCat(s.request_rate).c_str() : "inf",
+                f.load.concurrency > 0
+                    ? absl::StrCat("at most ", f.load.concurrency, " in flight").c_str()
+                    : "no cap on requests in flight");
+  } else {
+    std::printf("%-30s closed loop, %lld client(s)\n", "load",
+                static_cast<long long>(f.load.concurrency));
+  }
+  std::printf("%-30s prompt %s, output %s%s%s\n", "lengths (tokens)",
+              s.prompt_len.ToString().c_str(), s.output_len.ToString().c_str(),
+              s.turns > 0 ? absl::StrCat(", chat: ", s.conversations, " conversations x ", s.turns,
+                                         " turns, user turn ", s.user_turn_len.ToString())
+                                .c_str()
+                          : "",
+              f.load.stream ? "" : " (unary: no TTFT / ITL)");
+  std::printf("%-30s %lld (completed %lld, failed %lld)\n", "requests",
+              static_cast<long long>(r.num_requests), static_cast<long long>(r.completed),
+              static_cast<long long>(r.failed));
+  for (const auto& [code, n] : r.errors) {
+    std::printf("  %-28s %lld\n", code.c_str(), static_cast<long long>(n));
+  }
+  if (r.output_length_mismatches > 0) {
+    std::printf("%-30s %lld\n", "output != max_new_tokens",
+                static_cast<long long>(r.output_length_mismatches));
+  }
+  std::printf("%-30s %.3f\n", "duration (s)", r.duration_s);
+  std::printf("%-30s %lld / %lld\n", "input / output tokens",
+              static_cast<long long>(r.input_tokens), static_cast<long long>(r.output_tokens));
+  std::printf("%-30s %.3f\n", "request throughput (req/s)", r.request_throughput);
+  std::printf("%-30s %.2f\n", "output throughput (tok/s)", r.output_throughput);
+  std::printf("%-30s %.2f\n", "total throughput (tok/s)", r.total_token_throughput);
+  std::printf("%-30s %10s %10s %10s %10s %8s\n", "latency (ms)", "mean", "median", "p90", "p99",
+              "n");
+  auto row = [](const char* name, const bench::Summary& x) {
+    if (x.count == 0) {
+      std::printf("%-30s %10s %10s %10s %10s %8d\n", name, "-", "-", "-", "-", 0);
+      return;
+    }
+    std::printf("%-30s %10.2f %10.2f %10.2f %10.2f %8lld\n", name, x.mean, x.median, x.p90, x.p99,
+                static_cast<long long>(x.count));
+  };
+  row("time to first token", r.ttft_ms);
+  row("time per output token", r.tpot_ms);
+  row("inter-token latency", r.itl_ms);
+  row("end to end", r.e2e_ms);
+  row("server-side first token", r.server_ttft_ms);
+}
+
+// A one-line progress bar on stderr, redrawn a few times a second.
+class ProgressBar {
+ public:
+  ProgressBar(bench::Progress* p, int64_t total) : p_(p), total_(total) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~ProgressBar() {
+    stop_ = true;
+    thread_.join();
+    Draw();
+    std::fprintf(stderr, "\n");
+  }
+
+ private:
+  void Loop() {
+    while (!stop_) {
+      Draw();
+      for (int i = 0; i < 5 && !stop_; ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  void Draw() {
+    const int64_t done = p_->done.load();
+    const double t =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    constexpr int kWidth = 30;
+    const int filled = total_ > 0 ? static_cast<int>(kWidth * done / total_) : 0;
+    std::string bar(static_cast<size_t>(filled), '#');
+    bar.resize(kWidth, '.');
+    std::fprintf(stderr, "\r[%s] %lld/%lld  %.1f s  %.2f req/s  %.1f tok/s  %lld failed ",
+                 bar.c_str(), static_cast<long long>(done), static_cast<long long>(total_), t,
+                 t > 0 ? done / t : 0.0, t > 0 ? p_->output_tokens.load() / t : 0.0,
+                 static_cast<long long>(p_->failed.load()));
+    std::fflush(stderr);
+  }
+
+  bench::Progress* p_;
+  int64_t total_;
+  std::atomic<bool> stop_{false};
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::thread thread_;
+};
+
+}  // namespace
+
+absl::Status RunBenchCommand(const std::vector<std::string>& args) {
+  auto parsed = CliArgs::Parse(args,
+                               {"server",
+                                "preset",
+                                "concurrency",
+                                "request-rate",
+                                "num-requests",
+                                "prompt-len",
+                                "prompt-len-dist",
+                                "output-len",
+                                "output-len-dist",
+                                "turns",
+                                "num-conversations",
+                                "user-turn-len",
+                                "user-turn-len-dist",
+                                "prompt-kind",
+                                "seed",
+                                "temperature",
+                                "top-p",
+                                "top-k",
+                                "sampling-seed",
+                                "repetition-penalty",
+                                "timeout",
+                                "warmup",
+                                "json",
+                                "label",
+                                "info-timeout"},
+                               {"no-stream", "no-ignore-eos", "per-request", "progress",
+                                "no-progress", "allow-errors", "list-presets", "help"});
+  if (!parsed.ok()) return Annotate(parsed.status(), kBenchUsage);
+  if (parsed->Flag("help")) {
+    std::printf("%s\n", kBenchUsage);
+    return absl::OkStatus();
+  }
+  if (parsed->Flag("list-presets")) {
+    for (const bench::Preset& p : bench::Presets()) {
+      std::printf("%-10s %s\n", p.name.c_str(), p.description.c_str());
+    }
+    return absl::OkStatus();
+  }
+  if (!parsed->positional().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unexpected argument '", parsed->positional()[0], "'\n", kBenchUsage));
+  }
+  TP_ASSIGN_OR_RETURN(Flags f, ParseFlags(*parsed));
+
+  TP_ASSIGN_OR_RETURN(double info_timeout, parsed->GetDouble("info-timeout", 60));
+  TP_ASSIGN_OR_RETURN(v1::ModelInfo info, bench::FetchModelInfo(f.server, info_timeout));
+  if (info.vocab_size() < 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(f.server, " reports vocab_size ", info.vocab_size()));
+  }
+  if (f.load.text_prompts && !info.has_tokenizer()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--prompt-kind text: the model on ", f.server, " has no tokenizer"));
+  }
+  f.spec.vocab_size = info.vocab_size();
+  f.spec.context_length = info.context_length();
+  TP_ASSIGN_OR_RETURN(auto plan, bench::PlanRequests(f.spec));
+
+  bench::Progress progress;
+  absl::StatusOr<bench::LoadResult> result;
+  {
+    std::unique_ptr<ProgressBar> bar;
+    if (f.progress)
+      bar = std::make_unique<ProgressBar>(&progress, static_cast<int64_t>(plan.size()));
+    result = bench::RunLoad(f.load, plan, &progress);
+  }
+  TP_RETURN_IF_ERROR(result.status());
+  const bench::Report report = bench::ComputeReport(result->records, result->duration_s);
+  const nlohmann::json j = ReportJson(f, info, report, *result);
+  if (f.json_path == "-") {
+    std::cout << j.dump(2) << std::endl;
+  } else {
+    PrintTable(f, info, report);
+    if (!f.json_path.empty()) {
+      std::ofstream out(f.json_path);
+      out << j.dump(2) << "\n";
+      if (!out) return absl::InternalError(absl::StrCat("--json: cannot write ", f.json_path));
+    }
+  }
+  for (const bench::RequestRecord& q : result->records) {
+    if (!q.ok) {
+      std::fprintf(stderr, "first failed request (%lld): %s: %s\n", static_cast<long long>(q.index),
+                   q.error_code.c_str(), q.error_message.c_str());
+      break;
+    }
+  }
+  if (report.failed > 0 && !f.allow_errors) {
+    return absl::AbortedError(absl::StrCat(report.failed, " of ", report.num_requests,
+                                           " requests failed (see errors in the report; "
+                                           "--allow-errors to exit 0)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tpserve
