@@ -103,7 +103,14 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_
   if (options.ops != nullptr) {
     engine->ops_ = options.ops;
   } else {
-    TP_ASSIGN_OR_RETURN(engine->owned_ops_, MakeOps(options.device));
+    std::string device = ResolveDevice(options.device);
+    if (options.device == "auto" && device == "cuda" && config.head_dim != 64 &&
+        config.head_dim != 128) {
+      TP_LOG(WARNING) << "head_dim " << config.head_dim
+                      << " has no CUDA attention kernel: running on the CPU";
+      device = "cpu";
+    }
+    TP_ASSIGN_OR_RETURN(engine->owned_ops_, MakeOps(device));
     engine->ops_ = engine->owned_ops_.get();
   }
   PlanOptions plan_options;

@@ -67,6 +67,12 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const ModelFiles& f
         "sliding-window attention (sliding_window=", config.sliding_window,
         ") is not supported yet; the model attends over its whole context"));
   }
+  if (ops->device() == Device::kCuda && config.head_dim != 64 && config.head_dim != 128) {
+    // The CUDA attention kernels are instantiated for these head sizes only.
+    return absl::UnimplementedError(absl::StrCat(
+        "the CUDA attention kernels support head_dim 64 or 128; this model has ", config.head_dim,
+        " (run it with --device cpu)"));
+  }
   if (rank < 0 || rank >= plan.world_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " outside the plan's ", plan.world_size(), " ranks"));

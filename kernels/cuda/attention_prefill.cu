@@ -1,0 +1,312 @@
+// Prefill attention, FlashAttention-2 style: one block of 4 warps per (64-query tile, head);
+// each warp owns 16 query rows. K/V tiles of 64 keys are gathered from the paged cache with
+// cp.async into swizzled shared memory (two stages), S = QK^T and O += PV run on the tensor
+// cores (mma.sync m16n8k16 bf16, fp32 accumulators) and the softmax is online in fp32.
+// Handles any batch of query lengths with a cached prefix (chunked prefill, mixed batches):
+// query i of a sequence sees cache positions [0, context_len - query_len + i].
+#include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/launchers.h"
+
+namespace tpserve::cuda {
+namespace {
+
+constexpr int kBM = kPrefillTileM;  // query rows per block
+constexpr int kBN = 64;             // keys per tile
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Element offset of (row, 8-element chunk) in a [rows][kD] tile; chunks XOR-swizzled by row so
+// that ldmatrix over 8 consecutive rows hits 8 different bank groups.
+template <int kD>
+__device__ __forceinline__ int Swizzle(int row, int chunk) {
+  return row * kD + ((chunk ^ (row & 7)) << 3);
+}
+
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kN>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kN));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <int kD>
+__global__ void __launch_bounds__(kThreads)
+    PrefillAttentionKernel(const __nv_bfloat16* __restrict__ q,
+                           const __nv_bfloat16* __restrict__ k_cache,
+                           const __nv_bfloat16* __restrict__ v_cache, const int2* __restrict__ work,
+                           const int32_t* __restrict__ query_start,
+                           const int32_t* __restrict__ context_lens,
+                           const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
+                           int block_size, int block_shift, int num_heads, int num_kv_heads,
+                           float scale_log2, __nv_bfloat16* __restrict__ out) {
+  constexpr int kChunks = kD / 8;
+  constexpr int kTile = kBN * kD;  // elements of one K or V tile
+  extern __shared__ __align__(128) __nv_bfloat16 smem[];
+  __nv_bfloat16* q_s = smem;             // [kBM][kD]
+  __nv_bfloat16* k_s = smem + kBM * kD;  // [2][kBN][kD]
+  __nv_bfloat16* v_s = k_s + 2 * kTile;  // [2][kBN][kD]
+
+  const int2 item = work[blockIdx.x];
+  const int seq = item.x, q0 = item.y;
+  const int head = blockIdx.y;
+  const int kv_head = head / (num_heads / num_kv_heads);
+  const int row_begin = query_start[seq];
+  const int qlen = query_start[seq + 1] - row_begin;
+  const int ctx = context_lens[seq];
+  const int prefix = ctx - qlen;  // keys cached before this step's queries
+  const int q_last = min(q0 + kBM, qlen) - 1;
+  const int num_keys = prefix + q_last + 1;
+  const int num_tiles = (num_keys + kBN - 1) / kBN;
+  const int32_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks_per_seq;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t q_stride = static_cast<int64_t>(num_heads) * kD;
+  const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * kD;
+
+  // Each thread copies one 16-byte chunk column of every kRowsPerPass-th row, so the page
+  // lookup (a shift for power-of-two block sizes) is done once per row for K and V together.
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  const int my_chunk = tid % kChunks, my_row = tid / kChunks;
+#pragma unroll
+  for (int j = 0; j < kBM / kRowsPerPass; ++j) {
+    int r = my_row + j * kRowsPerPass;
+    bool valid = q0 + r < qlen;  // rows past the query length are zero and never stored
+    const __nv_bfloat16* src =
+        valid ? q + (row_begin + q0 + r) * q_stride + head * kD + my_chunk * 8 : q;
+    CpAsync16(SmemAddr(q_s + Swizzle<kD>(r, my_chunk)), src, valid);
+  }
+  auto load_kv = [&](int tile, int stage) {
+    const int key0 = tile * kBN;
+#pragma unroll
+    for (int j = 0; j < kBN / kRowsPerPass; ++j) {
+      int r = my_row + j * kRowsPerPass;
+      int key = key0 + r;
+      bool valid = key < ctx;
+      int64_t off = 0;
+      if (valid) {
+        int page = block_shift >= 0 ? key >> block_shift : key / block_size;
+        int in_page = block_shift >= 0 ? key & (block_size - 1) : key % block_size;
+        int64_t slot = static_cast<int64_t>(table[page]) * block_size + in_page;
+        off = slot * kv_stride + kv_head * kD + my_chunk * 8;
+      }
+      int dst = stage * kTile + Swizzle<kD>(r, my_chunk);
+      CpAsync16(SmemAddr(k_s + dst), k_cache + off, valid);
+      CpAsync16(SmemAddr(v_s + dst), v_cache + off, valid);
+    }
+  };
+  load_kv(0, 0);
+  CpAsyncCommit();
+
+  uint32_t qa[kD / 16][4];
+  float o[kD / 8][4];
+#pragma unroll
+  for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m_row[2] = {-INFINITY, -INFINITY};
+  float l_row[2] = {0.0f, 0.0f};
+  // Query index (within the sequence) of this thread's two accumulator rows.
+  const int qi0 = q0 + warp * 16 + lane / 4;
+  const int qi1 = qi0 + 8;
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t & 1;
+    if (t + 1 < num_tiles) {
+      load_kv(t + 1, stage ^ 1);
+      CpAsyncCommit();
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();
+    if (t == 0) {
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        int r = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+        int c = kk * 2 + lane / 16;
+        LdMatrixX4(qa[kk], SmemAddr(q_s + Swizzle<kD>(r, c)));
+      }
+    }
+    const __nv_bfloat16* kt = k_s + stage * kTile;
+    const __nv_bfloat16* vt = v_s + stage * kTile;
+
+    // S = Q K^T for this warp's 16 rows and the tile's 64 keys.
+    float s[kBN / 8][4];
+#pragma unroll
+    for (int n = 0; n < kBN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+#pragma unroll
+      for (int n2 = 0; n2 < kBN / 16; ++n2) {
+        uint32_t b[4];
+        int r = n2 * 16 + (lane % 8) + (lane / 16) * 8;
+        int c = kk * 2 + (lane / 8) % 2;
+        LdMatrixX4(b, SmemAddr(kt + Swizzle<kD>(r, c)));
+        Mma16816(s[2 * n2], qa[kk], b[0], b[1]);
+        Mma16816(s[2 * n2 + 1], qa[kk], b[2], b[3]);
+      }
+    }
+
+    // Scale, mask, online softmax (log2 domain).
+    const int key0 = t * kBN;
+    const bool need_mask = key0 + kBN - 1 > prefix + q0 + warp * 16;
+#pragma unroll
+    for (int n = 0; n < kBN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[n][e] * scale_log2;
+        if (need_mask) {
+          int key = key0 + n * 8 + 2 * (lane % 4) + (e & 1);
+          int qi = e < 2 ? qi0 : qi1;
+          if (key > prefix + qi || key >= ctx) v = -INFINITY;
+        }
+        s[n][e] = v;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < kBN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      float m_new = fmaxf(m_row[r], mx);
+      float m_use = m_new == -INFINITY ? 0.0f : m_new;
+      float alpha = exp2f(m_row[r] - m_use);
+      m_row[r] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int n = 0; n < kBN / 8; ++n) {
+        float p0 = exp2f(s[n][2 * r] - m_use), p1 = exp2f(s[n][2 * r + 1] - m_use);
+        s[n][2 * r] = p0;
+        s[n][2 * r + 1] = p1;
+        sum += p0 + p1;
+      }
+      l_row[r] = l_row[r] * alpha + sum;
+#pragma unroll
+      for (int d = 0; d < kD / 8; ++d) {
+        o[d][2 * r] *= alpha;
+        o[d][2 * r + 1] *= alpha;
+      }
+    }
+
+    // O += P V: P (bf16) from the S accumulators, V via transposed ldmatrix.
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      uint32_t pa[4];
+      pa[0] = PackBf16(s[2 * kk][0], s[2 * kk][1]);
+      pa[1] = PackBf16(s[2 * kk][2], s[2 * kk][3]);
+      pa[2] = PackBf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[3] = PackBf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int d2 = 0; d2 < kD / 16; ++d2) {
+        uint32_t b[4];
+        int r = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+        int c = d2 * 2 + lane / 16;
+        LdMatrixX4Trans(b, SmemAddr(vt + Swizzle<kD>(r, c)));
+        Mma16816(o[2 * d2], pa, b[0], b[1]);
+        Mma16816(o[2 * d2 + 1], pa, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // the stage is refilled by the next iteration's prefetch
+  }
+
+  // Normalize and store (bf16 pairs).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_row[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    int qi = r == 0 ? qi0 : qi1;
+    if (qi < qlen) {
+      __nv_bfloat16* dst = out + (row_begin + qi) * q_stride + head * kD + 2 * (lane % 4);
+#pragma unroll
+      for (int d = 0; d < kD / 8; ++d) {
+        *reinterpret_cast<__nv_bfloat162*>(dst + d * 8) =
+            __floats2bfloat162_rn(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+      }
+    }
+  }
+}
+
+template <int kD>
+void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
+                 int num_kv_heads, float scale, const DeviceBatch& b, Tensor out,
+                 cudaStream_t stream) {
+  constexpr int kSmem = (kBM + 4 * kBN) * kD * 2;
+  static bool configured = [] {
+    TP_CUDA_CHECK(cudaFuncSetAttribute(PrefillAttentionKernel<kD>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    return true;
+  }();
+  (void)configured;
+  int block_shift = -1;  // log2(block_size) when a power of two, else -1 (division)
+  for (int sh = 0; sh < 31; ++sh) {
+    if ((1 << sh) == b.block_size) block_shift = sh;
+  }
+  dim3 grid(b.num_prefill_work, num_heads);
+  PrefillAttentionKernel<kD><<<grid, kThreads, kSmem, stream>>>(
+      q.ptr<const __nv_bfloat16>(), k_cache.ptr<const __nv_bfloat16>(),
+      v_cache.ptr<const __nv_bfloat16>(), b.prefill_work, b.query_start, b.context_lens,
+      b.block_tables, b.max_blocks_per_seq, b.block_size, block_shift, num_heads, num_kv_heads,
+      scale * kLog2e, out.ptr<__nv_bfloat16>());
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                            int num_heads, int num_kv_heads, int head_dim, float scale,
+                            const DeviceBatch& b, Tensor out, cudaStream_t stream) {
+  TP_CHECK_CUDA_TENSOR(q, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(k_cache, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(v_cache, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(out, DType::kBF16);
+  TP_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
+           (head_dim == 64 || head_dim == 128) && k_cache.ndim == 4 &&
+           k_cache.dim(1) == b.block_size && k_cache.dim(2) == num_kv_heads &&
+           k_cache.dim(3) == head_dim && v_cache.numel() == k_cache.numel() &&
+           q.numel() == int64_t{b.num_tokens} * num_heads * head_dim && out.numel() == q.numel())
+      << "AttentionPrefill: q " << q.ShapeString() << ", k_cache " << k_cache.ShapeString()
+      << ", out " << out.ShapeString() << ", heads " << num_heads << "/" << num_kv_heads
+      << ", head_dim " << head_dim << " (64 or 128), block_size " << b.block_size;
+  if (b.num_prefill_work == 0) return;
+  if (head_dim == 64) {
+    LaunchTyped<64>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out, stream);
+  } else {
+    LaunchTyped<128>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out, stream);
+  }
+}
+
+}  // namespace tpserve::cuda

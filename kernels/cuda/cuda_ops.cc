@@ -1,0 +1,333 @@
+// CudaOps: owns the stream, the batch buffers (uploaded by SetBatch from pinned staging), the
+// cuBLASLt plans, the decode workspace and the sampler; each op forwards to its launcher.
+#include "kernels/cuda/cuda_ops.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/check.h"
+#include "common/logging.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/launchers.h"
+#include "kernels/cuda/sample.h"
+
+namespace tpserve {
+
+int CudaDeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+CudaOps::CudaOps(int device) : device_(device) {
+  int count = CudaDeviceCount();
+  TP_CHECK(device >= 0 && device < count)
+      << "CUDA device " << device << " requested, " << count << " present";
+  TP_CUDA_CHECK(cudaSetDevice(device));
+  TP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  for (auto& e : staging_done_) TP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  lt_ = std::make_unique<cuda::LtGemm>();
+  sampler_ = std::make_unique<cuda::GpuSampler>();
+  batch_ = std::make_unique<cuda::DeviceBatch>();
+}
+
+CudaOps::~CudaOps() {
+  cudaStreamSynchronize(stream_);
+  sampler_.reset();
+  lt_.reset();
+  for (auto& s : sections_) cudaFree(s.dev);
+  for (auto* p : staging_) cudaFreeHost(p);
+  for (auto& e : staging_done_) cudaEventDestroy(e);
+  cudaFree(decode_ws_);
+  cudaStreamDestroy(stream_);
+}
+
+void* CudaOps::Alloc(size_t bytes) {
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    TP_LOG(FATAL) << "cudaMalloc of " << bytes << " bytes failed on device " << device_ << " ("
+                  << cudaGetErrorString(err) << "); free " << free_b << " of " << total_b
+                  << " bytes";
+  }
+  return p;
+}
+
+void CudaOps::Free(void* ptr) {
+  if (ptr != nullptr) TP_CUDA_CHECK(cudaFree(ptr));
+}
+
+void CudaOps::CopyToDevice(void* dst, const void* src, size_t bytes) {
+  TP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+  TP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaOps::CopyToHost(void* dst, const void* src, size_t bytes) {
+  TP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  TP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaOps::CopyDeviceToDevice(void* dst, const void* src, size_t bytes) {
+  TP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+}
+
+void CudaOps::Synchronize() { TP_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+void CudaOps::EnsureNotCapturing(const char* what) const {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TP_CUDA_CHECK(cudaStreamIsCapturing(stream_, &status));
+  TP_CHECK(status == cudaStreamCaptureStatusNone)
+      << what << " while stream capture is active: call SetBatch before capturing, and "
+      << "Reserve() or warm up at the largest sizes so that no buffer grows during capture";
+}
+
+void CudaOps::GrowSection(Section& s, size_t bytes) {
+  if (bytes <= s.cap) return;
+  EnsureNotCapturing("growing a batch buffer");
+  size_t cap = std::max<size_t>(bytes, 2 * s.cap);
+  cap = (cap + 255) & ~size_t{255};
+  TP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (s.dev != nullptr) TP_CUDA_CHECK(cudaFree(s.dev));
+  s.dev = Alloc(cap);
+  s.cap = cap;
+  ++generation_;
+}
+
+void CudaOps::GrowDecodeWorkspace(size_t floats) {
+  if (floats <= decode_ws_floats_) return;
+  EnsureNotCapturing("growing the decode-attention workspace");
+  TP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (decode_ws_ != nullptr) TP_CUDA_CHECK(cudaFree(decode_ws_));
+  decode_ws_ = static_cast<float*>(Alloc(floats * sizeof(float)));
+  decode_ws_floats_ = floats;
+  // Start from zeros (no stale partial results are ever read, but keep it deterministic).
+  TP_CUDA_CHECK(cudaMemsetAsync(decode_ws_, 0, floats * sizeof(float), stream_));
+  ++generation_;
+}
+
+void CudaOps::Reserve(const CudaReserve& r) {
+  GrowSection(sections_[kTokenIds], r.max_tokens * sizeof(int32_t));
+  GrowSection(sections_[kPositions], r.max_tokens * sizeof(int32_t));
+  GrowSection(sections_[kSlots], r.max_tokens * sizeof(int32_t));
+  GrowSection(sections_[kLogitsRows], r.max_tokens * sizeof(int32_t));
+  GrowSection(sections_[kQueryStart], (r.max_seqs + 1) * sizeof(int32_t));
+  GrowSection(sections_[kContextLens], r.max_seqs * sizeof(int32_t));
+  GrowSection(sections_[kBlockTables],
+              size_t{1} * r.max_seqs * r.max_blocks_per_seq * sizeof(int32_t));
+  // Prefill tiles: at most one per sequence plus one per kPrefillTileM tokens.
+  GrowSection(sections_[kPrefillWork],
+              (r.max_seqs + r.max_tokens / cuda::kPrefillTileM + 1) * sizeof(int2));
+  if (r.num_heads > 0) {
+    reserve_heads_ = r.num_heads;
+    reserve_kv_heads_ = r.num_kv_heads > 0 ? r.num_kv_heads : r.num_heads;
+    reserve_head_dim_ = r.head_dim;
+    cuda::DeviceBatch b;
+    b.num_seqs = r.max_seqs;
+    b.max_blocks_per_seq = r.max_blocks_per_seq;
+    b.block_size = r.block_size;
+    GrowDecodeWorkspace(
+        cuda::DecodeWorkspaceFloats(b, reserve_heads_, reserve_kv_heads_, reserve_head_dim_));
+  }
+}
+
+void CudaOps::SetBatch(const BatchMeta& m) {
+  EnsureNotCapturing("SetBatch");
+  const int T = m.num_tokens, S = m.num_seqs;
+  TP_CHECK(T >= 0 && S >= 0 && static_cast<int>(m.positions.size()) == T &&
+           static_cast<int>(m.slot_mapping.size()) == T &&
+           static_cast<int>(m.query_start.size()) == S + 1 &&
+           static_cast<int>(m.context_lens.size()) == S &&
+           m.block_tables.size() == size_t{1} * S * m.max_blocks_per_seq && m.block_size > 0 &&
+           (m.token_ids.empty() || static_cast<int>(m.token_ids.size()) == T))
+      << "SetBatch: inconsistent BatchMeta (tokens " << T << ", seqs " << S << ", token_ids "
+      << m.token_ids.size() << ", positions " << m.positions.size() << ", slot_mapping "
+      << m.slot_mapping.size() << ", query_start " << m.query_start.size() << ", context_lens "
+      << m.context_lens.size() << ", block_tables " << m.block_tables.size()
+      << ", max_blocks_per_seq " << m.max_blocks_per_seq << ")";
+  TP_CHECK(S == 0 || (m.query_start[0] == 0 && m.query_start[S] == T))
+      << "SetBatch: query_start must run from 0 to num_tokens " << T;
+  int max_q = 0, max_ctx = 0;
+  std::vector<int2> work;
+  for (int s = 0; s < S; ++s) {
+    int qlen = m.query_start[s + 1] - m.query_start[s];
+    int ctx = m.context_lens[s];
+    // context 0 marks a padding sequence (graph buckets): its outputs are zeros.
+    TP_CHECK(qlen >= 0 && (ctx >= qlen || ctx == 0) &&
+             ctx <= m.max_blocks_per_seq * m.block_size)
+        << "SetBatch: sequence " << s << " has query length " << qlen << " and context " << ctx
+        << " (capacity " << m.max_blocks_per_seq * m.block_size << ")";
+    max_q = std::max(max_q, qlen);
+    max_ctx = std::max(max_ctx, ctx);
+    for (int q0 = 0; q0 < qlen; q0 += cuda::kPrefillTileM) work.push_back({s, q0});
+  }
+  // Heaviest prefill tiles (most keys) first, so the tail of the grid is short.
+  auto keys_of = [&](const int2& w) {
+    int qlen = m.query_start[w.x + 1] - m.query_start[w.x];
+    return m.context_lens[w.x] - qlen + std::min(w.y + cuda::kPrefillTileM, qlen);
+  };
+  std::stable_sort(work.begin(), work.end(),
+                   [&](const int2& a, const int2& b) { return keys_of(a) > keys_of(b); });
+
+  struct Part {
+    const void* src;
+    size_t bytes;
+  };
+  Part parts[kNumSections] = {
+      {m.token_ids.data(), m.token_ids.size() * sizeof(int32_t)},
+      {m.positions.data(), m.positions.size() * sizeof(int32_t)},
+      {m.slot_mapping.data(), m.slot_mapping.size() * sizeof(int32_t)},
+      {m.query_start.data(), m.query_start.size() * sizeof(int32_t)},
+      {m.context_lens.data(), m.context_lens.size() * sizeof(int32_t)},
+      {m.block_tables.data(), m.block_tables.size() * sizeof(int32_t)},
+      {m.logits_rows.data(), m.logits_rows.size() * sizeof(int32_t)},
+      {work.data(), work.size() * sizeof(int2)},
+  };
+  size_t total = 0;
+  for (int i = 0; i < kNumSections; ++i) {
+    GrowSection(sections_[i], parts[i].bytes);
+    total += (parts[i].bytes + 15) & ~size_t{15};
+  }
+  if (reserve_heads_ > 0) {
+    cuda::DeviceBatch b;
+    b.num_seqs = S;
+    b.max_blocks_per_seq = m.max_blocks_per_seq;
+    b.block_size = m.block_size;
+    GrowDecodeWorkspace(
+        cuda::DecodeWorkspaceFloats(b, reserve_heads_, reserve_kv_heads_, reserve_head_dim_));
+  }
+
+  // Pinned staging, used alternately; wait for the copy that last read this one.
+  const int p = staging_next_;
+  staging_next_ ^= 1;
+  TP_CUDA_CHECK(cudaEventSynchronize(staging_done_[p]));
+  if (total > staging_cap_[p]) {
+    if (staging_[p] != nullptr) TP_CUDA_CHECK(cudaFreeHost(staging_[p]));
+    size_t cap = std::max(total, 2 * staging_cap_[p]);
+    TP_CUDA_CHECK(cudaMallocHost(&staging_[p], cap));
+    staging_cap_[p] = cap;
+  }
+  char* host = static_cast<char*>(staging_[p]);
+  size_t off = 0;
+  for (int i = 0; i < kNumSections; ++i) {
+    if (parts[i].bytes == 0) continue;
+    std::memcpy(host + off, parts[i].src, parts[i].bytes);
+    TP_CUDA_CHECK(cudaMemcpyAsync(sections_[i].dev, host + off, parts[i].bytes,
+                                  cudaMemcpyHostToDevice, stream_));
+    off += (parts[i].bytes + 15) & ~size_t{15};
+  }
+  TP_CUDA_CHECK(cudaEventRecord(staging_done_[p], stream_));
+
+  cuda::DeviceBatch& b = *batch_;
+  b.num_seqs = S;
+  b.num_tokens = T;
+  b.max_blocks_per_seq = m.max_blocks_per_seq;
+  b.block_size = m.block_size;
+  b.num_logits_rows = static_cast<int>(m.logits_rows.size());
+  b.max_query_len = max_q;
+  b.max_context_len = max_ctx;
+  b.num_prefill_work = static_cast<int>(work.size());
+  auto ptr = [&](int i) { return static_cast<const int32_t*>(sections_[i].dev); };
+  b.token_ids = m.token_ids.empty() ? nullptr : ptr(kTokenIds);
+  b.positions = ptr(kPositions);
+  b.slot_mapping = ptr(kSlots);
+  b.query_start = ptr(kQueryStart);
+  b.context_lens = ptr(kContextLens);
+  b.block_tables = ptr(kBlockTables);
+  b.logits_rows = ptr(kLogitsRows);
+  b.prefill_work = static_cast<const int2*>(sections_[kPrefillWork].dev);
+}
+
+void CudaOps::Embedding(const Tensor& table, int64_t row_offset, Tensor out) {
+  TP_CHECK(batch_->token_ids != nullptr || batch_->num_tokens == 0)
+      << "Embedding: the batch has no token_ids";
+  cuda::LaunchEmbedding(table, row_offset, *batch_, out, stream_);
+}
+
+void CudaOps::RmsNorm(const Tensor& x, const Tensor& weight, float eps, Tensor out) {
+  cuda::LaunchRmsNorm(x, weight, eps, out, stream_);
+}
+
+void CudaOps::AddRmsNorm(Tensor residual, const Tensor& x, const Tensor& weight, float eps,
+                         Tensor out) {
+  cuda::LaunchAddRmsNorm(residual, x, weight, eps, out, stream_);
+}
+
+void CudaOps::set_skinny_max_m(int m) {
+  TP_CHECK(m >= 0 && m <= cuda::kSkinnyMaxM) << "skinny_max_m " << m;
+  skinny_max_m_ = m;
+}
+
+void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) {
+  int64_t k = x.dim(-1);
+  int64_t m = k == 0 ? 0 : x.numel() / k;
+  if (m > 0 && m <= skinny_max_m_ && k % 8 == 0 &&
+      (reinterpret_cast<uintptr_t>(x.data) & 15) == 0 &&
+      (reinterpret_cast<uintptr_t>(w.data) & 15) == 0) {
+    cuda::LaunchSkinnyGemm(x, w, bias, y, stream_);
+  } else {
+    lt_->Run(x, w, bias, y, stream_);
+  }
+}
+
+void CudaOps::GemmCublasLt(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) {
+  lt_->Run(x, w, bias, y, stream_);
+}
+
+void CudaOps::GemmSkinny(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                         int config) {
+  cuda::LaunchSkinnyGemm(x, w, bias, y, stream_, config);
+}
+
+void CudaOps::Rope(Tensor q, Tensor k, const Tensor& inv_freq, int head_dim) {
+  cuda::LaunchRope(q, k, inv_freq, head_dim, *batch_, stream_);
+}
+
+void CudaOps::KvWrite(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache) {
+  cuda::LaunchKvWrite(k, v, k_cache, v_cache, *batch_, stream_);
+}
+
+void CudaOps::AttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                               int num_heads, int num_kv_heads, int head_dim, float scale,
+                               Tensor out) {
+  cuda::LaunchAttentionPrefill(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
+                               *batch_, out, stream_);
+}
+
+void CudaOps::AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                              int num_heads, int num_kv_heads, int head_dim, float scale,
+                              Tensor out) {
+  GrowDecodeWorkspace(cuda::DecodeWorkspaceFloats(*batch_, num_heads, num_kv_heads, head_dim));
+  cuda::LaunchAttentionDecode(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
+                              *batch_, decode_ws_, out, stream_);
+}
+
+void CudaOps::SiluMul(const Tensor& gate_up, Tensor out) {
+  cuda::LaunchSiluMul(gate_up, out, stream_);
+}
+
+void CudaOps::Add(const Tensor& a, const Tensor& b, Tensor out) {
+  cuda::LaunchAdd(a, b, out, stream_);
+}
+
+void CudaOps::GatherLogitRows(const Tensor& in, Tensor out) {
+  cuda::LaunchGatherRows(in, *batch_, out, stream_);
+}
+
+void CudaOps::InterleaveShards(const Tensor& in, Tensor out) {
+  cuda::LaunchInterleaveShards(in, out, stream_);
+}
+
+std::vector<int32_t> CudaOps::Sample(const Tensor& logits, int64_t vocab_size,
+                                     const std::vector<SamplingParams>& params) {
+  return sampler_->Sample(logits, vocab_size, params, stream_);
+}
+
+std::unique_ptr<Ops> MakeCudaOps(int device) { return std::make_unique<CudaOps>(device); }
+
+}  // namespace tpserve

@@ -1,0 +1,112 @@
+// cuBLASLt GEMM with a per-shape algorithm cache (see gemm.h). Row-major y = x w^T is computed
+// as the column-major product y^T[N, M] = w^T(op T of the [K, N] view) * x^T[K, M].
+#include "kernels/cuda/gemm.h"
+
+#include <cublas_v2.h>
+
+#include "kernels/cuda/cuda_util.cuh"
+
+namespace tpserve::cuda {
+namespace {
+
+int PointerAlignment(const void* p) {
+  auto v = reinterpret_cast<uintptr_t>(p);
+  int a = 256;
+  while (a > 2 && (v % a) != 0) a /= 2;
+  return a;
+}
+
+}  // namespace
+
+LtGemm::LtGemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
+  TP_CUBLAS_CHECK(cublasLtCreate(&handle_));
+  TP_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+}
+
+LtGemm::~LtGemm() {
+  for (auto& [key, plan] : plans_) {
+    cublasLtMatrixLayoutDestroy(plan.a);
+    cublasLtMatrixLayoutDestroy(plan.b);
+    cublasLtMatrixLayoutDestroy(plan.c);
+    cublasLtMatmulDescDestroy(plan.desc);
+  }
+  if (workspace_ != nullptr) cudaFree(workspace_);
+  if (handle_ != nullptr) cublasLtDestroy(handle_);
+}
+
+LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int alignment) {
+  Key key{m, n, k, bias, alignment};
+  auto it = plans_.find(key);
+  if (it != plans_.end()) return it->second;
+  Plan plan;
+  TP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  TP_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  TP_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  if (bias) {
+    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    TP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
+                                                   sizeof(epi)));
+    cudaDataType_t bt = CUDA_R_16BF;
+    TP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                   &bt, sizeof(bt)));
+  }
+  // Column-major: A = w viewed [K, N] (ld K), B = x viewed [K, M] (ld K), C = y^T [N, M] (ld N).
+  TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, k, n, k));
+  TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, k, m, k));
+  TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, n, m, n));
+
+  cublasLtMatmulPreference_t pref;
+  TP_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  uint64_t ws = workspace_bytes_;
+  TP_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  uint32_t align = static_cast<uint32_t>(alignment);
+  for (auto attr :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    TP_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
+  }
+  cublasLtMatmulHeuristicResult_t result;
+  int found = 0;
+  TP_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c,
+                                                 pref, 1, &result, &found));
+  cublasLtMatmulPreferenceDestroy(pref);
+  TP_CHECK(found > 0) << "cuBLASLt has no algorithm for GEMM M=" << m << " N=" << n << " K=" << k
+                      << (bias ? " with bias" : "") << " alignment " << alignment;
+  plan.algo = result.algo;
+  return plans_.emplace(key, plan).first->second;
+}
+
+void LtGemm::Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                 cudaStream_t stream) {
+  TP_CHECK_CUDA_TENSOR(x, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(w, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
+  int64_t k = x.dim(-1);
+  int64_t m = k == 0 ? 0 : x.numel() / k;
+  int64_t n = w.dim(0);
+  TP_CHECK(w.ndim == 2 && w.dim(1) == k && y.dim(-1) == n && y.numel() == m * n)
+      << "Gemm: x " << x.ShapeString() << ", w " << w.ShapeString() << ", y " << y.ShapeString();
+  if (bias != nullptr) {
+    TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
+    TP_CHECK(bias->numel() == n) << "Gemm: bias " << bias->ShapeString() << ", N " << n;
+  }
+  if (m == 0 || n == 0) return;
+  int alignment = std::min({PointerAlignment(x.data), PointerAlignment(w.data),
+                            PointerAlignment(y.data), bias ? PointerAlignment(bias->data) : 256});
+  Plan& plan = GetPlan(m, n, k, bias != nullptr, alignment);
+  if (bias != nullptr) {
+    const void* bp = bias->data;
+    TP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                   &bp, sizeof(bp)));
+  }
+  float alpha = 1.0f, beta = 0.0f;
+  TP_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, w.data, plan.a, x.data, plan.b, &beta,
+                                 y.data, plan.c, y.data, plan.c, &plan.algo, workspace_,
+                                 workspace_bytes_, stream));
+}
+
+}  // namespace tpserve::cuda

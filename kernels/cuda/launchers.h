@@ -1,0 +1,103 @@
+// Internal interface between CudaOps and the per-op .cu files: the device copy of the batch and
+// one launcher per kernel. Every launcher checks shapes and dtypes and the launch itself.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace tpserve::cuda {
+
+// Query rows per prefill-attention tile (one CUDA block per tile and head).
+inline constexpr int kPrefillTileM = 64;
+
+// The current batch as the kernels read it: device arrays (filled on the ops' stream by
+// SetBatch) and host copies of the scalar sizes, which fix the grids.
+struct DeviceBatch {
+  int num_seqs = 0;
+  int num_tokens = 0;
+  int max_blocks_per_seq = 0;
+  int block_size = 16;
+  int num_logits_rows = 0;
+  int max_query_len = 0;
+  int max_context_len = 0;
+  int num_prefill_work = 0;               // entries of prefill_work
+  const int32_t* token_ids = nullptr;     // [num_tokens]
+  const int32_t* positions = nullptr;     // [num_tokens]
+  const int32_t* slot_mapping = nullptr;  // [num_tokens]
+  const int32_t* query_start = nullptr;   // [num_seqs + 1]
+  const int32_t* context_lens = nullptr;  // [num_seqs]
+  const int32_t* block_tables = nullptr;  // [num_seqs * max_blocks_per_seq]
+  const int32_t* logits_rows = nullptr;   // [num_logits_rows]
+  const int2* prefill_work = nullptr;     // [num_prefill_work] (seq, first query row of tile)
+};
+
+// Decode attention: query heads handled by one block (the largest of 8, 4, 2, 1 dividing the
+// GQA group), and keys per split (flash-decoding partition), chosen from the number of
+// (sequence, head group) pairs so that small batches still spread over the whole GPU. Both
+// depend only on sizes fixed for a captured graph.
+inline int DecodeHeadsPerBlock(int num_heads, int num_kv_heads) {
+  int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 1;
+  return group % 8 == 0 ? 8 : group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+}
+// Measured on the H200 (32 heads, d 128, context 1024): under 128 pairs the 64-key sub-tile
+// kernel (all K and V loads of a block in flight at once) wins (B=1: 17.5 vs 26.6 us); from
+// 128 pairs the low-register two-phase kernel with 128/256-key splits wins (B=8: 64% vs 49% of
+// copy bandwidth), because many more blocks stay resident.
+inline int DecodePartition(int num_seqs, int num_heads, int num_kv_heads) {
+  int pairs = num_seqs * (num_heads / DecodeHeadsPerBlock(num_heads, num_kv_heads));
+  return pairs >= 512 ? 256 : pairs >= 128 ? 128 : 64;
+}
+inline int DecodeNumSplits(const DeviceBatch& b, int num_heads, int num_kv_heads) {
+  int cap = b.max_blocks_per_seq * b.block_size;
+  int p = DecodePartition(b.num_seqs, num_heads, num_kv_heads);
+  return cap <= 0 ? 1 : (cap + p - 1) / p;
+}
+
+// Floats of decode-attention workspace for this batch and head layout.
+inline size_t DecodeWorkspaceFloats(const DeviceBatch& b, int num_heads, int num_kv_heads,
+                                    int head_dim) {
+  return static_cast<size_t>(b.num_seqs) * num_heads * DecodeNumSplits(b, num_heads, num_kv_heads) *
+         (head_dim + 2);
+}
+
+void LaunchEmbedding(const Tensor& table, int64_t row_offset, const DeviceBatch& b, Tensor out,
+                     cudaStream_t stream);
+void LaunchRmsNorm(const Tensor& x, const Tensor& weight, float eps, Tensor out,
+                   cudaStream_t stream);
+void LaunchAddRmsNorm(Tensor residual, const Tensor& x, const Tensor& weight, float eps, Tensor out,
+                      cudaStream_t stream);
+void LaunchRope(Tensor q, Tensor k, const Tensor& inv_freq, int head_dim, const DeviceBatch& b,
+                cudaStream_t stream);
+void LaunchKvWrite(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache,
+                   const DeviceBatch& b, cudaStream_t stream);
+void LaunchSiluMul(const Tensor& gate_up, Tensor out, cudaStream_t stream);
+void LaunchAdd(const Tensor& a, const Tensor& b, Tensor out, cudaStream_t stream);
+void LaunchGatherRows(const Tensor& in, const DeviceBatch& b, Tensor out, cudaStream_t stream);
+void LaunchInterleaveShards(const Tensor& in, Tensor out, cudaStream_t stream);
+void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                            int num_heads, int num_kv_heads, int head_dim, float scale,
+                            const DeviceBatch& b, Tensor out, cudaStream_t stream);
+// workspace: DecodeWorkspaceFloats(b, num_heads, num_kv_heads, head_dim) floats.
+void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                           int num_heads, int num_kv_heads, int head_dim, float scale,
+                           const DeviceBatch& b, float* workspace, Tensor out, cudaStream_t stream);
+
+// Skinny GEMM y[M, N] = x[M, K] w[N, K]^T (+ bias) for small M, streaming w once.
+inline constexpr int kSkinnyMaxM = 16;
+// config 0 = automatic; others pick (rows per block, K unroll) for benchmarking.
+void LaunchSkinnyGemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                      cudaStream_t stream, int config = 0);
+int SkinnyGemmNumConfigs();
+
+// Sampling: one row of logits per params entry. Writes ids[rows] on the device.
+struct DeviceSampleParams {
+  float temperature;
+  int32_t top_k;
+  float top_p;
+  float u;  // PhiloxUniform(seed, position), drawn on the host
+};
+
+}  // namespace tpserve::cuda

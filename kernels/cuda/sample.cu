@@ -1,0 +1,259 @@
+// GPU sampling (see sample.h). Per row: argmax (greedy), or probabilities e_i = exp(x_i - max x)
+// with x = logits / temperature, packed as 64-bit keys (probability bits, then ~id) so that one
+// segmented radix sort orders candidates by (probability desc, id asc) with no ties; then a
+// block scan in double precision applies top-k, top-p and the Philox draw.
+#include "kernels/cuda/sample.h"
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_segmented_radix_sort.cuh>
+
+#include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/launchers.h"
+#include "kernels/philox.h"
+
+namespace tpserve::cuda {
+namespace {
+
+constexpr int kThreads = 1024;
+// Rows sorted per pass, so that scratch stays near 64 MB for large vocabularies.
+constexpr int64_t kMaxSortElems = int64_t{4} << 20;
+
+__device__ __forceinline__ float LoadLogit(const float* p) { return *p; }
+__device__ __forceinline__ float LoadLogit(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+struct ArgMax {
+  float v;
+  int i;
+};
+struct ArgMaxOp {
+  __device__ ArgMax operator()(const ArgMax& a, const ArgMax& b) const {
+    if (a.v > b.v || (a.v == b.v && a.i < b.i)) return a;
+    return b;
+  }
+};
+
+// Greedy rows write their id; sampled rows write their keys and segment bounds.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    PrepareKernel(const T* __restrict__ logits, int64_t row_stride, int vocab, int row0,
+                  const DeviceSampleParams* __restrict__ params, uint64_t* __restrict__ keys,
+                  int32_t* __restrict__ seg_begin, int32_t* __restrict__ seg_end,
+                  int32_t* __restrict__ ids) {
+  using Reduce = cub::BlockReduce<ArgMax, kThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ ArgMax best_s;
+  const int r = blockIdx.x;  // row within this pass
+  const int row = row0 + r;
+  const T* l = logits + row * row_stride;
+  ArgMax best{-INFINITY, vocab};
+  for (int i = threadIdx.x; i < vocab; i += kThreads) {
+    float v = LoadLogit(l + i);
+    if (v > best.v || (v == best.v && i < best.i)) best = {v, i};
+  }
+  best = Reduce(tmp).Reduce(best, ArgMaxOp());
+  if (threadIdx.x == 0) best_s = best;
+  __syncthreads();
+  best = best_s;
+  const DeviceSampleParams p = params[row];
+  const int32_t base = r * vocab;
+  if (!(p.temperature > 0.0f)) {
+    if (threadIdx.x == 0) {
+      ids[row] = best.i < vocab ? best.i : 0;
+      seg_begin[r] = base;
+      seg_end[r] = base;  // empty segment: nothing to sort
+    }
+    return;
+  }
+  if (threadIdx.x == 0) {
+    seg_begin[r] = base;
+    seg_end[r] = base + vocab;
+  }
+  const float xmax = best.v / p.temperature;
+  for (int i = threadIdx.x; i < vocab; i += kThreads) {
+    float e = expf(LoadLogit(l + i) / p.temperature - xmax);
+    keys[base + i] = (static_cast<uint64_t>(__float_as_uint(e)) << 32) |
+                     static_cast<uint64_t>(0xFFFFFFFFu - static_cast<uint32_t>(i));
+  }
+}
+
+__device__ __forceinline__ double KeyProb(uint64_t k) {
+  return static_cast<double>(__uint_as_float(static_cast<uint32_t>(k >> 32)));
+}
+__device__ __forceinline__ int KeyId(uint64_t k) {
+  return static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(k));
+}
+
+// Index of the first sorted candidate (< limit) whose inclusive cumulative mass satisfies
+// cum > target (strict) or cum >= target; limit - 1 if none does.
+__device__ int FirstCrossing(const uint64_t* sorted, int limit, double target, bool strict,
+                             double* total_out) {
+  using Scan = cub::BlockScan<double, kThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int found_s;
+  __shared__ double carry_s;
+  if (threadIdx.x == 0) {
+    found_s = limit;
+    carry_s = 0.0;
+  }
+  __syncthreads();
+  for (int base = 0; base < limit; base += kThreads) {
+    int i = base + threadIdx.x;
+    double p = i < limit ? KeyProb(sorted[i]) : 0.0;
+    double incl, chunk_total;
+    Scan(scan_tmp).InclusiveSum(p, incl, chunk_total);
+    double cum = carry_s + incl;
+    bool hit = i < limit && (strict ? cum > target : cum >= target);
+    if (hit) atomicMin(&found_s, i);
+    __syncthreads();
+    if (threadIdx.x == 0) carry_s += chunk_total;
+    __syncthreads();
+    if (found_s < limit) break;
+  }
+  int found = found_s;
+  if (total_out != nullptr) *total_out = carry_s;
+  return found < limit ? found : limit - 1;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    ChooseKernel(const uint64_t* __restrict__ sorted, int vocab, int row0,
+                 const DeviceSampleParams* __restrict__ params, int32_t* __restrict__ ids) {
+  const int r = blockIdx.x, row = row0 + r;
+  const DeviceSampleParams p = params[row];
+  if (!(p.temperature > 0.0f)) return;
+  const uint64_t* s = sorted + static_cast<int64_t>(r) * vocab;
+  int keep = p.top_k > 0 ? min(p.top_k, vocab) : vocab;
+  // Mass of the top-k candidates (the top-p cut is relative to it).
+  using Reduce = cub::BlockReduce<double, kThreads>;
+  __shared__ typename Reduce::TempStorage red_tmp;
+  __shared__ double mass_s;
+  double part = 0.0;
+  for (int i = threadIdx.x; i < keep; i += kThreads) part += KeyProb(s[i]);
+  double mass = Reduce(red_tmp).Sum(part);
+  if (threadIdx.x == 0) mass_s = mass;
+  __syncthreads();
+  mass = mass_s;
+  if (p.top_p < 1.0f) {
+    int last = FirstCrossing(s, keep, static_cast<double>(p.top_p) * mass, false, nullptr);
+    keep = last + 1;
+  }
+  __syncthreads();
+  double total = 0.0;
+  for (int i = threadIdx.x; i < keep; i += kThreads) total += KeyProb(s[i]);
+  total = Reduce(red_tmp).Sum(total);
+  __syncthreads();
+  if (threadIdx.x == 0) mass_s = total;
+  __syncthreads();
+  total = mass_s;
+  int chosen = FirstCrossing(s, keep, static_cast<double>(p.u) * total, true, nullptr);
+  if (threadIdx.x == 0) ids[row] = KeyId(s[chosen]);
+}
+
+}  // namespace
+
+GpuSampler::~GpuSampler() {
+  cudaFree(keys_in_);
+  cudaFree(keys_out_);
+  cudaFree(seg_begin_);
+  cudaFree(seg_end_);
+  cudaFree(params_dev_);
+  cudaFree(ids_dev_);
+  cudaFree(sort_temp_);
+  cudaFreeHost(params_host_);
+  cudaFreeHost(ids_host_);
+}
+
+void GpuSampler::ReserveRows(int rows) {
+  if (rows <= cap_rows_) return;
+  int cap = std::max(rows, 64);
+  cudaFree(params_dev_);
+  cudaFree(ids_dev_);
+  cudaFree(seg_begin_);
+  cudaFree(seg_end_);
+  cudaFreeHost(params_host_);
+  cudaFreeHost(ids_host_);
+  TP_CUDA_CHECK(cudaMalloc(&params_dev_, cap * sizeof(DeviceSampleParams)));
+  TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ids_dev_), cap * sizeof(int32_t)));
+  TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&seg_begin_), cap * sizeof(int32_t)));
+  TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&seg_end_), cap * sizeof(int32_t)));
+  TP_CUDA_CHECK(cudaMallocHost(&params_host_, cap * sizeof(DeviceSampleParams)));
+  TP_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&ids_host_), cap * sizeof(int32_t)));
+  cap_rows_ = cap;
+}
+
+void GpuSampler::ReserveSort(int64_t elems, int segments) {
+  if (elems > sort_elems_cap_) {
+    cudaFree(keys_in_);
+    cudaFree(keys_out_);
+    TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&keys_in_), elems * sizeof(uint64_t)));
+    TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&keys_out_), elems * sizeof(uint64_t)));
+    sort_elems_cap_ = elems;
+  }
+  size_t bytes = 0;
+  TP_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortKeysDescending(
+      nullptr, bytes, keys_in_, keys_out_, static_cast<int>(elems), segments, seg_begin_,
+      seg_end_));
+  if (bytes > sort_temp_bytes_) {
+    cudaFree(sort_temp_);
+    TP_CUDA_CHECK(cudaMalloc(&sort_temp_, bytes));
+    sort_temp_bytes_ = bytes;
+  }
+}
+
+std::vector<int32_t> GpuSampler::Sample(const Tensor& logits, int64_t vocab_size,
+                                        const std::vector<SamplingParams>& params,
+                                        cudaStream_t stream) {
+  const int rows = static_cast<int>(params.size());
+  TP_CHECK(logits.device == Device::kCuda &&
+           (logits.dtype == DType::kF32 || logits.dtype == DType::kBF16) && logits.ndim == 2 &&
+           logits.dim(0) == rows && vocab_size > 0 && vocab_size <= logits.dim(1) &&
+           vocab_size < kMaxSortElems)
+      << "Sample: logits " << logits.ShapeString() << " (f32 or bf16 [rows, V] on the GPU), "
+      << rows << " params, vocab_size " << vocab_size;
+  if (rows == 0) return {};
+  const int vocab = static_cast<int>(vocab_size);
+  ReserveRows(rows);
+  auto* hp = static_cast<DeviceSampleParams*>(params_host_);
+  bool any_sampled = false;
+  for (int r = 0; r < rows; ++r) {
+    const SamplingParams& p = params[r];
+    TP_CHECK(p.top_k >= 0 && p.top_p > 0.0f && p.top_p <= 1.0f && p.temperature >= 0.0f)
+        << "Sample: row " << r << " has temperature " << p.temperature << ", top_k " << p.top_k
+        << ", top_p " << p.top_p;
+    hp[r] = {p.temperature, p.top_k, p.top_p,
+             PhiloxUniform(p.seed, static_cast<uint64_t>(p.position))};
+    any_sampled |= p.temperature > 0.0f;
+  }
+  TP_CUDA_CHECK(cudaMemcpyAsync(params_dev_, params_host_, rows * sizeof(DeviceSampleParams),
+                                cudaMemcpyHostToDevice, stream));
+  const int pass_rows =
+      any_sampled
+          ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, kMaxSortElems / vocab)))
+          : rows;
+  if (any_sampled) ReserveSort(int64_t{pass_rows} * vocab, pass_rows);
+  const auto* dp = static_cast<const DeviceSampleParams*>(params_dev_);
+  for (int row0 = 0; row0 < rows; row0 += pass_rows) {
+    const int n = std::min(pass_rows, rows - row0);
+    if (logits.dtype == DType::kF32) {
+      PrepareKernel<<<n, kThreads, 0, stream>>>(logits.ptr<const float>(), logits.dim(1), vocab,
+                                                row0, dp, keys_in_, seg_begin_, seg_end_, ids_dev_);
+    } else {
+      PrepareKernel<<<n, kThreads, 0, stream>>>(logits.ptr<const __nv_bfloat16>(), logits.dim(1),
+                                                vocab, row0, dp, keys_in_, seg_begin_, seg_end_,
+                                                ids_dev_);
+    }
+    TP_CUDA_CHECK_LAUNCH();
+    if (!any_sampled) continue;
+    size_t bytes = sort_temp_bytes_;
+    TP_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortKeysDescending(
+        sort_temp_, bytes, keys_in_, keys_out_, n * vocab, n, seg_begin_, seg_end_, 0, 64, stream));
+    ChooseKernel<<<n, kThreads, 0, stream>>>(keys_out_, vocab, row0, dp, ids_dev_);
+    TP_CUDA_CHECK_LAUNCH();
+  }
+  TP_CUDA_CHECK(
+      cudaMemcpyAsync(ids_host_, ids_dev_, rows * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+  TP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return std::vector<int32_t>(ids_host_, ids_host_ + rows);
+}
+
+}  // namespace tpserve::cuda

@@ -1,0 +1,602 @@
+// Every CUDA op against the CPU reference (kernels/cpu) on fresh random bf16-representable
+// inputs: both backends see the same values (the CPU in fp32, the GPU in bf16), and outputs are
+// compared by relative L2 error. Tolerance: 1e-2 for ops whose output is rounded to bf16 or
+// that use bf16 operands (bf16 has an 8-bit mantissa: one rounding is <= 2^-9 relative); exact
+// equality for pure copies. Without a CUDA device every test prints "no CUDA device, test
+// skipped" and is skipped.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <numeric>
+#include <random>
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include "common/bf16.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/ops.h"
+#include "kernels/philox.h"
+
+namespace tpserve {
+namespace {
+
+constexpr double kBf16Tol = 1e-2;
+
+uint32_t FreshSeed() {
+  static uint32_t seed = std::random_device{}();
+  return seed++;
+}
+
+std::vector<float> RandomBf16(std::mt19937& rng, size_t n, float scale = 1.0f) {
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = Bf16ToF32(F32ToBf16(dist(rng)));
+  return v;
+}
+
+// Relative L2 error; fails on NaN and on an all-zero reference.
+double RelL2(const std::vector<float>& got, const std::vector<float>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) {
+      ADD_FAILURE() << "non-finite output at " << i << ": " << got[i];
+      return INFINITY;
+    }
+    double d = double(got[i]) - want[i];
+    num += d * d;
+    den += double(want[i]) * want[i];
+  }
+  EXPECT_GT(den, 0.0) << "reference is all zeros";
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+class CudaOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() == 0) {
+      std::cout << "no CUDA device, test skipped" << std::endl;
+      GTEST_SKIP() << "no CUDA device";
+    }
+    uint32_t seed = FreshSeed();
+    rng_.seed(seed);
+    RecordProperty("seed", std::to_string(seed));
+    std::cout << "seed " << seed << std::endl;
+    ops_ = MakeCudaOps(0);
+    gpu_ = static_cast<CudaOps*>(ops_.get());
+    cpu_ = MakeCpuOps();
+  }
+
+  // A bf16 device copy of `v` (freed with the test).
+  Tensor Gpu(const std::vector<float>& v, std::initializer_list<int64_t> shape) {
+    std::vector<uint16_t> h(v.size());
+    for (size_t i = 0; i < v.size(); ++i) h[i] = F32ToBf16(v[i]);
+    bufs_.emplace_back(ops_.get(), h.size() * 2);
+    ops_->CopyToDevice(bufs_.back().get(), h.data(), h.size() * 2);
+    return Tensor(bufs_.back().get(), shape, DType::kBF16, Device::kCuda);
+  }
+  Tensor GpuF32(const std::vector<float>& v, std::initializer_list<int64_t> shape) {
+    bufs_.emplace_back(ops_.get(), v.size() * 4);
+    ops_->CopyToDevice(bufs_.back().get(), v.data(), v.size() * 4);
+    return Tensor(bufs_.back().get(), shape, DType::kF32, Device::kCuda);
+  }
+  // An output buffer poisoned with NaN (0xFFFF bf16 / 0xFFFFFFFF f32) to catch unwritten data.
+  Tensor GpuOut(std::initializer_list<int64_t> shape, DType dt = DType::kBF16) {
+    Tensor t(nullptr, shape, dt, Device::kCuda);
+    bufs_.emplace_back(ops_.get(), t.bytes());
+    t.data = bufs_.back().get();
+    EXPECT_EQ(cudaMemset(t.data, 0xFF, t.bytes()), cudaSuccess);
+    return t;
+  }
+  std::vector<float> Host(const Tensor& t) {
+    ops_->Synchronize();
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    std::vector<float> out(t.numel());
+    if (t.dtype == DType::kF32) {
+      ops_->CopyToHost(out.data(), t.data, t.bytes());
+    } else {
+      std::vector<uint16_t> h(t.numel());
+      ops_->CopyToHost(h.data(), t.data, t.bytes());
+      for (size_t i = 0; i < h.size(); ++i) out[i] = Bf16ToF32(h[i]);
+    }
+    return out;
+  }
+  static Tensor Cpu(std::vector<float>& v, std::initializer_list<int64_t> shape) {
+    return Tensor(v.data(), shape, DType::kF32);
+  }
+  void SetBatch(const BatchMeta& m) {
+    cpu_->SetBatch(m);
+    ops_->SetBatch(m);
+  }
+
+  std::mt19937 rng_;
+  std::unique_ptr<Ops> ops_;
+  CudaOps* gpu_ = nullptr;
+  std::unique_ptr<Ops> cpu_;
+  std::vector<DeviceBuffer> bufs_;
+};
+
+// A batch of sequences with (query_len, context_len) pairs over a shuffled paged cache.
+BatchMeta MakeBatch(const std::vector<std::pair<int, int>>& seqs, int block_size, int num_blocks,
+                    std::mt19937& rng, int vocab = 1000) {
+  BatchMeta m;
+  m.num_seqs = static_cast<int>(seqs.size());
+  m.block_size = block_size;
+  int max_ctx = 1;
+  for (auto [q, c] : seqs) max_ctx = std::max(max_ctx, c);
+  m.max_blocks_per_seq = (max_ctx + block_size - 1) / block_size;
+  std::vector<int32_t> free_blocks(num_blocks);
+  std::iota(free_blocks.begin(), free_blocks.end(), 0);
+  std::shuffle(free_blocks.begin(), free_blocks.end(), rng);
+  size_t next = 0;
+  m.query_start.push_back(0);
+  for (auto [qlen, ctx] : seqs) {
+    int nb = (ctx + block_size - 1) / block_size;
+    std::vector<int32_t> table(m.max_blocks_per_seq, -1);
+    for (int b = 0; b < nb; ++b) table[b] = free_blocks.at(next++);
+    m.block_tables.insert(m.block_tables.end(), table.begin(), table.end());
+    for (int i = 0; i < qlen; ++i) {
+      if (ctx == 0) {  // padding sequence: no keys, no cache slot
+        m.positions.push_back(0);
+        m.slot_mapping.push_back(-1);
+        m.token_ids.push_back(0);
+        continue;
+      }
+      int pos = ctx - qlen + i;
+      m.positions.push_back(pos);
+      m.slot_mapping.push_back(table[pos / block_size] * block_size + pos % block_size);
+      m.token_ids.push_back(static_cast<int32_t>(rng() % vocab));
+    }
+    m.query_start.push_back(m.query_start.back() + qlen);
+    m.context_lens.push_back(ctx);
+    m.logits_rows.push_back(m.query_start.back() - 1);
+  }
+  m.num_tokens = m.query_start.back();
+  return m;
+}
+
+TEST_F(CudaOpsTest, EmbeddingWithRowOffset) {
+  const int rows = 500, hidden = 264, offset = 300;
+  BatchMeta m = MakeBatch({{37, 37}, {1, 5}}, 16, 8, rng_, 1000);
+  auto table = RandomBf16(rng_, rows * hidden);
+  std::vector<float> want(m.num_tokens * hidden);
+  SetBatch(m);
+  cpu_->Embedding(Cpu(table, {rows, hidden}), offset, Cpu(want, {m.num_tokens, hidden}));
+  Tensor out = GpuOut({m.num_tokens, hidden});
+  ops_->Embedding(Gpu(table, {rows, hidden}), offset, out);
+  auto got = Host(out);
+  EXPECT_EQ(got, want);  // a copy: exact
+  int in_range = 0;
+  for (int t : m.token_ids) in_range += (t >= offset && t < offset + rows);
+  EXPECT_GT(in_range, 0);
+  EXPECT_LT(in_range, m.num_tokens);
+}
+
+TEST_F(CudaOpsTest, RmsNormAndAddRmsNorm) {
+  for (int hidden : {4096, 296, 8192}) {
+    SCOPED_TRACE(hidden);
+    const int rows = 7;
+    auto x = RandomBf16(rng_, rows * hidden), w = RandomBf16(rng_, hidden, 0.5f);
+    auto res = RandomBf16(rng_, rows * hidden, 2.0f);
+    std::vector<float> want(rows * hidden), res_want = res, want2(rows * hidden);
+    cpu_->RmsNorm(Cpu(x, {rows, hidden}), Cpu(w, {hidden}), 1e-5f, Cpu(want, {rows, hidden}));
+    Tensor gx = Gpu(x, {rows, hidden}), gw = Gpu(w, {hidden}), out = GpuOut({rows, hidden});
+    ops_->RmsNorm(gx, gw, 1e-5f, out);
+    EXPECT_LT(RelL2(Host(out), want), kBf16Tol);
+
+    cpu_->AddRmsNorm(Cpu(res_want, {rows, hidden}), Cpu(x, {rows, hidden}), Cpu(w, {hidden}), 1e-5f,
+                     Cpu(want2, {rows, hidden}));
+    Tensor gres = Gpu(res, {rows, hidden}), out2 = GpuOut({rows, hidden});
+    ops_->AddRmsNorm(gres, gx, gw, 1e-5f, out2);
+    EXPECT_LT(RelL2(Host(gres), res_want), kBf16Tol);
+    EXPECT_LT(RelL2(Host(out2), want2), kBf16Tol);
+  }
+}
+
+TEST_F(CudaOpsTest, GemmSkinnyAllConfigsAndCublasLt) {
+  struct Shape {
+    int m, n, k;
+  };
+  for (Shape s :
+       {Shape{1, 4096, 4096}, Shape{1, 333, 264}, Shape{2, 1000, 1032}, Shape{3, 259, 4104},
+        Shape{5, 777, 11008}, Shape{8, 96, 520}, Shape{16, 130, 2056}, Shape{17, 200, 264},
+        Shape{100, 4096, 1024}, Shape{257, 384, 4096}}) {
+    for (bool with_bias : {false, true}) {
+      SCOPED_TRACE(testing::Message()
+                   << "M=" << s.m << " N=" << s.n << " K=" << s.k << " bias=" << with_bias);
+      auto x = RandomBf16(rng_, size_t{1} * s.m * s.k),
+           w = RandomBf16(rng_, size_t{1} * s.n * s.k, 0.05f);
+      auto bias = RandomBf16(rng_, s.n);
+      std::vector<float> want(size_t{1} * s.m * s.n);
+      Tensor cb = Cpu(bias, {s.n});
+      cpu_->Gemm(Cpu(x, {s.m, s.k}), Cpu(w, {s.n, s.k}), with_bias ? &cb : nullptr,
+                 Cpu(want, {s.m, s.n}));
+      Tensor gx = Gpu(x, {s.m, s.k}), gw = Gpu(w, {s.n, s.k}), gb = Gpu(bias, {s.n});
+      const Tensor* bp = with_bias ? &gb : nullptr;
+      Tensor out = GpuOut({s.m, s.n});
+      ops_->Gemm(gx, gw, bp, out);
+      EXPECT_LT(RelL2(Host(out), want), kBf16Tol) << "dispatch";
+      out = GpuOut({s.m, s.n});
+      gpu_->GemmCublasLt(gx, gw, bp, out);
+      EXPECT_LT(RelL2(Host(out), want), kBf16Tol) << "cuBLASLt";
+      if (s.m <= 16) {
+        for (int c = 0; c < 7; ++c) {
+          out = GpuOut({s.m, s.n});
+          gpu_->GemmSkinny(gx, gw, bp, out, c);
+          EXPECT_LT(RelL2(Host(out), want), kBf16Tol) << "skinny config " << c;
+        }
+      }
+      bufs_.clear();
+    }
+  }
+}
+
+TEST_F(CudaOpsTest, RopeRotateHalf) {
+  for (int head_dim : {128, 64}) {
+    BatchMeta m = MakeBatch({{29, 4000}, {1, 7}, {3, 3}}, 16, 300, rng_);
+    const int hq = 8, hk = 2, T = m.num_tokens;
+    RopeConfig rc;
+    rc.theta = 100000.0;
+    auto inv = RopeInvFreq(rc, head_dim);
+    auto q = RandomBf16(rng_, T * hq * head_dim), k = RandomBf16(rng_, T * hk * head_dim);
+    auto qw = q, kw = k;
+    SetBatch(m);
+    cpu_->Rope(Cpu(qw, {T, hq * head_dim}), Cpu(kw, {T, hk * head_dim}), Cpu(inv, {head_dim / 2}),
+               head_dim);
+    Tensor gq = Gpu(q, {T, hq * head_dim}), gk = Gpu(k, {T, hk * head_dim});
+    ops_->Rope(gq, gk, GpuF32(inv, {head_dim / 2}), head_dim);
+    EXPECT_LT(RelL2(Host(gq), qw), kBf16Tol);
+    EXPECT_LT(RelL2(Host(gk), kw), kBf16Tol);
+  }
+}
+
+TEST_F(CudaOpsTest, KvWriteAndSiluMulAndAdd) {
+  const int bs = 16, blocks = 20, hk = 4, d = 128;
+  BatchMeta m = MakeBatch({{20, 35}, {1, 64}, {7, 7}}, bs, blocks, rng_);
+  const int T = m.num_tokens, width = hk * d;
+  auto k = RandomBf16(rng_, T * width), v = RandomBf16(rng_, T * width);
+  auto kc = RandomBf16(rng_, blocks * bs * width), vc = RandomBf16(rng_, blocks * bs * width);
+  auto kc_want = kc, vc_want = vc;
+  SetBatch(m);
+  cpu_->KvWrite(Cpu(k, {T, width}), Cpu(v, {T, width}), Cpu(kc_want, {blocks, bs, hk, d}),
+                Cpu(vc_want, {blocks, bs, hk, d}));
+  Tensor gkc = Gpu(kc, {blocks, bs, hk, d}), gvc = Gpu(vc, {blocks, bs, hk, d});
+  ops_->KvWrite(Gpu(k, {T, width}), Gpu(v, {T, width}), gkc, gvc);
+  EXPECT_EQ(Host(gkc), kc_want);
+  EXPECT_EQ(Host(gvc), vc_want);
+
+  for (int inter : {344, 11008}) {
+    const int rows = 7;
+    auto gu = RandomBf16(rng_, rows * 2 * inter, 2.0f);
+    std::vector<float> want(rows * inter);
+    cpu_->SiluMul(Cpu(gu, {rows, 2 * inter}), Cpu(want, {rows, inter}));
+    Tensor out = GpuOut({rows, inter});
+    ops_->SiluMul(Gpu(gu, {rows, 2 * inter}), out);
+    EXPECT_LT(RelL2(Host(out), want), kBf16Tol);
+  }
+  for (int n : {1001, 4096 * 3}) {
+    auto a = RandomBf16(rng_, n), b = RandomBf16(rng_, n);
+    std::vector<float> want(n);
+    cpu_->Add(Cpu(a, {n}), Cpu(b, {n}), Cpu(want, {n}));
+    Tensor out = GpuOut({n});
+    ops_->Add(Gpu(a, {n}), Gpu(b, {n}), out);
+    EXPECT_LT(RelL2(Host(out), want), kBf16Tol);
+  }
+}
+
+TEST_F(CudaOpsTest, GatherLogitRowsAndInterleaveShards) {
+  BatchMeta m = MakeBatch({{5, 5}, {1, 9}, {12, 40}}, 16, 10, rng_);
+  const int T = m.num_tokens, V = 1003, R = static_cast<int>(m.logits_rows.size());
+  auto logits = RandomBf16(rng_, T * V);
+  std::vector<float> want(R * V);
+  SetBatch(m);
+  cpu_->GatherLogitRows(Cpu(logits, {T, V}), Cpu(want, {R, V}));
+  Tensor out = GpuOut({R, V}, DType::kF32);
+  ops_->GatherLogitRows(GpuF32(logits, {T, V}), out);
+  EXPECT_EQ(Host(out), want);
+  Tensor out16 = GpuOut({R, V});
+  ops_->GatherLogitRows(Gpu(logits, {T, V}), out16);
+  EXPECT_EQ(Host(out16), want);
+
+  const int S = 3, B = 4, Vs = 517;
+  auto in = RandomBf16(rng_, S * B * Vs);
+  std::vector<float> iw(B * S * Vs);
+  cpu_->InterleaveShards(Cpu(in, {S, B, Vs}), Cpu(iw, {B, S * Vs}));
+  Tensor io = GpuOut({B, S * Vs}, DType::kF32);
+  ops_->InterleaveShards(GpuF32(in, {S, B, Vs}), io);
+  EXPECT_EQ(Host(io), iw);
+  Tensor io2 = GpuOut({B, S * Vs}, DType::kF32);
+  ops_->InterleaveShards(Gpu(in, {S, B, Vs}), io2);
+  EXPECT_EQ(Host(io2), iw);
+}
+
+struct AttnCase {
+  std::vector<std::pair<int, int>> seqs;  // (query_len, context_len)
+  int hq, hk, d, bs;
+};
+
+class CudaAttentionTest : public CudaOpsTest {
+ protected:
+  void Run(const AttnCase& c, bool decode) {
+    int total_blocks = 0;
+    for (auto [q, ctx] : c.seqs) total_blocks += (ctx + c.bs - 1) / c.bs;
+    total_blocks += 3;  // unused blocks hold garbage the kernels must not read
+    BatchMeta m = MakeBatch(c.seqs, c.bs, total_blocks, rng_);
+    const int T = m.num_tokens, qw = c.hq * c.d, kvw = c.hk * c.d;
+    auto q = RandomBf16(rng_, size_t{1} * T * qw);
+    auto kc = RandomBf16(rng_, size_t{1} * total_blocks * c.bs * kvw);
+    auto vc = RandomBf16(rng_, size_t{1} * total_blocks * c.bs * kvw);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+    std::vector<float> want(size_t{1} * T * qw);
+    SetBatch(m);
+    if (decode) {
+      cpu_->AttentionDecode(Cpu(q, {T, qw}), Cpu(kc, {total_blocks, c.bs, c.hk, c.d}),
+                            Cpu(vc, {total_blocks, c.bs, c.hk, c.d}), c.hq, c.hk, c.d, scale,
+                            Cpu(want, {T, qw}));
+    } else {
+      cpu_->AttentionPrefill(Cpu(q, {T, qw}), Cpu(kc, {total_blocks, c.bs, c.hk, c.d}),
+                             Cpu(vc, {total_blocks, c.bs, c.hk, c.d}), c.hq, c.hk, c.d, scale,
+                             Cpu(want, {T, qw}));
+    }
+    Tensor gq = Gpu(q, {T, qw}), gk = Gpu(kc, {total_blocks, c.bs, c.hk, c.d}),
+           gv = Gpu(vc, {total_blocks, c.bs, c.hk, c.d});
+    Tensor out = GpuOut({T, qw});
+    if (decode) {
+      ops_->AttentionDecode(gq, gk, gv, c.hq, c.hk, c.d, scale, out);
+    } else {
+      ops_->AttentionPrefill(gq, gk, gv, c.hq, c.hk, c.d, scale, out);
+    }
+    EXPECT_LT(RelL2(Host(out), want), kBf16Tol);
+    bufs_.clear();
+  }
+};
+
+TEST_F(CudaAttentionTest, PrefillVarlenCachedPrefixGqa) {
+  std::vector<AttnCase> cases = {
+      {{{77, 77}}, 4, 4, 128, 16},                                       // one odd prompt
+      {{{130, 300}, {1, 45}, {64, 64}, {3, 17}, {1, 0}}, 8, 2, 64, 16},  // mixed, GQA, pad
+      {{{200, 200}, {1, 1000}, {1, 33}}, 12, 4, 128, 16},                // prefill + decode rows
+      {{{65, 129}, {128, 128}}, 6, 1, 128, 32},                          // block boundaries, MQA
+      {{{300, 4096}}, 4, 2, 128, 16},                                    // long context chunk
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(i);
+    Run(cases[i], /*decode=*/false);
+  }
+}
+
+TEST_F(CudaAttentionTest, DecodePagedSplitGqa) {
+  std::vector<AttnCase> cases = {
+      {{{1, 1}, {1, 16}, {1, 0}, {1, 17}, {1, 300}, {1, 1023}}, 32, 32, 128, 16},  // pad
+      {{{1, 257}, {1, 512}, {1, 513}}, 16, 2, 64, 16},                             // G=8
+      {{{1, 100}, {1, 0}, {1, 700}}, 12, 4, 128, 16},                              // G=3
+      {{{1, 4096}, {1, 3000}}, 8, 4, 128, 16},                                     // long, G=2
+      {{{1, 31}, {1, 64}}, 8, 2, 128, 32},                                         // block size 32
+  };
+  // A large batch (>= 512 sequence-head pairs: 256-key partitions) with random contexts.
+  AttnCase big{{}, 32, 32, 64, 16};
+  std::uniform_int_distribution<int> ctx_dist(1, 1500);
+  for (int i = 0; i < 20; ++i) big.seqs.push_back({1, ctx_dist(rng_)});
+  cases.push_back(big);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(i);
+    Run(cases[i], /*decode=*/true);
+  }
+}
+
+// A decode step captured once replays correctly for new contexts and tokens (same sizes).
+TEST_F(CudaOpsTest, DecodeStepReplaysAsCudaGraph) {
+  const int hq = 8, hk = 2, d = 128, bs = 16, hidden = hq * d, blocks = 200, B = 4;
+  const int max_blocks = 64;
+  auto wq = RandomBf16(rng_, hidden * hidden, 0.05f);
+  Tensor gwq = Gpu(wq, {hidden, hidden});
+  auto kc = RandomBf16(rng_, blocks * bs * hk * d), vc = RandomBf16(rng_, blocks * bs * hk * d);
+  Tensor gk = Gpu(kc, {blocks, bs, hk, d}), gv = Gpu(vc, {blocks, bs, hk, d});
+  Tensor x = GpuOut({B, hidden}), qo = GpuOut({B, hidden}), out = GpuOut({B, hidden});
+  const float scale = 0.088f;
+  // Build metas directly: contexts change, capacity fixed.
+  auto meta = [&](const std::vector<int>& ctxs) {
+    BatchMeta m;
+    m.num_seqs = B;
+    m.num_tokens = B;
+    m.block_size = bs;
+    m.max_blocks_per_seq = max_blocks;
+    std::vector<int32_t> perm(blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng_);
+    size_t next = 0;
+    for (int i = 0; i < B; ++i) {
+      m.query_start.push_back(i);
+      m.context_lens.push_back(ctxs[i]);
+      m.positions.push_back(ctxs[i] - 1);
+      m.token_ids.push_back(i);
+      m.logits_rows.push_back(i);
+      std::vector<int32_t> row(max_blocks, -1);
+      for (int b = 0; b < (ctxs[i] + bs - 1) / bs; ++b) row[b] = perm[next++];
+      m.slot_mapping.push_back(row[(ctxs[i] - 1) / bs] * bs + (ctxs[i] - 1) % bs);
+      m.block_tables.insert(m.block_tables.end(), row.begin(), row.end());
+    }
+    m.query_start.push_back(B);
+    return m;
+  };
+  auto xs = RandomBf16(rng_, B * hidden);
+  Tensor gx = Gpu(xs, {B, hidden});
+  auto step = [&] {
+    ops_->Gemm(gx, gwq, nullptr, qo);
+    ops_->AttentionDecode(qo, gk, gv, hq, hk, d, scale, out);
+  };
+  auto reference = [&](const BatchMeta& m) {
+    std::vector<float> q(B * hidden), o(B * hidden);
+    cpu_->SetBatch(m);
+    cpu_->Gemm(Cpu(xs, {B, hidden}), Cpu(wq, {hidden, hidden}), nullptr, Cpu(q, {B, hidden}));
+    for (float& v : q) v = Bf16ToF32(F32ToBf16(v));  // the GPU rounds q to bf16
+    cpu_->AttentionDecode(Cpu(q, {B, hidden}), Cpu(kc, {blocks, bs, hk, d}),
+                          Cpu(vc, {blocks, bs, hk, d}), hq, hk, d, scale, Cpu(o, {B, hidden}));
+    return o;
+  };
+  BatchMeta m1 = meta({5, 700, 1024, 33});
+  ops_->SetBatch(m1);
+  step();  // warm-up: sizes workspaces and cuBLAS plans outside capture
+  ops_->Synchronize();
+  uint64_t gen = gpu_->layout_generation();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(gpu_->stream(), cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  step();
+  ASSERT_EQ(cudaStreamEndCapture(gpu_->stream(), &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (auto ctxs : {std::vector<int>{5, 700, 1024, 33}, std::vector<int>{1000, 1, 257, 512},
+                    std::vector<int>{17, 16, 15, 1023}}) {
+    BatchMeta m = meta(ctxs);
+    ops_->SetBatch(m);
+    ASSERT_EQ(gpu_->layout_generation(), gen);
+    ASSERT_EQ(cudaGraphLaunch(exec, gpu_->stream()), cudaSuccess);
+    EXPECT_LT(RelL2(Host(out), reference(m)), kBf16Tol);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+// The sampling rule of ops.h evaluated with double-precision sums (the GPU sums float
+// probabilities in double; the CPU reference sums in float, so near a boundary the two may
+// legitimately differ by rounding).
+int32_t RuleReference(const float* row, int vocab, const SamplingParams& p) {
+  if (p.temperature <= 0.0f) return static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+  std::vector<int32_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return row[a] > row[b]; });
+  int keep = p.top_k > 0 ? std::min(vocab, p.top_k) : vocab;
+  const float xmax = row[order[0]] / p.temperature;
+  std::vector<double> probs(keep);
+  double total = 0;
+  for (int i = 0; i < keep; ++i) {
+    probs[i] = std::exp(row[order[i]] / p.temperature - xmax);
+    total += probs[i];
+  }
+  if (p.top_p < 1.0f) {
+    double cum = 0;
+    for (int i = 0; i < keep; ++i) {
+      cum += probs[i];
+      if (cum >= double(p.top_p) * total) {
+        keep = i + 1;
+        break;
+      }
+    }
+    total = 0;
+    for (int i = 0; i < keep; ++i) total += probs[i];
+  }
+  double target = double(PhiloxUniform(p.seed, static_cast<uint64_t>(p.position))) * total;
+  double cum = 0;
+  for (int i = 0; i < keep; ++i) {
+    cum += probs[i];
+    if (cum > target) return order[i];
+  }
+  return order[keep - 1];
+}
+
+// Checks GPU ids against the double-precision rule exactly, and against the CPU reference:
+// greedy rows exactly, sampled rows on at least 95% of the draws (float-sum rounding).
+void CheckSamples(const std::vector<int32_t>& got, const std::vector<int32_t>& cpu,
+                  const std::vector<float>& logits, int width, int vocab,
+                  const std::vector<SamplingParams>& params, int* draws, int* cpu_mismatch) {
+  for (size_t r = 0; r < params.size(); ++r) {
+    int32_t want = RuleReference(logits.data() + r * width, vocab, params[r]);
+    EXPECT_EQ(got[r], want) << "row " << r << " T=" << params[r].temperature
+                            << " top_k=" << params[r].top_k << " top_p=" << params[r].top_p;
+    if (params[r].temperature <= 0.0f) {
+      EXPECT_EQ(got[r], cpu[r]) << "greedy row " << r;
+    } else {
+      ++*draws;
+      *cpu_mismatch += got[r] != cpu[r];
+    }
+  }
+}
+
+TEST_F(CudaOpsTest, SampleMatchesRuleAndCpuAndIsDeterministic) {
+  const int rows = 24, width = 1040, vocab = 1000;
+  // Logits on a 1/8 grid (exact in fp32 and bf16) with repeats, so ties exist.
+  std::vector<float> logits(rows * width);
+  std::uniform_int_distribution<int> grid(-64, 64);
+  for (float& v : logits) v = grid(rng_) / 8.0f;
+  for (int r = 0; r < rows; ++r) {
+    for (int i = vocab; i < width; ++i) logits[r * width + i] = 100.0f;  // padding: ignored
+  }
+  std::vector<SamplingParams> params(rows);
+  const float temps[] = {0.0f, 0.7f, 1.0f, 1.5f};
+  const int top_ks[] = {0, 1, 5, 50};
+  const float top_ps[] = {1.0f, 0.9f, 0.5f};
+  for (int r = 0; r < rows; ++r) {
+    params[r].temperature = temps[r % 4];
+    params[r].top_k = top_ks[(r / 4) % 4];
+    params[r].top_p = top_ps[r % 3];
+    params[r].seed = 1000 + r * 7919;
+    params[r].position = 17 + r;
+  }
+  Tensor cpu_logits = Cpu(logits, {rows, width});
+  Tensor g32 = GpuF32(logits, {rows, width});
+  Tensor g16 = Gpu(logits, {rows, width});
+  int draws = 0, mismatch = 0;
+  for (int trial = 0; trial < 8; ++trial) {
+    for (auto& p : params) p.position += 13;
+    auto cpu = cpu_->Sample(cpu_logits, vocab, params);
+    auto got = ops_->Sample(g32, vocab, params);
+    CheckSamples(got, cpu, logits, width, vocab, params, &draws, &mismatch);
+    EXPECT_EQ(ops_->Sample(g16, vocab, params), got) << "bf16 logits, trial " << trial;
+    EXPECT_EQ(ops_->Sample(g32, vocab, params), got) << "not deterministic";
+  }
+  std::cout << "sampled draws " << draws << ", differing from the CPU (float sums) " << mismatch
+            << std::endl;
+  EXPECT_LE(mismatch * 20, draws);
+  // The same (seed, position) gives the same token whatever the row order.
+  std::vector<int> perm(rows);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng_);
+  std::vector<float> shuffled(rows * width);
+  std::vector<SamplingParams> sp(rows);
+  for (int r = 0; r < rows; ++r) {
+    std::copy_n(logits.begin() + perm[r] * width, width, shuffled.begin() + r * width);
+    sp[r] = params[perm[r]];
+  }
+  auto base = ops_->Sample(g32, vocab, params);
+  auto moved = ops_->Sample(GpuF32(shuffled, {rows, width}), vocab, sp);
+  for (int r = 0; r < rows; ++r) EXPECT_EQ(moved[r], base[perm[r]]);
+}
+
+TEST_F(CudaOpsTest, SampleLargeVocabTopKTopP) {
+  // A realistic vocabulary: a few hundred likely tokens and a long flat tail that top-p must
+  // cut, plus one row with a flat distribution where top-p keeps thousands of candidates.
+  const int rows = 7, vocab = 32256;
+  std::vector<float> logits(rows * vocab);
+  std::uniform_int_distribution<int> head(0, 40), tail(-200, -100), flat(-8, 8);
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < vocab; ++i) {
+      float v = r == rows - 1 ? flat(rng_) / 8.0f
+                              : (rng_() % 100 == 0 ? head(rng_) / 8.0f : tail(rng_) / 16.0f);
+      logits[r * vocab + i] = v;
+    }
+  }
+  std::vector<SamplingParams> params(rows);
+  for (int r = 0; r < rows; ++r) {
+    params[r] = {r == 0 ? 0.0f : 0.8f, r == 2 ? 40 : 0, r >= 3 ? 0.95f : 1.0f,
+                 static_cast<uint64_t>(r * 31 + 5), 100 + r};
+  }
+  Tensor g = GpuF32(logits, {rows, vocab});
+  int draws = 0, mismatch = 0;
+  for (int trial = 0; trial < 6; ++trial) {
+    for (auto& p : params) p.position += 1;
+    auto got = ops_->Sample(g, vocab, params);
+    auto cpu = cpu_->Sample(Cpu(logits, {rows, vocab}), vocab, params);
+    // The flat row sums ~30k float probabilities on the CPU: its rounding (~1e-5 relative) is
+    // comparable to one candidate's mass, so that row is checked against the rule alone.
+    cpu[rows - 1] = got[rows - 1];
+    CheckSamples(got, cpu, logits, vocab, vocab, params, &draws, &mismatch);
+  }
+  std::cout << "sampled draws " << draws << ", differing from the CPU (float sums) " << mismatch
+            << std::endl;
+  EXPECT_LE(mismatch * 20, draws);
+}
+
+}  // namespace
+}  // namespace tpserve

@@ -1,0 +1,240 @@
+// Op-level benchmarks of the CUDA kernels on one GPU: device-to-device copy bandwidth (the
+// ceiling for decode), skinny GEMM vs cuBLASLt at decode sizes for the DeepSeek-Coder-6.7B
+// shapes, prefill attention TFLOP/s and decode attention GB/s. Times are medians of CUDA-event
+// timed repetitions after warm-up; weights rotate over copies larger than the L2 cache.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/bf16.h"
+#include "common/check.h"
+#include "kernels/cuda/cuda_ops.h"
+
+namespace tpserve {
+namespace {
+
+struct Row {
+  std::string what;
+  double ms;
+  std::string metric;
+};
+std::vector<Row> g_rows;
+
+double MedianMs(cudaStream_t s, int iters, const std::function<void(int)>& fn) {
+  for (int i = 0; i < 3; ++i) fn(i);
+  std::vector<cudaEvent_t> ev(iters + 1);
+  for (auto& e : ev) TP_CUDA_CHECK(cudaEventCreate(&e));
+  std::vector<float> t(iters);
+  TP_CUDA_CHECK(cudaEventRecord(ev[0], s));
+  for (int i = 0; i < iters; ++i) {
+    fn(i);
+    TP_CUDA_CHECK(cudaEventRecord(ev[i + 1], s));
+  }
+  TP_CUDA_CHECK(cudaEventSynchronize(ev[iters]));
+  TP_CUDA_CHECK(cudaGetLastError());
+  for (int i = 0; i < iters; ++i) TP_CUDA_CHECK(cudaEventElapsedTime(&t[i], ev[i], ev[i + 1]));
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(t.begin(), t.end());
+  return t[iters / 2];
+}
+
+// Fills device memory with random bf16 (a host pattern repeated at shifting offsets).
+void FillRandom(void* dst, size_t bytes, float scale) {
+  static std::vector<uint16_t> pattern;
+  if (pattern.empty()) {
+    std::mt19937 rng(42);
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    pattern.resize(size_t{8} << 20);
+    for (auto& v : pattern) v = F32ToBf16(d(rng));
+  }
+  std::vector<uint16_t> scaled(pattern.size());
+  for (size_t i = 0; i < pattern.size(); ++i) scaled[i] = F32ToBf16(Bf16ToF32(pattern[i]) * scale);
+  size_t chunk = scaled.size() * 2, off = 0, shift = 0;
+  while (off < bytes) {
+    size_t n = std::min(chunk - shift, bytes - off);
+    TP_CUDA_CHECK(cudaMemcpy(static_cast<char*>(dst) + off,
+                             reinterpret_cast<char*>(scaled.data()) + shift, n,
+                             cudaMemcpyHostToDevice));
+    off += n;
+    shift = (shift + 4096 + 16) % (chunk / 2);
+  }
+}
+
+void Add(const std::string& what, double ms, const std::string& metric) {
+  g_rows.push_back({what, ms, metric});
+  std::printf("%-48s %9.4f ms  %s\n", what.c_str(), ms, metric.c_str());
+  std::fflush(stdout);
+}
+
+std::string Fmt(const char* f, double a, double b = 0) {
+  char buf[128];
+  std::snprintf(buf, sizeof(buf), f, a, b);
+  return buf;
+}
+
+int Main() {
+  if (CudaDeviceCount() == 0) {
+    std::printf("no CUDA device\n");
+    return 0;
+  }
+  CudaOps ops(0);
+  cudaStream_t s = ops.stream();
+  cudaDeviceProp prop;
+  TP_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize >> 20);
+
+  // 1. Copy bandwidth (bytes read + written).
+  const size_t copy_bytes = size_t{1} << 30;
+  void *src = ops.Alloc(copy_bytes), *dst = ops.Alloc(copy_bytes);
+  FillRandom(src, copy_bytes, 1.0f);
+  double copy_ms = MedianMs(s, 20, [&](int) {
+    TP_CUDA_CHECK(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice, s));
+  });
+  const double copy_gbs = 2.0 * copy_bytes / copy_ms / 1e6;
+  Add("d2d copy 1 GiB", copy_ms, Fmt("%.0f GB/s (read+write)", copy_gbs));
+  ops.Free(src);
+  ops.Free(dst);
+
+  // 2. GEMMs at decode sizes, 6.7B shapes. Weights rotate over >= 1 GiB of copies.
+  struct Shape {
+    const char* name;
+    int n, k;
+  };
+  const Shape shapes[] = {{"qkv 12288x4096", 12288, 4096},
+                          {"o 4096x4096", 4096, 4096},
+                          {"gate_up 22016x4096", 22016, 4096},
+                          {"down 4096x11008", 4096, 11008},
+                          {"lm_head 32256x4096", 32256, 4096}};
+  void* xbuf = ops.Alloc(16 * 11008 * 2);
+  void* ybuf = ops.Alloc(size_t{16} * 32256 * 2);
+  FillRandom(xbuf, 16 * 11008 * 2, 1.0f);
+  for (const Shape& sh : shapes) {
+    size_t wbytes = size_t{2} * sh.n * sh.k;
+    int copies = static_cast<int>(std::max<size_t>(2, (size_t{1} << 30) / wbytes + 1));
+    void* w = ops.Alloc(wbytes * copies);
+    FillRandom(w, wbytes * copies, 0.02f);
+    auto wt = [&](int i) {
+      return Tensor(static_cast<char*>(w) + (i % copies) * wbytes, {sh.n, sh.k}, DType::kBF16,
+                    Device::kCuda);
+    };
+    for (int m : {1, 2, 4, 8, 16}) {
+      Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
+      Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
+      auto report = [&](const std::string& label, double ms) {
+        double gbs = wbytes / ms / 1e6;
+        Add(std::string(sh.name) + " M=" + std::to_string(m) + " " + label, ms,
+            Fmt("%.0f GB/s = %.1f%% of copy", gbs, 100.0 * gbs / copy_gbs));
+      };
+      report("cublasLt", MedianMs(s, 50, [&](int i) { ops.GemmCublasLt(x, wt(i), nullptr, y); }));
+      // All variants at M = 1; the automatic choice at larger M.
+      for (int c = 0; c < (m == 1 ? 7 : 1); ++c) {
+        report("skinny cfg" + std::to_string(c),
+               MedianMs(s, 50, [&](int i) { ops.GemmSkinny(x, wt(i), nullptr, y, c); }));
+      }
+    }
+    ops.Free(w);
+  }
+  ops.Free(xbuf);
+  ops.Free(ybuf);
+
+  // 3. cuBLAS bf16 peak and a prefill-sized GEMM.
+  for (auto [m, n, k] : {std::tuple{4096, 4096, 4096}, std::tuple{2048, 12288, 4096},
+                         std::tuple{2048, 4096, 11008}}) {
+    void* a = ops.Alloc(size_t{2} * m * k);
+    void* b = ops.Alloc(size_t{2} * n * k);
+    void* c = ops.Alloc(size_t{2} * m * n);
+    FillRandom(a, size_t{2} * m * k, 1.0f);
+    FillRandom(b, size_t{2} * n * k, 0.02f);
+    Tensor x(a, {m, k}, DType::kBF16, Device::kCuda), w(b, {n, k}, DType::kBF16, Device::kCuda),
+        y(c, {m, n}, DType::kBF16, Device::kCuda);
+    double ms = MedianMs(s, 30, [&](int) { ops.GemmCublasLt(x, w, nullptr, y); });
+    Add("cublasLt GEMM " + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k),
+        ms, Fmt("%.0f TFLOP/s", 2.0 * m * n * k / ms / 1e9));
+    ops.Free(a);
+    ops.Free(b);
+    ops.Free(c);
+  }
+
+  // 4. Attention. 6.7B: 32 heads, 32 KV heads, head_dim 128, block size 16.
+  const int hq = 32, hk = 32, d = 128, bs = 16;
+  auto batch = [&](int seqs, int qlen, int ctx) {
+    BatchMeta m;
+    m.num_seqs = seqs;
+    m.block_size = bs;
+    m.max_blocks_per_seq = (ctx + bs - 1) / bs;
+    m.query_start.push_back(0);
+    for (int sq = 0; sq < seqs; ++sq) {
+      for (int b = 0; b < m.max_blocks_per_seq; ++b)
+        m.block_tables.push_back(sq * m.max_blocks_per_seq + b);
+      for (int i = 0; i < qlen; ++i) {
+        int pos = ctx - qlen + i;
+        m.positions.push_back(pos);
+        m.slot_mapping.push_back((sq * m.max_blocks_per_seq + pos / bs) * bs + pos % bs);
+      }
+      m.query_start.push_back(m.query_start.back() + qlen);
+      m.context_lens.push_back(ctx);
+    }
+    m.num_tokens = seqs * qlen;
+    return m;
+  };
+  {
+    const int T = 2048;
+    BatchMeta m = batch(1, T, T);
+    size_t cache_bytes = size_t{2} * m.max_blocks_per_seq * bs * hk * d;
+    void *kc = ops.Alloc(cache_bytes), *vc = ops.Alloc(cache_bytes);
+    void *q = ops.Alloc(size_t{2} * T * hq * d), *o = ops.Alloc(size_t{2} * T * hq * d);
+    FillRandom(kc, cache_bytes, 1.0f);
+    FillRandom(vc, cache_bytes, 1.0f);
+    FillRandom(q, size_t{2} * T * hq * d, 1.0f);
+    ops.SetBatch(m);
+    Tensor tq(q, {T, hq * d}, DType::kBF16, Device::kCuda),
+        to(o, {T, hq * d}, DType::kBF16, Device::kCuda);
+    Tensor tk(kc, {m.max_blocks_per_seq, bs, hk, d}, DType::kBF16, Device::kCuda),
+        tv(vc, {m.max_blocks_per_seq, bs, hk, d}, DType::kBF16, Device::kCuda);
+    double ms =
+        MedianMs(s, 20, [&](int) { ops.AttentionPrefill(tq, tk, tv, hq, hk, d, 0.0884f, to); });
+    double flops = 4.0 * d * hq * (double(T) * (T + 1) / 2);
+    Add("prefill attention 2048 tok, 32 heads, d128", ms,
+        Fmt("%.0f TFLOP/s (causal FLOPs)", flops / ms / 1e9));
+    for (void* p : {kc, vc, q, o}) ops.Free(p);
+  }
+  for (auto [B, ctx] : {std::pair{1, 1024}, std::pair{8, 1024}, std::pair{32, 1024},
+                        std::pair{64, 1024}, std::pair{1, 4096}, std::pair{8, 4096}}) {
+    BatchMeta m = batch(B, 1, ctx);
+    size_t cache_bytes = size_t{2} * B * m.max_blocks_per_seq * bs * hk * d;
+    void *kc = ops.Alloc(cache_bytes), *vc = ops.Alloc(cache_bytes);
+    void *q = ops.Alloc(size_t{2} * B * hq * d), *o = ops.Alloc(size_t{2} * B * hq * d);
+    FillRandom(kc, cache_bytes, 1.0f);
+    FillRandom(vc, cache_bytes, 1.0f);
+    FillRandom(q, size_t{2} * B * hq * d, 1.0f);
+    ops.SetBatch(m);
+    Tensor tq(q, {B, hq * d}, DType::kBF16, Device::kCuda),
+        to(o, {B, hq * d}, DType::kBF16, Device::kCuda);
+    Tensor tk(kc, {B * m.max_blocks_per_seq, bs, hk, d}, DType::kBF16, Device::kCuda),
+        tv(vc, {B * m.max_blocks_per_seq, bs, hk, d}, DType::kBF16, Device::kCuda);
+    double ms =
+        MedianMs(s, 50, [&](int) { ops.AttentionDecode(tq, tk, tv, hq, hk, d, 0.0884f, to); });
+    double bytes = 2.0 * cache_bytes;
+    Add("decode attention B=" + std::to_string(B) + " ctx " + std::to_string(ctx), ms,
+        Fmt("%.0f GB/s KV = %.1f%% of copy", bytes / ms / 1e6,
+            100.0 * bytes / ms / 1e6 / copy_gbs));
+    for (void* p : {kc, vc, q, o}) ops.Free(p);
+  }
+
+  std::printf("\n==== summary (copy %.0f GB/s) ====\n", copy_gbs);
+  for (const Row& r : g_rows)
+    std::printf("| %-44s | %8.4f ms | %s |\n", r.what.c_str(), r.ms, r.metric.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace tpserve
+
+int main() { return tpserve::Main(); }
