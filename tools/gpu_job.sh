@@ -24,7 +24,10 @@ if has tests; then
   for t in "$stage"/bin/*_test; do
     [ -x "$t" ] || continue
     log "test $(basename "$t")"
-    timeout 600 "$t" --gtest_color=no >"$out/$(basename "$t").log" 2>&1
+    launcher=()
+    # Multi-process GPU tests: several ranks share the one GPU through the MPI communicator.
+    [[ $(basename "$t") == model_parallel_* ]] && launcher=(mpirun --allow-run-as-root --oversubscribe -np 2)
+    timeout 600 "${launcher[@]}" "$t" --gtest_color=no >"$out/$(basename "$t").log" 2>&1
     rc=$?
     tail -3 "$out/$(basename "$t").log" | tee -a "$out/summary.txt"
     grep -E "worst|near-ties|GB/s|TFLOP" "$out/$(basename "$t").log" | head -20 >>"$out/summary.txt"
