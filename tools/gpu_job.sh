@@ -59,7 +59,7 @@ if has bench; then
 fi
 if has hf; then
   log "HF transformers baselines"
-  timeout 900 python3 tools/hf_bench.py --model $ds --modes eager-bf16,eager-fp32,compile-bf16 \
+  timeout 900 python3 tools/hf_bench.py --model $ds --modes ${HF_MODES:-eager-bf16,eager-fp32,compile-bf16} \
     --prompt-len 512 --new-tokens ${HF_NEW_TOKENS:-128} --out "$out/hf_bench.json" \
     >"$out/hf_bench.log" 2>&1
   log "hf_bench rc=$?"
