@@ -22,6 +22,7 @@
 #include "kernels/ops.h"
 #include "tests/parallel/model_test_util.h"
 #include "tests/parallel/mp_test_util.h"
+#include "tests/worker/test_models.h"
 #include "tools/random_model.h"
 #include "worker/engine.h"
 
@@ -40,26 +41,7 @@ constexpr absl::Duration kCommTimeout = absl::Seconds(60);
 
 // GQA 8/2 with an odd vocabulary (301: padded to 302 / 304), 3 layers (PP=2 splits 2+1 or 1+2),
 // linear RoPE scaling. TP=4 replicates each KV head on two ranks.
-ModelConfig AwkwardA() {
-  ModelConfig c;
-  c.architecture = "LlamaForCausalLM";
-  c.model_type = "llama";
-  c.hidden_size = 64;
-  c.intermediate_size = 160;
-  c.num_layers = 3;
-  c.num_heads = 8;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.vocab_size = 301;
-  c.max_position_embeddings = 512;
-  c.rms_norm_eps = 1e-6;
-  c.rope.theta = 100000;
-  c.rope.scaling = RopeScalingType::kLinear;
-  c.rope.factor = 4.0;
-  c.bos_token_ids = {1};
-  c.eos_token_ids = {2};
-  return c;
-}
+ModelConfig AwkwardA() { return testing_util::AwkwardConfig(); }
 
 // One KV head (replicated at every tp > 1), a prime vocabulary (307), 5 layers (PP=2: 3+2,
 // PP=4: one stage with two layers), tied embeddings (the last stage reads embed_tokens as its

@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/model_config.h"
+#include "tests/worker/test_models.h"
 #include "tools/random_model.h"
 
 namespace tpserve::service_test {
@@ -92,21 +93,12 @@ inline std::string ByteTokenizerJson() {
 }
 
 inline ModelConfig ServiceModelConfig() {
-  ModelConfig c;
-  c.architecture = "LlamaForCausalLM";
-  c.model_type = "llama";
-  c.hidden_size = 64;
-  c.intermediate_size = 160;
-  c.num_layers = 3;
-  c.num_heads = 8;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
+  // The worker tests' awkward GQA model, with a vocabulary of 256 bytes + 3 specials for the
+  // byte-level test tokenizer and plain RoPE.
+  ModelConfig c = testing_util::AwkwardConfig();
   c.vocab_size = 259;
-  c.max_position_embeddings = 512;
-  c.rms_norm_eps = 1e-6;
+  c.rope = RopeConfig();
   c.rope.theta = 10000;
-  c.bos_token_ids = {1};
-  c.eos_token_ids = {2};
   return c;
 }
 
