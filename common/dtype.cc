@@ -75,7 +75,8 @@ Tensor Tensor::reshape(std::initializer_list<int64_t> dims) const {
 }
 
 std::string Tensor::ShapeString() const {
-  return absl::StrCat("[", absl::StrJoin(shape, shape + ndim, ", "), "] ", std::string(DTypeName(dtype)));
+  return absl::StrCat("[", absl::StrJoin(shape, shape + ndim, ", "), "] ",
+                      std::string(DTypeName(dtype)));
 }
 
 }  // namespace tpserve

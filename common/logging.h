@@ -33,9 +33,9 @@ class LogMessage {
 #define TP_LOG_LEVEL_ERROR ::tpserve::LogLevel::kError
 #define TP_LOG_LEVEL_FATAL ::tpserve::LogLevel::kFatal
 
-#define TP_LOG(level)                                           \
-  if (TP_LOG_LEVEL_##level < ::tpserve::MinLogLevel()) {        \
-  } else                                                        \
+#define TP_LOG(level)                                    \
+  if (TP_LOG_LEVEL_##level < ::tpserve::MinLogLevel()) { \
+  } else                                                 \
     ::tpserve::LogMessage(TP_LOG_LEVEL_##level, __FILE__, __LINE__).stream()
 
 // Invariant check: aborts with file:line and the condition when false.

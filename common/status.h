@@ -12,10 +12,10 @@
 #define TP_STATUS_CONCAT(a, b) TP_STATUS_CONCAT_INNER(a, b)
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define TP_RETURN_IF_ERROR(expr)                 \
-  do {                                           \
-    ::absl::Status _tp_status = (expr);          \
-    if (!_tp_status.ok()) return _tp_status;     \
+#define TP_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::absl::Status _tp_status = (expr);      \
+    if (!_tp_status.ok()) return _tp_status; \
   } while (0)
 
 // `lhs = value of expr` where expr is an absl::StatusOr<T>; returns its status on error.

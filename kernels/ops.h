@@ -18,10 +18,10 @@ namespace tpserve {
 // gives the same tokens whatever the batch, TP or PP layout.
 struct SamplingParams {
   float temperature = 0.0f;
-  int32_t top_k = 0;      // 0 = off
-  float top_p = 1.0f;     // 1 = off
+  int32_t top_k = 0;   // 0 = off
+  float top_p = 1.0f;  // 1 = off
   uint64_t seed = 0;
-  int64_t position = 0;   // position of the token being sampled (the RNG counter)
+  int64_t position = 0;  // position of the token being sampled (the RNG counter)
 };
 
 // The layout of one step's batch, in host memory. Tokens of all sequences are packed along
@@ -38,7 +38,7 @@ struct BatchMeta {
   std::vector<int32_t> block_tables;  // [num_seqs * max_blocks_per_seq], -1 padded
   int max_blocks_per_seq = 0;
   int block_size = 16;
-  std::vector<int32_t> logits_rows;   // token rows whose logits are wanted (sampled rows)
+  std::vector<int32_t> logits_rows;  // token rows whose logits are wanted (sampled rows)
   int max_query_len() const;
   int max_context_len() const;
   bool all_decode() const { return num_tokens == num_seqs; }

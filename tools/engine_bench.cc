@@ -39,11 +39,11 @@ std::vector<int32_t> RandomPrompt(std::mt19937& rng, int len, int64_t vocab) {
 }
 
 absl::Status Main(const std::vector<std::string>& args) {
-  TP_ASSIGN_OR_RETURN(CliArgs a, CliArgs::Parse(args,
-                                                {"model", "device", "prompt-len", "new-tokens",
-                                                 "prefill-len", "batches", "context", "repeats",
-                                                 "json", "max-batch-tokens"},
-                                                {}));
+  TP_ASSIGN_OR_RETURN(CliArgs a,
+                      CliArgs::Parse(args,
+                                     {"model", "device", "prompt-len", "new-tokens", "prefill-len",
+                                      "batches", "context", "repeats", "json", "max-batch-tokens"},
+                                     {}));
   TP_ASSIGN_OR_RETURN(std::string model_dir, a.Required("model"));
   TP_ASSIGN_OR_RETURN(int64_t prompt_len, a.GetInt("prompt-len", 512));
   TP_ASSIGN_OR_RETURN(int64_t new_tokens, a.GetInt("new-tokens", 512));
@@ -52,7 +52,8 @@ absl::Status Main(const std::vector<std::string>& args) {
   TP_ASSIGN_OR_RETURN(int64_t repeats, a.GetInt("repeats", 3));
   TP_ASSIGN_OR_RETURN(int64_t max_batch_tokens, a.GetInt("max-batch-tokens", 8192));
   std::vector<int> batches;
-  for (absl::string_view s : absl::StrSplit(a.GetOr("batches", "8,32,64"), ',', absl::SkipEmpty())) {
+  for (absl::string_view s :
+       absl::StrSplit(a.GetOr("batches", "8,32,64"), ',', absl::SkipEmpty())) {
     int b;
     if (!absl::SimpleAtoi(s, &b) || b < 1) return absl::InvalidArgumentError("bad --batches");
     batches.push_back(b);
@@ -74,11 +75,13 @@ absl::Status Main(const std::vector<std::string>& args) {
   int max_batch = *std::max_element(batches.begin(), batches.end());
   EngineOptions options;
   options.device = device;
-  options.model.max_batch_tokens = static_cast<int>(std::max<int64_t>(max_batch_tokens, prefill_len));
+  options.model.max_batch_tokens =
+      static_cast<int>(std::max<int64_t>(max_batch_tokens, prefill_len));
   options.model.max_batch_seqs = std::max(max_batch, 1);
   const int64_t tokens_needed = std::max<int64_t>(
       {prompt_len + new_tokens, prefill_len, int64_t{max_batch} * (context + 16)});
-  options.num_kv_blocks = static_cast<int>((tokens_needed + 2 * max_batch) / options.block_size + 2 * max_batch + 8);
+  options.num_kv_blocks =
+      static_cast<int>((tokens_needed + 2 * max_batch) / options.block_size + 2 * max_batch + 8);
   const auto t0 = std::chrono::steady_clock::now();
   TP_ASSIGN_OR_RETURN(auto engine, Engine::Create(model_dir, options));
   const double load_s =
@@ -109,10 +112,14 @@ absl::Status Main(const std::vector<std::string>& args) {
       decode.push_back(Median(std::vector<double>(ms.begin() + 1, ms.end())));
     }
     const double decode_ms = Median(decode);
-    const double floor_ms = hw.copy_bytes_per_s > 0 ? weight_bytes / (hw.copy_bytes_per_s / 2) * 1e3 : 0;
-    out["batch1"] = {{"prompt_len", prompt_len},          {"new_tokens", new_tokens},
-                     {"ttft_ms", Median(ttft)},           {"decode_ms_per_token", decode_ms},
-                     {"e2e_s", Median(e2e)},              {"weight_read_floor_ms", floor_ms},
+    const double floor_ms =
+        hw.copy_bytes_per_s > 0 ? weight_bytes / (hw.copy_bytes_per_s / 2) * 1e3 : 0;
+    out["batch1"] = {{"prompt_len", prompt_len},
+                     {"new_tokens", new_tokens},
+                     {"ttft_ms", Median(ttft)},
+                     {"decode_ms_per_token", decode_ms},
+                     {"e2e_s", Median(e2e)},
+                     {"weight_read_floor_ms", floor_ms},
                      {"fraction_of_floor", floor_ms > 0 ? floor_ms / decode_ms : 0},
                      {"effective_weight_TBps", weight_bytes / (decode_ms * 1e-3) / 1e12}};
     std::fprintf(stderr,
@@ -136,9 +143,12 @@ absl::Status Main(const std::vector<std::string>& args) {
     }
     const double params = weight_bytes / DTypeSize(engine->ops()->compute_dtype());
     const double n = static_cast<double>(prefill_len);
-    const double flops = 2.0 * params * n + 2.0 * cfg.num_layers * n * n * cfg.num_heads * cfg.head_dim;
+    const double flops =
+        2.0 * params * n + 2.0 * cfg.num_layers * n * n * cfg.num_heads * cfg.head_dim;
     const double t = Median(ms);
-    out["prefill"] = {{"tokens", prefill_len}, {"ms", t}, {"TFLOPs", flops / (t * 1e-3) / 1e12},
+    out["prefill"] = {{"tokens", prefill_len},
+                      {"ms", t},
+                      {"TFLOPs", flops / (t * 1e-3) / 1e12},
                       {"fraction_of_gemm_peak",
                        hw.gemm_flops_per_s > 0 ? flops / (t * 1e-3) / hw.gemm_flops_per_s : 0}};
     std::fprintf(stderr, "prefill %ld tokens: %.2f ms, %.0f TFLOP/s (%.0f%% of GEMM peak)\n",
@@ -162,11 +172,16 @@ absl::Status Main(const std::vector<std::string>& args) {
                             cfg.head_dim * DTypeSize(engine->ops()->compute_dtype());
     const double floor_ms =
         hw.copy_bytes_per_s > 0 ? (weight_bytes + kv_bytes) / (hw.copy_bytes_per_s / 2) * 1e3 : 0;
-    rows.push_back({{"batch", b}, {"context", context}, {"step_ms", step},
-                    {"tokens_per_s", b / (step * 1e-3)}, {"bytes_floor_ms", floor_ms},
+    rows.push_back({{"batch", b},
+                    {"context", context},
+                    {"step_ms", step},
+                    {"tokens_per_s", b / (step * 1e-3)},
+                    {"bytes_floor_ms", floor_ms},
                     {"ratio_to_floor", floor_ms > 0 ? step / floor_ms : 0}});
-    std::fprintf(stderr, "decode batch %d, context %ld: %.3f ms/step, %.0f tokens/s (floor %.3f ms,"
-                 " %.2fx)\n", b, long(context), step, b / (step * 1e-3), floor_ms,
+    std::fprintf(stderr,
+                 "decode batch %d, context %ld: %.3f ms/step, %.0f tokens/s (floor %.3f ms,"
+                 " %.2fx)\n",
+                 b, long(context), step, b / (step * 1e-3), floor_ms,
                  floor_ms > 0 ? step / floor_ms : 0.0);
   }
   out["batched_decode"] = rows;

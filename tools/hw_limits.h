@@ -7,8 +7,8 @@
 namespace tpserve {
 
 struct HwLimits {
-  double copy_bytes_per_s = 0;   // counting bytes read plus bytes written
-  double gemm_flops_per_s = 0;   // bf16 in, fp32 accumulate, M = N = K = gemm_size
+  double copy_bytes_per_s = 0;  // counting bytes read plus bytes written
+  double gemm_flops_per_s = 0;  // bf16 in, fp32 accumulate, M = N = K = gemm_size
   int gemm_size = 0;
   int64_t total_memory = 0;
 };

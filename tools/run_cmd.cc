@@ -41,11 +41,10 @@ absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
 }  // namespace
 
 absl::Status RunRunCommand(const std::vector<std::string>& args) {
-  auto parsed = CliArgs::Parse(
-      args,
-      {"model", "prompt", "prompt-ids", "max-new-tokens", "temperature", "top-p", "top-k", "seed",
-       "device", "kv-cache-mb"},
-      {"json", "ignore-eos"});
+  auto parsed = CliArgs::Parse(args,
+                               {"model", "prompt", "prompt-ids", "max-new-tokens", "temperature",
+                                "top-p", "top-k", "seed", "device", "kv-cache-mb"},
+                               {"json", "ignore-eos"});
   if (!parsed.ok()) return Annotate(parsed.status(), kUsage);
   const CliArgs& a = *parsed;
   TP_ASSIGN_OR_RETURN(std::string model_dir, a.Required("model"));

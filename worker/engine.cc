@@ -128,9 +128,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_
     engine->single_pp_ = MakeSingleRankCommunicator(engine->ops_);
     comms.pp = engine->single_pp_.get();
   }
-  TP_ASSIGN_OR_RETURN(engine->model_, LlamaModel::Load(*engine->files_, engine->plan_,
-                                                       options.rank, engine->ops_, comms,
-                                                       options.model));
+  TP_ASSIGN_OR_RETURN(engine->model_, LlamaModel::Load(*engine->files_, engine->plan_, options.rank,
+                                                       engine->ops_, comms, options.model));
   int blocks = options.num_kv_blocks;
   const RankShard& shard = engine->model_->shard();
   if (options.kv_cache_bytes > 0) {
@@ -162,8 +161,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_
     reserve.head_dim = static_cast<int>(config.head_dim);
     cuda->Reserve(reserve);
     if (options.cuda_graphs && options.tp == 1 && options.pp == 1) {
-      engine->graphs_ = std::make_unique<CudaGraphRunner>(
-          cuda, engine->model_.get(), engine->cache_.get(), reserve.max_seqs);
+      engine->graphs_ = std::make_unique<CudaGraphRunner>(cuda, engine->model_.get(),
+                                                          engine->cache_.get(), reserve.max_seqs);
     }
   }
 #endif
@@ -245,9 +244,8 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
     if (r.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
     for (int32_t id : r.prompt) {
       if (id < 0 || id >= cfg.vocab_size) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("prompt token id ", id, " outside the vocabulary [0, ", cfg.vocab_size,
-                         ")"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "prompt token id ", id, " outside the vocabulary [0, ", cfg.vocab_size, ")"));
       }
     }
     if (r.max_new_tokens < 1) return absl::InvalidArgumentError("max_new_tokens must be >= 1");
@@ -262,9 +260,9 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
     seqs[i].tokens = r.prompt;
   }
   if (total_blocks > cache_->num_blocks()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the batch needs ", total_blocks, " KV blocks of ", bs, " tokens but the cache has ",
-        cache_->num_blocks()));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the batch needs ", total_blocks, " KV blocks of ", bs,
+                     " tokens but the cache has ", cache_->num_blocks()));
   }
   BlockPool pool(cache_->num_blocks());
   const bool last_stage = model_->shard().last_stage;
@@ -306,7 +304,8 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
     if (batch.empty()) break;
     meta.query_start.push_back(meta.num_tokens);
     for (Seq* s : batch) {
-      meta.max_blocks_per_seq = std::max(meta.max_blocks_per_seq, static_cast<int>(s->blocks.size()));
+      meta.max_blocks_per_seq =
+          std::max(meta.max_blocks_per_seq, static_cast<int>(s->blocks.size()));
     }
     for (Seq* s : batch) {
       for (int b = 0; b < meta.max_blocks_per_seq; ++b) {
@@ -346,8 +345,7 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
     }
     if (plan_.pp > 1 && !sampled.empty()) {
       // The last stage's sampled ids go to every stage of this rank's pipeline chain.
-      Tensor t(ids_buffer.get(), {static_cast<int64_t>(ids.size())}, DType::kI32,
-               ops_->device());
+      Tensor t(ids_buffer.get(), {static_cast<int64_t>(ids.size())}, DType::kI32, ops_->device());
       if (last_stage) ops_->CopyToDevice(t.data, ids.data(), ids.size() * sizeof(int32_t));
       TP_RETURN_IF_ERROR(options_.comms.pp->Broadcast(t, plan_.pp - 1));
       ops_->CopyToHost(ids.data(), t.data, ids.size() * sizeof(int32_t));

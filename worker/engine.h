@@ -50,7 +50,7 @@ struct GenerateRequest {
 
 struct GenerateResult {
   std::vector<int32_t> output_ids;
-  std::string finish_reason;                  // "length" or "stop"
+  std::string finish_reason;                    // "length" or "stop"
   std::vector<std::vector<float>> step_logits;  // [steps][vocab] when record_logits
   // Wall time (ms) of each engine step that sampled a token of this sequence, sampling
   // included; the first is the prefill (time to first token when alone).

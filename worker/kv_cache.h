@@ -12,8 +12,7 @@ namespace tpserve {
 
 class KvCache {
  public:
-  KvCache(Ops* ops, int num_layers, int num_blocks, int block_size, int num_kv_heads,
-          int head_dim);
+  KvCache(Ops* ops, int num_layers, int num_blocks, int block_size, int num_kv_heads, int head_dim);
 
   // Bytes one block takes over all local layers (K and V).
   static size_t BlockBytes(int num_layers, int block_size, int num_kv_heads, int head_dim,

@@ -63,15 +63,15 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const ModelFiles& f
     return absl::UnimplementedError("mlp_bias=true models are not supported yet");
   }
   if (config.sliding_window > 0 && config.sliding_window < config.max_position_embeddings) {
-    return absl::UnimplementedError(absl::StrCat(
-        "sliding-window attention (sliding_window=", config.sliding_window,
-        ") is not supported yet; the model attends over its whole context"));
+    return absl::UnimplementedError(
+        absl::StrCat("sliding-window attention (sliding_window=", config.sliding_window,
+                     ") is not supported yet; the model attends over its whole context"));
   }
   if (ops->device() == Device::kCuda && config.head_dim != 64 && config.head_dim != 128) {
     // The CUDA attention kernels are instantiated for these head sizes only.
-    return absl::UnimplementedError(absl::StrCat(
-        "the CUDA attention kernels support head_dim 64 or 128; this model has ", config.head_dim,
-        " (run it with --device cpu)"));
+    return absl::UnimplementedError(
+        absl::StrCat("the CUDA attention kernels support head_dim 64 or 128; this model has ",
+                     config.head_dim, " (run it with --device cpu)"));
   }
   if (rank < 0 || rank >= plan.world_size()) {
     return absl::InvalidArgumentError(
@@ -126,8 +126,8 @@ absl::Status LlamaModel::LoadWeights(const ModelFiles& files) {
   };
 
   if (shard_.first_stage()) {
-    TP_ASSIGN_OR_RETURN(embed_, make({shard_.vocab_shard, hidden},
-                                     vocab_rows("model.embed_tokens.weight")));
+    TP_ASSIGN_OR_RETURN(
+        embed_, make({shard_.vocab_shard, hidden}, vocab_rows("model.embed_tokens.weight")));
   }
   if (shard_.last_stage) {
     TP_ASSIGN_OR_RETURN(final_norm_, make({hidden}, whole("model.norm.weight", {hidden})));
@@ -147,43 +147,45 @@ absl::Status LlamaModel::LoadWeights(const ModelFiles& files) {
     const int64_t q_full = config_.num_heads * d, kv_full = config_.num_kv_heads * d;
     const int64_t q_begin = shard_.q_head_begin * d, kv_begin = shard_.kv_head_begin * d;
     Tensor qkv;
-    TP_ASSIGN_OR_RETURN(qkv, make({q_rows + 2 * kv_rows, hidden}, [&](char* dst) -> absl::Status {
-      TP_RETURN_IF_ERROR(files.ReadRows(p + "self_attn.q_proj.weight", {q_full, hidden}, q_begin,
-                                        q_rows, dt, dst));
-      dst += q_rows * hidden * esize;
-      TP_RETURN_IF_ERROR(files.ReadRows(p + "self_attn.k_proj.weight", {kv_full, hidden},
-                                        kv_begin, kv_rows, dt, dst));
-      dst += kv_rows * hidden * esize;
-      return files.ReadRows(p + "self_attn.v_proj.weight", {kv_full, hidden}, kv_begin, kv_rows,
-                            dt, dst);
-    }));
+    TP_ASSIGN_OR_RETURN(
+        qkv, make({q_rows + 2 * kv_rows, hidden}, [&](char* dst) -> absl::Status {
+          TP_RETURN_IF_ERROR(files.ReadRows(p + "self_attn.q_proj.weight", {q_full, hidden},
+                                            q_begin, q_rows, dt, dst));
+          dst += q_rows * hidden * esize;
+          TP_RETURN_IF_ERROR(files.ReadRows(p + "self_attn.k_proj.weight", {kv_full, hidden},
+                                            kv_begin, kv_rows, dt, dst));
+          dst += kv_rows * hidden * esize;
+          return files.ReadRows(p + "self_attn.v_proj.weight", {kv_full, hidden}, kv_begin, kv_rows,
+                                dt, dst);
+        }));
     layer.wq = qkv.rows(0, q_rows);
     layer.wk = qkv.rows(q_rows, kv_rows);
     layer.wv = qkv.rows(q_rows + kv_rows, kv_rows);
     layer.has_qkv_bias = files.Has(p + "self_attn.q_proj.bias");
     if (layer.has_qkv_bias) {
       Tensor bias;
-      TP_ASSIGN_OR_RETURN(bias, make({q_rows + 2 * kv_rows}, [&](char* dst) -> absl::Status {
-        TP_RETURN_IF_ERROR(
-            files.ReadRows(p + "self_attn.q_proj.bias", {q_full}, q_begin, q_rows, dt, dst));
-        dst += q_rows * esize;
-        TP_RETURN_IF_ERROR(
-            files.ReadRows(p + "self_attn.k_proj.bias", {kv_full}, kv_begin, kv_rows, dt, dst));
-        dst += kv_rows * esize;
-        return files.ReadRows(p + "self_attn.v_proj.bias", {kv_full}, kv_begin, kv_rows, dt,
-                              dst);
-      }));
+      TP_ASSIGN_OR_RETURN(
+          bias, make({q_rows + 2 * kv_rows}, [&](char* dst) -> absl::Status {
+            TP_RETURN_IF_ERROR(
+                files.ReadRows(p + "self_attn.q_proj.bias", {q_full}, q_begin, q_rows, dt, dst));
+            dst += q_rows * esize;
+            TP_RETURN_IF_ERROR(
+                files.ReadRows(p + "self_attn.k_proj.bias", {kv_full}, kv_begin, kv_rows, dt, dst));
+            dst += kv_rows * esize;
+            return files.ReadRows(p + "self_attn.v_proj.bias", {kv_full}, kv_begin, kv_rows, dt,
+                                  dst);
+          }));
       layer.bq = bias.rows(0, q_rows);
       layer.bk = bias.rows(q_rows, kv_rows);
       layer.bv = bias.rows(q_rows + kv_rows, kv_rows);
     } else if (config_.attention_bias) {
-      return absl::NotFoundError(absl::StrCat("config has attention_bias but ", p,
-                                              "self_attn.q_proj.bias is missing"));
+      return absl::NotFoundError(
+          absl::StrCat("config has attention_bias but ", p, "self_attn.q_proj.bias is missing"));
     }
     TP_ASSIGN_OR_RETURN(layer.wo, make({hidden, q_rows}, [&](char* dst) {
-      return files.ReadCols(p + "self_attn.o_proj.weight", {hidden, q_full}, q_begin, q_rows, dt,
-                            dst);
-    }));
+                          return files.ReadCols(p + "self_attn.o_proj.weight", {hidden, q_full},
+                                                q_begin, q_rows, dt, dst);
+                        }));
     layer.has_o_bias = shard_.tp_rank == 0 && files.Has(p + "self_attn.o_proj.bias");
     if (layer.has_o_bias) {
       TP_ASSIGN_OR_RETURN(layer.bo, make({hidden}, whole(p + "self_attn.o_proj.bias", {hidden})));
@@ -197,9 +199,9 @@ absl::Status LlamaModel::LoadWeights(const ModelFiles& files) {
                                 shard_.intermediate_begin, inter_local, dt, dst);
         }));
     TP_ASSIGN_OR_RETURN(layer.w_down, make({hidden, inter_local}, [&](char* dst) {
-      return files.ReadCols(p + "mlp.down_proj.weight", {hidden, inter}, shard_.intermediate_begin,
-                            inter_local, dt, dst);
-    }));
+                          return files.ReadCols(p + "mlp.down_proj.weight", {hidden, inter},
+                                                shard_.intermediate_begin, inter_local, dt, dst);
+                        }));
     layers_.push_back(layer);
   }
 
@@ -217,9 +219,20 @@ void LlamaModel::AllocateActivations() {
   const int64_t h = config_.hidden_size, d = config_.head_dim;
   const int64_t q = shard_.num_q_heads * d, kv = shard_.num_kv_heads * d;
   const int64_t i = shard_.intermediate_size, vs = shard_.vocab_shard;
-  const int64_t elems[kNumActs] = {
-      t * h, t * h, t * q, t * kv, t * kv, t * q, t * h, t * 2 * i, t * i,
-      b * h, b * h, b * vs, b * vs * plan_.tp, b * plan_.vocab_padded};
+  const int64_t elems[kNumActs] = {t * h,
+                                   t * h,
+                                   t * q,
+                                   t * kv,
+                                   t * kv,
+                                   t * q,
+                                   t * h,
+                                   t * 2 * i,
+                                   t * i,
+                                   b * h,
+                                   b * h,
+                                   b * vs,
+                                   b * vs * plan_.tp,
+                                   b * plan_.vocab_padded};
   const size_t esize = DTypeSize(ops_->compute_dtype());
   for (int a = 0; a < kNumActs; ++a) acts_.emplace_back(ops_, elems[a] * esize);
 }
@@ -277,11 +290,11 @@ absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
     ops_->Rope(q, k, inv_freq_, static_cast<int>(d));
     ops_->KvWrite(k, v, cache.k(static_cast<int>(l)), cache.v(static_cast<int>(l)));
     if (meta.all_decode()) {
-      ops_->AttentionDecode(q, cache.k(static_cast<int>(l)), cache.v(static_cast<int>(l)), nq,
-                            nkv, static_cast<int>(d), scale, attn);
+      ops_->AttentionDecode(q, cache.k(static_cast<int>(l)), cache.v(static_cast<int>(l)), nq, nkv,
+                            static_cast<int>(d), scale, attn);
     } else {
-      ops_->AttentionPrefill(q, cache.k(static_cast<int>(l)), cache.v(static_cast<int>(l)), nq,
-                             nkv, static_cast<int>(d), scale, attn);
+      ops_->AttentionPrefill(q, cache.k(static_cast<int>(l)), cache.v(static_cast<int>(l)), nq, nkv,
+                             static_cast<int>(d), scale, attn);
     }
     ops_->Gemm(attn, layer.wo, layer.has_o_bias ? &layer.bo : nullptr, proj);
     if (plan_.tp > 1) TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));

@@ -36,8 +36,8 @@ class LlamaModel {
  public:
   // Loads this rank's shard of the weights (converted to ops->compute_dtype()).
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const ModelFiles& files,
-                                                          const ShardPlan& plan, int rank,
-                                                          Ops* ops, ParallelContext comms,
+                                                          const ShardPlan& plan, int rank, Ops* ops,
+                                                          ParallelContext comms,
                                                           const ModelOptions& options);
   ~LlamaModel();
 

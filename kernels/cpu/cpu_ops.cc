@@ -147,9 +147,8 @@ class CpuOps final : public Ops {
     Attention(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, out);
   }
 
-  void AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                       int num_heads, int num_kv_heads, int head_dim, float scale,
-                       Tensor out) override {
+  void AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
+                       int num_kv_heads, int head_dim, float scale, Tensor out) override {
     TP_CHECK(meta_.all_decode()) << "AttentionDecode needs one query token per sequence";
     Attention(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, out);
   }
@@ -167,7 +166,8 @@ class CpuOps final : public Ops {
 
   void Add(const Tensor& a, const Tensor& b, Tensor out) override {
     TP_CHECK(a.numel() == b.numel() && a.numel() == out.numel());
-    for (int64_t i = 0; i < a.numel(); ++i) out.ptr<float>()[i] = a.ptr<float>()[i] + b.ptr<float>()[i];
+    for (int64_t i = 0; i < a.numel(); ++i)
+      out.ptr<float>()[i] = a.ptr<float>()[i] + b.ptr<float>()[i];
   }
 
   void GatherLogitRows(const Tensor& in, Tensor out) override {
@@ -248,8 +248,9 @@ class CpuOps final : public Ops {
     const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
     const int64_t q_width = static_cast<int64_t>(num_heads) * head_dim;
     TP_CHECK(q.dim(-1) == q_width && out.dim(-1) == q_width);
-    TP_CHECK(k_cache.dim(-1) * (k_cache.ndim == 4 ? k_cache.dim(2) : 1) == kv_width ||
-             k_cache.numel() % kv_width == 0);
+    TP_CHECK(k_cache.numel() % kv_width == 0 && v_cache.numel() == k_cache.numel())
+        << "kv cache " << k_cache.ShapeString() << " for " << num_kv_heads << " heads of "
+        << head_dim;
     std::vector<float> scores;
     for (int s = 0; s < meta_.num_seqs; ++s) {
       const int q0 = meta_.query_start[s], qlen = meta_.query_start[s + 1] - q0;
@@ -263,8 +264,9 @@ class CpuOps final : public Ops {
           const int kvh = h / group;
           float max_score = -INFINITY;
           for (int j = 0; j <= limit; ++j) {
-            const int64_t slot = static_cast<int64_t>(table[j / meta_.block_size]) *
-                                     meta_.block_size + j % meta_.block_size;
+            const int64_t slot =
+                static_cast<int64_t>(table[j / meta_.block_size]) * meta_.block_size +
+                j % meta_.block_size;
             const float* kv = k_cache.ptr<float>() + slot * kv_width + kvh * head_dim;
             float dot = 0.0f;
             for (int d = 0; d < head_dim; ++d) dot += qv[d] * kv[d];
@@ -279,8 +281,9 @@ class CpuOps final : public Ops {
           float* o = out.ptr<float>() + (q0 + i) * q_width + h * head_dim;
           std::fill(o, o + head_dim, 0.0f);
           for (int j = 0; j <= limit; ++j) {
-            const int64_t slot = static_cast<int64_t>(table[j / meta_.block_size]) *
-                                     meta_.block_size + j % meta_.block_size;
+            const int64_t slot =
+                static_cast<int64_t>(table[j / meta_.block_size]) * meta_.block_size +
+                j % meta_.block_size;
             const float* vv = v_cache.ptr<float>() + slot * kv_width + kvh * head_dim;
             const float w = scores[j] / denom;
             for (int d = 0; d < head_dim; ++d) o[d] += w * vv[d];

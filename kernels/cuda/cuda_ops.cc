@@ -158,8 +158,7 @@ void CudaOps::SetBatch(const BatchMeta& m) {
     int qlen = m.query_start[s + 1] - m.query_start[s];
     int ctx = m.context_lens[s];
     // context 0 marks a padding sequence (graph buckets): its outputs are zeros.
-    TP_CHECK(qlen >= 0 && (ctx >= qlen || ctx == 0) &&
-             ctx <= m.max_blocks_per_seq * m.block_size)
+    TP_CHECK(qlen >= 0 && (ctx >= qlen || ctx == 0) && ctx <= m.max_blocks_per_seq * m.block_size)
         << "SetBatch: sequence " << s << " has query length " << qlen << " and context " << ctx
         << " (capacity " << m.max_blocks_per_seq * m.block_size << ")";
     max_q = std::max(max_q, qlen);

@@ -143,8 +143,7 @@ TEST_F(CpuOpsTest, RopeRotatesPairsByPositionTimesFrequency) {
   auto q0 = q, k0 = k;
   std::vector<int32_t> pos = {0, 7, 1234};
   ops_->SetBatch(OneSeqMeta({1, 2, 3}, pos));
-  ops_->Rope(View(q, {tokens, heads * d}), View(k, {tokens, kv_heads * d}),
-             View(inv, {d / 2}), d);
+  ops_->Rope(View(q, {tokens, heads * d}), View(k, {tokens, kv_heads * d}), View(inv, {d / 2}), d);
   for (int t = 0; t < tokens; ++t)
     for (int h = 0; h < heads; ++h)
       for (int i = 0; i < d / 2; ++i) {
@@ -168,8 +167,8 @@ TEST(RopeInvFreqTest, Llama3KeepsHighFrequenciesAndScalesLowOnes) {
   RopeConfig plain;
   plain.theta = 500000;
   auto scaled = RopeInvFreq(rope, 128), base = RopeInvFreq(plain, 128);
-  EXPECT_FLOAT_EQ(scaled[0], base[0]);         // wavelength 2*pi: high frequency, kept
-  EXPECT_FLOAT_EQ(scaled[63], base[63] / 8);   // longest wavelength: divided by factor
+  EXPECT_FLOAT_EQ(scaled[0], base[0]);        // wavelength 2*pi: high frequency, kept
+  EXPECT_FLOAT_EQ(scaled[63], base[63] / 8);  // longest wavelength: divided by factor
   int smoothed = 0;
   for (int i = 0; i < 64; ++i) {
     EXPECT_LE(scaled[i], base[i]);
@@ -306,8 +305,8 @@ TEST_F(CpuOpsTest, SamplingRules) {
   std::vector<SamplingParams> greedy(3);
   auto ids = ops_->Sample(t, vocab, greedy);
   for (int r = 0; r < 3; ++r) {
-    EXPECT_EQ(ids[r], std::max_element(&logits[r * vocab], &logits[(r + 1) * vocab]) -
-                          &logits[r * vocab]);
+    EXPECT_EQ(ids[r],
+              std::max_element(&logits[r * vocab], &logits[(r + 1) * vocab]) - &logits[r * vocab]);
   }
   // Padded columns past the vocabulary are never chosen.
   std::vector<float> padded(vocab + 6, -1.0f);

@@ -24,10 +24,10 @@ constexpr double kMaxRelErr = 5e-2;
 // A reference top-2 gap below this (in logits) is a near-tie bf16 may order either way.
 constexpr double kNearTie = 0.1;
 
-#define SKIP_WITHOUT_GPU()                                \
-  if (CudaDeviceCount() == 0) {                           \
-    std::printf("no CUDA device, test skipped\n");        \
-    GTEST_SKIP() << "no CUDA device";                     \
+#define SKIP_WITHOUT_GPU()                         \
+  if (CudaDeviceCount() == 0) {                    \
+    std::printf("no CUDA device, test skipped\n"); \
+    GTEST_SKIP() << "no CUDA device";              \
   }
 
 template <typename T>

@@ -94,12 +94,14 @@ TEST(TinyCoderGoldenTest, LogitsAndGreedyTokensMatchTransformers) {
     ASSERT_GE((*result)[0].step_logits.size(), steps + 1);
     worst = 0;
     for (size_t s = 0; s < steps; ++s) {
-      worst = std::max(worst, RowRelErr((*result)[0].step_logits[s + 1], &decode[s * vocab], vocab));
+      worst =
+          std::max(worst, RowRelErr((*result)[0].step_logits[s + 1], &decode[s * vocab], vocab));
     }
     EXPECT_LT(worst, kMaxRelErr) << "prompt " << p << " decode";
-    std::printf("prompt %d: %zu prompt tokens, %zu rows, %zu decode steps; worst relative error "
-                "prefill %.2e, decode %.2e\n",
-                p, ids.size(), positions.size(), steps, worst_prefill, worst);
+    std::printf(
+        "prompt %d: %zu prompt tokens, %zu rows, %zu decode steps; worst relative error "
+        "prefill %.2e, decode %.2e\n",
+        p, ids.size(), positions.size(), steps, worst_prefill, worst);
   }
   EXPECT_GE(prompts, 3);
 }
