@@ -1,15 +1,13 @@
 // A rank that dies or stalls mid-run makes the job fail with a clear error within the timeout:
 // runs dead_rank_helper under mpirun (itself under `timeout`, so this test can never hang) and
 // checks the wall time, the exit status and the message.
-#include <sys/wait.h>
-
-#include <cstdio>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/parallel/run_command.h"
 
 namespace tpserve {
 namespace {
@@ -21,31 +19,15 @@ using ::testing::HasSubstr;
 constexpr int kCommTimeoutMs = 3000;
 constexpr int kHardLimitS = 60;  // `timeout` around mpirun: exit status 124 means it hung
 
-struct RunResult {
-  std::string output;
-  int exit_code = -1;
-  absl::Duration wall;
-};
+using testing_util::RunCommand;
+using testing_util::RunResult;
 
 RunResult RunJob(const std::string& mode, int np) {
   const std::string cmd =
       absl::StrCat("timeout -k 5 ", kHardLimitS, " ", TPSERVE_MPIEXEC,
                    " --allow-run-as-root --oversubscribe -np ", np, " ", TPSERVE_DEAD_RANK_HELPER,
                    " ", mode, " ", kCommTimeoutMs, " 2>&1");
-  RunResult r;
-  const absl::Time start = absl::Now();
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) {
-    r.output = "popen failed";
-    return r;
-  }
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.wall = absl::Now() - start;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
+  return RunCommand(cmd);
 }
 
 void ExpectFailedFast(const RunResult& r) {

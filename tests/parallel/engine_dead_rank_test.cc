@@ -3,15 +3,13 @@
 // engine_dead_rank_helper under mpirun (itself under `timeout`, so this test can never hang)
 // and checks the wall time, the exit status and the message naming the group, rank and
 // operation.
-#include <sys/wait.h>
-
-#include <cstdio>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/parallel/run_command.h"
 
 namespace tpserve {
 namespace {
@@ -24,11 +22,8 @@ using ::testing::Not;
 constexpr int kCommTimeoutMs = 3000;
 constexpr int kHardLimitS = 90;  // `timeout` around mpirun: exit status 124 means it hung
 
-struct RunResult {
-  std::string output;
-  int exit_code = -1;
-  absl::Duration wall;
-};
+using testing_util::RunCommand;
+using testing_util::RunResult;
 
 // Runs the helper with tp x pp ranks; `victim` dies (`mode`) at its `die_at`-th operation.
 RunResult RunJob(int tp, int pp, const std::string& mode, int victim, int die_at) {
@@ -36,20 +31,7 @@ RunResult RunJob(int tp, int pp, const std::string& mode, int victim, int die_at
                                        " --allow-run-as-root --oversubscribe -np ", tp * pp, " ",
                                        TPSERVE_ENGINE_DEAD_RANK_HELPER, " ", tp, " ", pp, " ", mode,
                                        " ", victim, " ", die_at, " ", kCommTimeoutMs, " 2>&1");
-  RunResult r;
-  const absl::Time start = absl::Now();
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) {
-    r.output = "popen failed";
-    return r;
-  }
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.output.append(buf, n);
-  const int status = pclose(p);
-  r.wall = absl::Now() - start;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
+  return RunCommand(cmd);
 }
 
 void ExpectFailedFast(const RunResult& r) {
