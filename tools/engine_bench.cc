@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/model_files.h"
 #include "common/status.h"
@@ -79,7 +80,8 @@ absl::Status Main(const std::vector<std::string>& args) {
       static_cast<int>(std::max<int64_t>(max_batch_tokens, prefill_len));
   options.model.max_batch_seqs = std::max(max_batch, 1);
   const int64_t tokens_needed = std::max<int64_t>(
-      {prompt_len + new_tokens, prefill_len, int64_t{max_batch} * (context + 16)});
+      {prompt_len + new_tokens, prefill_len,
+       int64_t{max_batch} * (context + max_batch * context / options.model.max_batch_tokens + 24)});
   options.num_kv_blocks =
       static_cast<int>((tokens_needed + 2 * max_batch) / options.block_size + 2 * max_batch + 8);
   const auto t0 = std::chrono::steady_clock::now();
@@ -112,8 +114,9 @@ absl::Status Main(const std::vector<std::string>& args) {
       decode.push_back(Median(std::vector<double>(ms.begin() + 1, ms.end())));
     }
     const double decode_ms = Median(decode);
-    const double floor_ms =
-        hw.copy_bytes_per_s > 0 ? weight_bytes / (hw.copy_bytes_per_s / 2) * 1e3 : 0;
+    // HBM bandwidth is shared by reads and writes: a copy moving X bytes/s (read + write)
+    // bounds a read-only stream at about X bytes/s.
+    const double floor_ms = hw.copy_bytes_per_s > 0 ? weight_bytes / hw.copy_bytes_per_s * 1e3 : 0;
     out["batch1"] = {{"prompt_len", prompt_len},
                      {"new_tokens", new_tokens},
                      {"ttft_ms", Median(ttft)},
@@ -162,16 +165,29 @@ absl::Status Main(const std::vector<std::string>& args) {
     std::vector<GenerateRequest> reqs(b);
     for (auto& r : reqs) {
       r.prompt = RandomPrompt(rng, static_cast<int>(context), cfg.vocab_size);
-      r.max_new_tokens = 17;
+      // Prefill chunks of later sequences share steps with the first ones' decode: run long
+      // enough for 16 decode-only steps after every prompt is in.
+      r.max_new_tokens = static_cast<int>(b * context / options.model.max_batch_tokens) + 20;
       r.ignore_eos = true;
     }
     TP_ASSIGN_OR_RETURN(auto res, engine->Generate(reqs));
-    const auto& ms = res[0].step_ms;
-    const double step = Median(std::vector<double>(ms.begin() + 2, ms.end()));
-    const double kv_bytes = double(b) * (context + 8) * cfg.num_layers * 2 * cfg.num_kv_heads *
+    // Steps of the last sequence to be prefilled whose forward held exactly b tokens: all
+    // sequences decoding. Its first such step is skipped (graph warm-up for this batch).
+    const GenerateResult& last = res.back();
+    std::vector<double> decode_steps;
+    for (size_t i = 1; i < last.step_ms.size(); ++i) {
+      if (last.step_tokens[i] == b) decode_steps.push_back(last.step_ms[i]);
+    }
+    if (decode_steps.size() < 4) {
+      return absl::InternalError(
+          absl::StrCat("batch ", b, ": only ", decode_steps.size(), " decode-only steps"));
+    }
+    const double step = Median(std::vector<double>(decode_steps.begin() + 1, decode_steps.end()));
+    const double mean_context = double(context) + double(last.step_ms.size()) / 2;
+    const double kv_bytes = double(b) * mean_context * cfg.num_layers * 2 * cfg.num_kv_heads *
                             cfg.head_dim * DTypeSize(engine->ops()->compute_dtype());
     const double floor_ms =
-        hw.copy_bytes_per_s > 0 ? (weight_bytes + kv_bytes) / (hw.copy_bytes_per_s / 2) * 1e3 : 0;
+        hw.copy_bytes_per_s > 0 ? (weight_bytes + kv_bytes) / hw.copy_bytes_per_s * 1e3 : 0;
     rows.push_back({{"batch", b},
                     {"context", context},
                     {"step_ms", step},

@@ -41,12 +41,19 @@ if has ds67 || has bench || has hf; then
     2>&1 | grep -E "random-model|Elapsed|Maximum resident" | tee -a "$out/summary.txt"
 fi
 if has ds67; then
-  log "transformers bf16 reference for the 6.7B shape"
-  python3 tools/hf_reference.py --model $ds --prompt-ids "$(python3 -c 'import random; r=random.Random(5); print(",".join(str(r.randrange(32256)) for _ in range(64)))')" \
-    --steps 32 --dtype bf16 --device cuda --out /tmp/ds67_ref.safetensors >"$out/hf_ref.log" 2>&1
-  log "hf_reference rc=$?"
+  prompt=$(python3 -c 'import random; r=random.Random(5); print(",".join(str(r.randrange(32256)) for _ in range(64)))')
+  log "transformers fp32 reference for the 6.7B shape (greedy, 32 steps)"
+  python3 tools/hf_reference.py --model $ds --prompt-ids "$prompt" --steps 32 --dtype fp32 \
+    --device cuda --out /tmp/ds67_ref32.safetensors >"$out/hf_ref32.log" 2>&1
+  log "rc=$?"
+  greedy=$(python3 -c 'import json,sys; print(",".join(map(str, json.loads([l for l in open(sys.argv[1]) if l.startswith("{")][-1])["greedy_ids"])))' "$out/hf_ref32.log")
+  log "transformers bf16, teacher-forced over the fp32 greedy ids"
+  python3 tools/hf_reference.py --model $ds --prompt-ids "$prompt" --force-ids "$greedy" \
+    --dtype bf16 --device cuda --out /tmp/ds67_ref16.safetensors >"$out/hf_ref16.log" 2>&1
+  log "rc=$?"
   log "gpu_model_test on the 6.7B shape"
-  TPSERVE_DS67_DIR=$ds TPSERVE_DS67_REF=/tmp/ds67_ref.safetensors timeout 600 \
+  TPSERVE_DS67_DIR=$ds TPSERVE_DS67_REF=/tmp/ds67_ref32.safetensors \
+    TPSERVE_DS67_REF_BF16=/tmp/ds67_ref16.safetensors timeout 300 \
     "$stage/bin/gpu_model_test" --gtest_filter='*DeepSeek*' >"$out/ds67_test.log" 2>&1
   log "rc=$?"
   grep -E "deepseek|OK|FAILED|Failure" "$out/ds67_test.log" | head -20 | tee -a "$out/summary.txt"

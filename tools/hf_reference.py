@@ -10,6 +10,9 @@ and writes a safetensors file:
   decode_ids      int32 [N]      tokens fed to the N decode steps (= greedy_ids)
   decode_logits   f32   [N, V]   decode_logits[i]: logits after feeding greedy_ids[i] at
                                  position L + i, so argmax(decode_logits[i]) = greedy_ids[i + 1]
+With --force-ids A,B,...: teacher forcing. The decode steps feed these ids (decode_ids = them,
+N = their count) instead of the model's own choices; greedy_ids still holds each row's argmax.
+Used to score a bf16 run on the continuation an fp32 run chose, so the two compare row by row.
 
 Example (on the GPU machine):
   python3 tools/hf_reference.py --model DIR --prompt-ids 1,2,3 --steps 8 --dtype bf16 \
@@ -44,8 +47,9 @@ def load_model(model_dir, dtype="fp32", device="cpu", attn="eager"):
     return model
 
 
-def greedy_reference(model, prompt_ids, steps):
-    """Prefill + `steps` greedy decode steps with the KV cache. Returns float32 CPU tensors."""
+def greedy_reference(model, prompt_ids, steps, force_ids=None):
+    """Prefill + `steps` greedy decode steps with the KV cache (feeding `force_ids` instead of
+    the argmax when given). Returns float32 CPU tensors."""
     import torch
 
     dev = next(model.parameters()).device
@@ -55,10 +59,12 @@ def greedy_reference(model, prompt_ids, steps):
         prefill = out.logits[0].float().cpu()  # [L, V]
         past = out.past_key_values
         nxt = int(torch.argmax(prefill[-1]))
-        greedy, dec_logits = [], []
-        for _ in range(steps):
+        greedy, fed, dec_logits = [], [], []
+        for i in range(steps):
             greedy.append(nxt)
-            out = model(input_ids=torch.tensor([[nxt]], device=dev), past_key_values=past,
+            feed = nxt if force_ids is None else force_ids[i]
+            fed.append(feed)
+            out = model(input_ids=torch.tensor([[feed]], device=dev), past_key_values=past,
                         use_cache=True)
             past = out.past_key_values
             logits = out.logits[0, -1].float().cpu()
@@ -69,7 +75,7 @@ def greedy_reference(model, prompt_ids, steps):
         "prompt_ids": torch.tensor(list(prompt_ids), dtype=torch.int32),
         "prefill_logits": prefill,
         "greedy_ids": torch.tensor(greedy, dtype=torch.int32),
-        "decode_ids": torch.tensor(greedy, dtype=torch.int32),
+        "decode_ids": torch.tensor(fed, dtype=torch.int32),
         "decode_logits": dec,
     }
 
@@ -90,6 +96,9 @@ def main():
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (or cuda:N)")
     p.add_argument("--attn", default="eager", help="attention implementation (eager, sdpa)")
+    p.add_argument("--force-ids", default="",
+                   help="comma-separated ids fed to the decode steps (teacher forcing); "
+                        "sets --steps to their count")
     p.add_argument("--all-prefill", action="store_true",
                    help="store the logits of every prompt position, not only the last")
     p.add_argument("--out", required=True, help="output .safetensors file")
@@ -104,14 +113,22 @@ def main():
         sys.exit("--prompt-ids: expected comma-separated integers, got %r" % args.prompt_ids)
     if not ids:
         sys.exit("--prompt-ids: empty")
+    force = None
+    if args.force_ids:
+        try:
+            force = [int(t) for t in args.force_ids.split(",") if t.strip()]
+        except ValueError:
+            sys.exit("--force-ids: expected comma-separated integers, got %r" % args.force_ids)
+        args.steps = len(force)
     t0 = time.time()
     model = load_model(args.model, args.dtype, args.device, args.attn)
     vocab = model.config.vocab_size
-    bad = [i for i in ids if i < 0 or i >= vocab]
+    bad = [i for i in ids + (force or []) if i < 0 or i >= vocab]
     if bad:
-        sys.exit("--prompt-ids: ids %s outside the vocabulary [0, %d)" % (bad[:5], vocab))
+        sys.exit("--prompt-ids/--force-ids: ids %s outside the vocabulary [0, %d)"
+                 % (bad[:5], vocab))
     t1 = time.time()
-    ref = greedy_reference(model, ids, args.steps)
+    ref = greedy_reference(model, ids, args.steps, force)
     t2 = time.time()
     tensors = dict(ref)
     if not args.all_prefill:

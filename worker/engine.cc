@@ -357,6 +357,7 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
       Seq& s = *sampled[i];
       const int32_t id = ids[i];
       s.result.step_ms.push_back(step_ms);
+      s.result.step_tokens.push_back(meta.num_tokens);
       s.tokens.push_back(id);
       s.result.output_ids.push_back(id);
       const bool is_eos = !s.req->ignore_eos && std::find(eos.begin(), eos.end(), id) != eos.end();

@@ -55,6 +55,9 @@ struct GenerateResult {
   // Wall time (ms) of each engine step that sampled a token of this sequence, sampling
   // included; the first is the prefill (time to first token when alone).
   std::vector<double> step_ms;
+  // Tokens in the forward pass of each of those steps (all sequences of the batch): a step of
+  // a decode-only batch of B sequences has B; prefill chunks make it larger.
+  std::vector<int> step_tokens;
 };
 
 class Engine {

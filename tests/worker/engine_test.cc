@@ -78,6 +78,11 @@ TEST_F(EngineTest, ChunkedPrefillEqualsOnePass) {
   auto chunked = MakeEngine(7)->Generate({Greedy(Prompt(45, 4), 6)});
   ASSERT_TRUE(whole.ok() && chunked.ok());
   EXPECT_EQ((*whole)[0].output_ids, (*chunked)[0].output_ids);
+  // The step that sampled the first token held the prompt's last chunk (45 = 6 * 7 + 3), each
+  // decode step one token.
+  const std::vector<int> chunked_tokens = {3, 1, 1, 1, 1, 1};
+  EXPECT_EQ((*chunked)[0].step_tokens, chunked_tokens);
+  EXPECT_EQ((*whole)[0].step_tokens.front(), 45);
   for (size_t s = 0; s < (*whole)[0].step_logits.size(); ++s) {
     EXPECT_LT(RelErr((*chunked)[0].step_logits[s], (*whole)[0].step_logits[s]), 1e-5);
   }
