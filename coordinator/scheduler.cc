@@ -26,6 +26,7 @@ struct Scheduler::Seq {
   Clock::time_point first_scheduled, first_token;
   bool scheduled = false, got_token = false;
   bool in_plan = false, preempted = false, done = false;
+  bool in_flight = false;  // in a submitted step whose result has not come back
 };
 
 namespace {
@@ -49,6 +50,21 @@ size_t SafeEnd(const std::string& text, const std::vector<std::string>& stops) {
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 }  // namespace
+
+absl::Status StepExecutor::Submit(const worker::StepPlan& plan) {
+  submitted_[plan.step_id()] = plan;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int32_t>> StepExecutor::Collect(uint64_t step_id) {
+  auto it = submitted_.find(step_id);
+  if (it == submitted_.end()) {
+    return absl::InternalError(absl::StrCat("step ", step_id, " was never submitted"));
+  }
+  worker::StepPlan plan = std::move(it->second);
+  submitted_.erase(it);
+  return Execute(plan);
+}
 
 Scheduler::Scheduler(const SchedulerOptions& options, const Tokenizer* tokenizer,
                      StepExecutor* executor)
@@ -180,6 +196,9 @@ void Scheduler::FailAll(const absl::Status& status) {
 void Scheduler::Reap(std::vector<uint64_t>& finished_ids) {
   const Clock::time_point now = Clock::now();
   auto check = [&](Seq& s) {
+    // A sequence in a step still in flight is reaped when its result is back: the workers may
+    // still be writing its KV blocks.
+    if (s.in_flight) return;
     if (s.req->cancelled()) {
       Finish(s, absl::CancelledError("the request was cancelled"), Finish::kNone);
     } else if (now >= s.req->params().deadline) {
@@ -225,14 +244,21 @@ bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
   std::vector<Seq*> order;
   for (auto& s : running_) {
     s->in_plan = false;
+    if (s->in_flight) continue;
     if (s->tokens.size() - s->computed == 1) order.push_back(s.get());  // decodes first
   }
   for (auto& s : running_) {
-    if (s->tokens.size() - s->computed != 1) order.push_back(s.get());
+    if (!s->in_flight && s->tokens.size() - s->computed != 1) order.push_back(s.get());
   }
+  // With k steps in flight (pipeline stages), each step takes about 1/k of the running
+  // sequences so that every stage has a micro-batch to work on.
+  const int k = std::max(1, executor_->max_in_flight());
+  size_t max_seqs = order.size();
+  if (k > 1) max_seqs = (running_.size() + k - 1) / k;
   const Clock::time_point now = Clock::now();
   for (Seq* s : order) {
     if (s->preempted || budget <= 0) continue;
+    if (static_cast<size_t>(plan.seqs_size()) >= max_seqs) break;
     const int remaining = static_cast<int>(s->tokens.size() - s->computed);
     const int chunk = std::min(remaining, budget);
     const int need = blocks_.BlocksFor(static_cast<int64_t>(s->computed) + chunk);
@@ -240,7 +266,8 @@ bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
       // Out of blocks: preempt the newest sequence not in this step (possibly `s` itself).
       Seq* victim = nullptr;
       for (auto& r : running_) {
-        if (!r->in_plan && !r->preempted && (!victim || r->admit_order > victim->admit_order)) {
+        if (!r->in_plan && !r->in_flight && !r->preempted &&
+            (!victim || r->admit_order > victim->admit_order)) {
           victim = r.get();
         }
       }
@@ -352,11 +379,28 @@ void Scheduler::Loop() {
     const Clock::time_point step_start = Clock::now();
     Reap(finished_ids_);
     Admit();
-    worker::StepPlan plan;
-    std::vector<Seq*> sampled;
-    std::vector<std::pair<Seq*, int>> chunks;
-    if (!BuildStep(plan, sampled, chunks)) {
-      PublishStats();
+    // Fill the pipeline: up to max_in_flight steps over disjoint sequences.
+    bool failed = false;
+    while (static_cast<int>(pending_.size()) < std::max(1, executor_->max_in_flight())) {
+      Pending p;
+      worker::StepPlan plan;
+      if (!BuildStep(plan, p.sampled, p.chunks)) break;
+      p.step_id = plan.step_id();
+      p.submitted = Clock::now();
+      for (auto& [seq, n] : p.chunks) seq->in_flight = true;
+      absl::Status st = executor_->Submit(plan);
+      if (!st.ok()) {
+        TP_LOG(ERROR) << "step " << plan.step_id() << " could not be submitted: " << st;
+        pending_.clear();
+        Fail(st);
+        failed = true;
+        break;
+      }
+      pending_.push_back(std::move(p));
+    }
+    PublishStats();
+    if (failed) continue;
+    if (pending_.empty()) {
       // Nothing runnable (everything waits for blocks): should not happen; avoid spinning.
       std::unique_lock<std::mutex> lock(mu_);
       if (!running_.empty() || !waiting_.empty()) {
@@ -364,27 +408,31 @@ void Scheduler::Loop() {
       }
       continue;
     }
-    PublishStats();
-    const Clock::time_point exec_start = Clock::now();
-    absl::StatusOr<std::vector<int32_t>> ids = executor_->Execute(plan);
+    Pending p = std::move(pending_.front());
+    pending_.pop_front();
+    absl::StatusOr<std::vector<int32_t>> ids = executor_->Collect(p.step_id);
     const Clock::time_point exec_end = Clock::now();
-    if (ids.ok() && ids->size() != sampled.size()) {
+    if (ids.ok() && ids->size() != p.sampled.size()) {
       ids = absl::InternalError(absl::StrCat("a step sampled ", ids->size(), " tokens but ",
-                                             sampled.size(), " were planned"));
+                                             p.sampled.size(), " were planned"));
     }
     if (!ids.ok()) {
-      TP_LOG(ERROR) << "step " << plan.step_id() << " failed: " << ids.status();
+      TP_LOG(ERROR) << "step " << p.step_id << " failed: " << ids.status();
+      pending_.clear();
       Fail(ids.status());
       continue;
     }
     ++steps_;
-    for (auto& [seq, n] : chunks) {
+    for (auto& [seq, n] : p.chunks) {
       seq->computed += n;
+      seq->in_flight = false;
       step_tokens_ += n;
     }
-    for (size_t i = 0; i < sampled.size(); ++i) ApplyToken(*sampled[i], (*ids)[i], finished_ids_);
+    for (size_t i = 0; i < p.sampled.size(); ++i) {
+      ApplyToken(*p.sampled[i], (*ids)[i], finished_ids_);
+    }
     std::erase_if(running_, [](const std::unique_ptr<Seq>& s) { return s->done; });
-    execute_seconds_ += Seconds(exec_end - exec_start);
+    execute_seconds_ += Seconds(exec_end - p.submitted);
     forward_seconds_ += executor_->last_forward_seconds();
     step_seconds_ += Seconds(Clock::now() - step_start);
     PublishStats();

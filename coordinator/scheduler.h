@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -25,13 +26,23 @@ namespace tpserve {
 
 class Tokenizer;
 
-// Runs one step on the workers; returns the sampled ids (one per sampled sequence, in order).
+// Runs steps on the workers. Execute runs one step and returns the sampled ids (one per sampled
+// sequence, in order). An executor that can overlap steps (a pipeline of pp stages) says so in
+// max_in_flight() and implements Submit/Collect: the scheduler submits up to that many plans
+// over disjoint sequences and collects their results in submission order.
 class StepExecutor {
  public:
   virtual ~StepExecutor() = default;
   virtual absl::StatusOr<std::vector<int32_t>> Execute(const worker::StepPlan& plan) = 0;
-  // Seconds the sampling worker spent in the last step (forward + sampling), when known.
+  virtual int max_in_flight() const { return 1; }
+  // Defaults: Submit keeps the plan, Collect executes it.
+  virtual absl::Status Submit(const worker::StepPlan& plan);
+  virtual absl::StatusOr<std::vector<int32_t>> Collect(uint64_t step_id);
+  // Seconds the sampling worker spent in the last collected step (forward + sampling).
   virtual double last_forward_seconds() const { return 0; }
+
+ private:
+  std::map<uint64_t, worker::StepPlan> submitted_;
 };
 
 struct SchedulerOptions {
@@ -93,6 +104,14 @@ class Scheduler {
   void FailAll(const absl::Status& status);
   void PublishStats();
 
+  // A submitted step whose result is not yet collected.
+  struct Pending {
+    uint64_t step_id = 0;
+    std::vector<Seq*> sampled;
+    std::vector<std::pair<Seq*, int>> chunks;
+    Clock::time_point submitted;
+  };
+
   const SchedulerOptions options_;
   const Tokenizer* tokenizer_;
   StepExecutor* executor_;
@@ -111,6 +130,7 @@ class Scheduler {
   std::deque<std::unique_ptr<Seq>> waiting_;
   std::vector<std::unique_ptr<Seq>> running_;  // in admission order
   std::vector<uint64_t> finished_ids_;         // to tell the workers in the next step
+  std::deque<Pending> pending_;                // submitted steps, oldest first
   uint64_t next_seq_id_ = 1;
   uint64_t next_step_id_ = 1;
   uint64_t admit_counter_ = 0;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "common/status.h"
 
 namespace tpserve {
 
@@ -278,6 +279,17 @@ absl::Status WorkerGroup::Start(std::chrono::seconds register_timeout,
 }
 
 absl::StatusOr<std::vector<int32_t>> WorkerGroup::Execute(const worker::StepPlan& plan) {
+  TP_RETURN_IF_ERROR(Submit(plan));
+  return Collect(plan.step_id());
+}
+
+int WorkerGroup::max_in_flight() const {
+  // Pipeline stages work on different steps at once: stage s runs step n while stage s + 1
+  // runs step n - 1. The workers take plans in order from their streams.
+  return std::max(1, plan_.pp);
+}
+
+absl::Status WorkerGroup::Submit(const worker::StepPlan& plan) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.ok()) return failure_;
@@ -288,8 +300,12 @@ absl::StatusOr<std::vector<int32_t>> WorkerGroup::Execute(const worker::StepPlan
   for (int r = 0; r < options_.world_size; ++r) {
     if (!Send(r, msg)) Fail(r, "could not send a step plan (stream closed)");
   }
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
+absl::StatusOr<std::vector<int32_t>> WorkerGroup::Collect(uint64_t id) {
   std::unique_lock<std::mutex> lock(mu_);
-  const uint64_t id = plan.step_id();
   if (!cv_.wait_for(lock, options_.step_timeout,
                     [&] { return results_.count(id) > 0 || !failure_.ok() || shutdown_; })) {
     lock.unlock();

@@ -48,6 +48,9 @@ class WorkerGroup final : public worker::WorkerControl::Service, public StepExec
   // Waits for every rank to register, sends the assignments and waits for the KV reports.
   absl::Status Start(std::chrono::seconds register_timeout, std::chrono::seconds load_timeout);
   absl::StatusOr<std::vector<int32_t>> Execute(const worker::StepPlan& plan) override;
+  int max_in_flight() const override;
+  absl::Status Submit(const worker::StepPlan& plan) override;
+  absl::StatusOr<std::vector<int32_t>> Collect(uint64_t step_id) override;
   double last_forward_seconds() const override { return last_forward_seconds_; }
   // Tells every worker to exit and closes the streams.
   void Shutdown(const std::string& reason);

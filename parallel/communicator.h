@@ -28,6 +28,10 @@ class Communicator {
   virtual absl::Status Recv(Tensor t, int peer) = 0;
   virtual absl::Status Broadcast(Tensor t, int root) = 0;
   virtual std::string name() const = 0;  // e.g. "tp group 1 (mpi)", used in error messages
+  // True when a Send of a few KB completes before the peer posts its Recv (MPI's eager
+  // protocol). A pipeline with several micro-batches in flight relies on it to return the
+  // sampled ids upstream while the stages still exchange activations downstream.
+  virtual bool buffers_small_sends() const { return false; }
 };
 
 // A group of one: collectives are identities (AllGather copies through `ops`).

@@ -146,6 +146,9 @@ class MpiCommunicator : public Communicator {
     return absl::OkStatus();
   }
 
+  // Open MPI's eager limit (4 KB shared memory, 64 KB TCP) covers the pipeline's id messages.
+  bool buffers_small_sends() const override { return true; }
+
   absl::Status Send(const Tensor& t, int peer) override {
     TP_RETURN_IF_ERROR(Usable());
     TP_RETURN_IF_ERROR(comm_internal::CheckPeer(name(), "Send", peer, size_));

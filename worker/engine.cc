@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/bf16.h"
 #include "common/logging.h"
 #include "common/model_files.h"
@@ -266,98 +268,48 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
   }
   BlockPool pool(cache_->num_blocks());
   const bool last_stage = model_->shard().last_stage;
-  DeviceBuffer ids_buffer(ops_, sizeof(int32_t) * options_.model.max_batch_seqs);
+  Communicator* pp = options_.comms.pp;
 
-  while (true) {
-    BatchMeta meta;
-    meta.block_size = bs;
-    std::vector<Seq*> batch;    // sequences in this step, in batch order
-    std::vector<Seq*> sampled;  // those whose last token is in this step
-    int budget = options_.model.max_batch_tokens;
-    for (Seq& s : seqs) {
-      if (s.done || budget == 0) continue;
-      if (static_cast<int>(sampled.size()) >= options_.model.max_batch_seqs) break;
-      const size_t chunk = std::min<size_t>(s.tokens.size() - s.computed, budget);
-      const size_t end = s.computed + chunk;
-      const size_t need_blocks = (end + bs - 1) / bs;
-      if (need_blocks > s.blocks.size() &&
-          !pool.Allocate(static_cast<int>(need_blocks - s.blocks.size()), s.blocks)) {
-        return absl::InternalError("KV block pool exhausted despite the admission check");
-      }
-      batch.push_back(&s);
-      meta.num_seqs++;
-      meta.query_start.push_back(meta.num_tokens);
-      for (size_t p = s.computed; p < end; ++p) {
-        meta.token_ids.push_back(s.tokens[p]);
-        meta.positions.push_back(static_cast<int32_t>(p));
-        meta.slot_mapping.push_back(s.blocks[p / bs] * bs + static_cast<int32_t>(p % bs));
-      }
-      meta.num_tokens += static_cast<int>(chunk);
-      meta.context_lens.push_back(static_cast<int32_t>(end));
-      budget -= static_cast<int>(chunk);
-      s.computed = end;
-      if (end == s.tokens.size()) {
-        meta.logits_rows.push_back(meta.num_tokens - 1);
-        sampled.push_back(&s);
-      }
-    }
-    if (batch.empty()) break;
-    meta.query_start.push_back(meta.num_tokens);
-    for (Seq* s : batch) {
-      meta.max_blocks_per_seq =
-          std::max(meta.max_blocks_per_seq, static_cast<int>(s->blocks.size()));
-    }
-    for (Seq* s : batch) {
-      for (int b = 0; b < meta.max_blocks_per_seq; ++b) {
-        meta.block_tables.push_back(b < static_cast<int>(s->blocks.size()) ? s->blocks[b] : -1);
-      }
-    }
+  // Pipeline micro-batches: with pp stages the sequences are dealt round-robin into k groups,
+  // and the groups take turns, so that stage s runs group g while stage s + 1 runs group g - 1.
+  // The last stage sends each group's sampled ids to every other stage (small eager sends);
+  // a stage receives them just before it schedules that group again. Every rank updates the
+  // sequences in the same order, so all agree on the batches without further messages.
+  int k = 1;
+  if (plan_.pp > 1) {
+    k = options_.pp_micro_batches > 0 ? options_.pp_micro_batches : plan_.pp;
+    if (!pp->buffers_small_sends()) k = 1;  // e.g. NCCL: ids and activations on one stream
+  }
+  k = std::max(1, std::min<int>(k, static_cast<int>(seqs.size())));
+  std::vector<std::vector<Seq*>> groups(k);
+  for (size_t i = 0; i < seqs.size(); ++i) groups[i % k].push_back(&seqs[i]);
 
-    const auto step_start = std::chrono::steady_clock::now();
-    Tensor logits;
-#ifdef TPSERVE_HAVE_CUDA
-    if (graphs_ != nullptr && meta.all_decode()) {
-      TP_ASSIGN_OR_RETURN(logits, graphs_->RunDecode(meta));
-    } else {
-      TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
-    }
-#else
-    TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
-#endif
-    std::vector<int32_t> ids(sampled.size());
-    if (last_stage && !sampled.empty()) {
-      std::vector<SamplingParams> params;
-      for (Seq* s : sampled) {
-        SamplingParams p = s->req->sampling;
-        p.position = static_cast<int64_t>(s->tokens.size());
-        params.push_back(p);
-      }
-      ids = ops_->Sample(logits, cfg.vocab_size, params);
-      if (std::any_of(sampled.begin(), sampled.end(),
-                      [](Seq* s) { return s->req->record_logits; })) {
-        TP_ASSIGN_OR_RETURN(auto host, LogitsToHost(logits));
-        for (size_t i = 0; i < sampled.size(); ++i) {
-          if (sampled[i]->req->record_logits) {
-            sampled[i]->result.step_logits.push_back(std::move(host[i]));
-          }
-        }
-      }
-    }
-    if (plan_.pp > 1 && !sampled.empty()) {
-      // The last stage's sampled ids go to every stage of this rank's pipeline chain.
-      Tensor t(ids_buffer.get(), {static_cast<int64_t>(ids.size())}, DType::kI32, ops_->device());
-      if (last_stage) ops_->CopyToDevice(t.data, ids.data(), ids.size() * sizeof(int32_t));
-      TP_RETURN_IF_ERROR(options_.comms.pp->Broadcast(t, plan_.pp - 1));
-      ops_->CopyToHost(ids.data(), t.data, ids.size() * sizeof(int32_t));
+  struct InFlight {
+    std::vector<Seq*> sampled;  // sequences whose next token this step produces
+    std::vector<int32_t> ids;   // filled on the last stage at once, elsewhere on Finish
+    std::chrono::steady_clock::time_point start;
+    int num_tokens = 0;
+  };
+  std::vector<std::optional<InFlight>> inflight(k);
+  DeviceBuffer ids_buffer(ops_, sizeof(int32_t) * std::max(1, options_.model.max_batch_seqs));
+
+  // Applies the sampled ids of group g's step in flight (receiving them if not the last stage).
+  auto finish = [&](int g) -> absl::Status {
+    InFlight& f = *inflight[g];
+    if (!last_stage && !f.sampled.empty()) {
+      f.ids.resize(f.sampled.size());
+      Tensor t(ids_buffer.get(), {static_cast<int64_t>(f.ids.size())}, DType::kI32, ops_->device());
+      TP_RETURN_IF_ERROR(pp->Recv(t, plan_.pp - 1));
+      ops_->CopyToHost(f.ids.data(), t.data, f.ids.size() * sizeof(int32_t));
     }
     const double step_ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_start)
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - f.start)
             .count();
-    for (size_t i = 0; i < sampled.size(); ++i) {
-      Seq& s = *sampled[i];
-      const int32_t id = ids[i];
+    for (size_t i = 0; i < f.sampled.size(); ++i) {
+      Seq& s = *f.sampled[i];
+      const int32_t id = f.ids[i];
       s.result.step_ms.push_back(step_ms);
-      s.result.step_tokens.push_back(meta.num_tokens);
+      s.result.step_tokens.push_back(f.num_tokens);
       s.tokens.push_back(id);
       s.result.output_ids.push_back(id);
       const bool is_eos = !s.req->ignore_eos && std::find(eos.begin(), eos.end(), id) != eos.end();
@@ -371,6 +323,101 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
         s.done = true;
       }
       if (s.done) pool.Release(s.blocks);
+    }
+    inflight[g].reset();
+    return absl::OkStatus();
+  };
+
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int g = 0; g < k; ++g) {
+      if (inflight[g]) TP_RETURN_IF_ERROR(finish(g));
+      BatchMeta meta;
+      meta.block_size = bs;
+      std::vector<Seq*> batch;  // sequences in this step, in batch order
+      InFlight f;
+      int budget = options_.model.max_batch_tokens;
+      for (Seq* sp : groups[g]) {
+        Seq& s = *sp;
+        if (s.done || budget == 0) continue;
+        if (static_cast<int>(f.sampled.size()) >= options_.model.max_batch_seqs) break;
+        const size_t chunk = std::min<size_t>(s.tokens.size() - s.computed, budget);
+        const size_t end = s.computed + chunk;
+        const size_t need_blocks = (end + bs - 1) / bs;
+        if (need_blocks > s.blocks.size() &&
+            !pool.Allocate(static_cast<int>(need_blocks - s.blocks.size()), s.blocks)) {
+          return absl::InternalError("KV block pool exhausted despite the admission check");
+        }
+        batch.push_back(&s);
+        meta.num_seqs++;
+        meta.query_start.push_back(meta.num_tokens);
+        for (size_t p = s.computed; p < end; ++p) {
+          meta.token_ids.push_back(s.tokens[p]);
+          meta.positions.push_back(static_cast<int32_t>(p));
+          meta.slot_mapping.push_back(s.blocks[p / bs] * bs + static_cast<int32_t>(p % bs));
+        }
+        meta.num_tokens += static_cast<int>(chunk);
+        meta.context_lens.push_back(static_cast<int32_t>(end));
+        budget -= static_cast<int>(chunk);
+        s.computed = end;
+        if (end == s.tokens.size()) {
+          meta.logits_rows.push_back(meta.num_tokens - 1);
+          f.sampled.push_back(&s);
+        }
+      }
+      if (batch.empty()) continue;
+      progress = true;
+      meta.query_start.push_back(meta.num_tokens);
+      for (Seq* s : batch) {
+        meta.max_blocks_per_seq =
+            std::max(meta.max_blocks_per_seq, static_cast<int>(s->blocks.size()));
+      }
+      for (Seq* s : batch) {
+        for (int b = 0; b < meta.max_blocks_per_seq; ++b) {
+          meta.block_tables.push_back(b < static_cast<int>(s->blocks.size()) ? s->blocks[b] : -1);
+        }
+      }
+
+      f.start = std::chrono::steady_clock::now();
+      f.num_tokens = meta.num_tokens;
+      Tensor logits;
+#ifdef TPSERVE_HAVE_CUDA
+      if (graphs_ != nullptr && meta.all_decode()) {
+        TP_ASSIGN_OR_RETURN(logits, graphs_->RunDecode(meta));
+      } else {
+        TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
+      }
+#else
+      TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
+#endif
+      if (last_stage && !f.sampled.empty()) {
+        std::vector<SamplingParams> params;
+        for (Seq* s : f.sampled) {
+          SamplingParams p = s->req->sampling;
+          p.position = static_cast<int64_t>(s->tokens.size());
+          params.push_back(p);
+        }
+        f.ids = ops_->Sample(logits, cfg.vocab_size, params);
+        if (std::any_of(f.sampled.begin(), f.sampled.end(),
+                        [](Seq* s) { return s->req->record_logits; })) {
+          TP_ASSIGN_OR_RETURN(auto host, LogitsToHost(logits));
+          for (size_t i = 0; i < f.sampled.size(); ++i) {
+            if (f.sampled[i]->req->record_logits) {
+              f.sampled[i]->result.step_logits.push_back(std::move(host[i]));
+            }
+          }
+        }
+        if (plan_.pp > 1) {
+          // The ids go upstream to every other stage of this rank's pipeline chain.
+          Tensor t(ids_buffer.get(), {static_cast<int64_t>(f.ids.size())}, DType::kI32,
+                   ops_->device());
+          ops_->CopyToDevice(t.data, f.ids.data(), f.ids.size() * sizeof(int32_t));
+          for (int peer = 0; peer < plan_.pp - 1; ++peer) TP_RETURN_IF_ERROR(pp->Send(t, peer));
+        }
+      }
+      inflight[g] = std::move(f);
+      // One micro-batch (k = 1): finish at once, as a plain step loop.
+      if (k == 1) TP_RETURN_IF_ERROR(finish(g));
     }
   }
   std::vector<GenerateResult> results;

@@ -35,6 +35,9 @@ struct EngineOptions {
   std::string device_map;
   ParallelContext comms;
   Ops* ops = nullptr;  // optional: use these ops instead of creating them from `device`
+  // Micro-batches in flight through the pipeline stages (pp > 1): 0 means pp. Needs a pp
+  // communicator whose small sends are buffered (MPI); otherwise the stages take turns.
+  int pp_micro_batches = 0;
   // Replay decode steps as CUDA graphs (CUDA, tp = pp = 1 only).
   bool cuda_graphs = true;
 };

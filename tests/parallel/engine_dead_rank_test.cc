@@ -64,11 +64,11 @@ TEST(EngineDeadRankTest, StalledLastStageMakesFirstStageTimeOut) {
   RunResult r = RunJob(1, 2, "stall", 1, 20);
   SCOPED_TRACE(absl::StrCat("wall ", absl::FormatDuration(r.wall)));
   ExpectFailedFast(r);
-  // Stage 0 waits for the sampled ids (or for its send of the activations to be taken).
+  // Stage 0 waits for the sampled ids (Recv) or for its send of the activations to be taken.
   EXPECT_THAT(
       r.output,
       ContainsRegex("engine_dead_rank_helper: rank 0: Generate failed: DEADLINE_EXCEEDED: "
-                    "pp chain of tp rank 0 \\(mpi\\): rank 0 (Broadcast|Send) with peer 1 did "
+                    "pp chain of tp rank 0 \\(mpi\\): rank 0 (Recv|Send) with peer 1 did "
                     "not finish within 3s"))
       << r.output;
 }

@@ -28,6 +28,7 @@ class TimedCommunicator : public Communicator {
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   std::string name() const override { return inner_->name(); }
+  bool buffers_small_sends() const override { return inner_->buffers_small_sends(); }
   absl::Status AllReduceSum(Tensor t) override {
     return Time([&] { return inner_->AllReduceSum(t); });
   }
@@ -72,7 +73,7 @@ int Main(int argc, char** argv) {
     fprintf(stderr, "%s\n", std::string(s.message()).c_str());
     return 2;
   }
-  int tp = 1, pp = 1, batch = 1, prompt_len = 32, new_tokens = 128, repeats = 3;
+  int tp = 1, pp = 1, batch = 1, prompt_len = 32, new_tokens = 128, repeats = 3, micro = 0;
   const char* src = std::getenv("TPSERVE_SOURCE_DIR");
   std::string model = absl::StrCat(src != nullptr ? src : ".", "/models/tiny-coder");
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -88,6 +89,8 @@ int Main(int argc, char** argv) {
       prompt_len = std::atoi(value);
     } else if (flag == "--new-tokens") {
       new_tokens = std::atoi(value);
+    } else if (flag == "--micro-batches") {
+      micro = std::atoi(value);
     } else if (flag == "--repeats") {
       repeats = std::atoi(value);
     } else if (flag == "--model") {
@@ -113,6 +116,7 @@ int Main(int argc, char** argv) {
   options.tp = tp;
   options.pp = pp;
   options.rank = groups->rank;
+  options.pp_micro_batches = micro;
   double comm_ms = 0;
   TimedCommunicator tp_comm(groups->tp_comm.get(), &comm_ms);
   TimedCommunicator pp_comm(groups->pp_comm.get(), &comm_ms);
@@ -128,13 +132,16 @@ int Main(int argc, char** argv) {
     requests[b].max_new_tokens = new_tokens;
     requests[b].ignore_eos = true;
   }
-  std::vector<double> decode, prefill;
+  std::vector<double> decode, prefill, tokens_per_s;
   double measured_comm_ms = 0;
   int64_t measured_steps = 0, measured_calls = 0;
   for (int r = 0; r < repeats + 1; ++r) {  // the first run warms up
     const double comm_before = comm_ms;
     const int64_t calls_before = tp_comm.calls() + pp_comm.calls();
+    const auto start = std::chrono::steady_clock::now();
     absl::StatusOr<std::vector<GenerateResult>> results = (*engine)->Generate(requests);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!results.ok()) {
       fprintf(stderr, "rank %d: %s\n", groups->rank, results.status().ToString().c_str());
       return 4;
@@ -145,15 +152,16 @@ int Main(int argc, char** argv) {
     measured_calls += tp_comm.calls() + pp_comm.calls() - calls_before;
     measured_steps += static_cast<int64_t>(ms.size());
     prefill.push_back(ms[0]);
+    tokens_per_s.push_back(double(batch) * new_tokens / seconds);
     decode.push_back(Median(std::vector<double>(ms.begin() + 1, ms.end())));
   }
   // Every rank reports: the time in communicator calls includes waiting for slower peers.
   printf(
-      "model_parallel_bench: rank %d of tp=%d pp=%d, batch=%d prompt=%d new_tokens=%d: "
-      "prefill %.3f ms, decode %.3f ms/step (medians of %d runs); in the communicators "
-      "%.3f ms/step (%.1f calls/step, all steps)\n",
-      groups->rank, tp, pp, batch, prompt_len, new_tokens, Median(prefill), Median(decode), repeats,
-      measured_steps > 0 ? measured_comm_ms / measured_steps : 0.0,
+      "model_parallel_bench: rank %d of tp=%d pp=%d (micro-batches %d), batch=%d prompt=%d "
+      "new_tokens=%d: prefill %.3f ms, decode %.3f ms/step, %.0f tokens/s overall (medians of "
+      "%d runs); in the communicators %.3f ms/step (%.1f calls/step, all steps)\n",
+      groups->rank, tp, pp, micro, batch, prompt_len, new_tokens, Median(prefill), Median(decode),
+      Median(tokens_per_s), repeats, measured_steps > 0 ? measured_comm_ms / measured_steps : 0.0,
       measured_steps > 0 ? static_cast<double>(measured_calls) / measured_steps : 0.0);
   fflush(stdout);
   engine->reset();

@@ -134,7 +134,9 @@ class ServiceTest : public ::testing::Test {
     model_dir_ = new std::string(service_test::ServiceModelDir());
     server_ = ServerProcess::Start(
                   *model_dir_, {"--workers", "2", "--max-num-seqs", "8", "--max-num-batched-tokens",
-                                "64", "--max-queued-requests", "32"})
+                                "64", "--max-queued-requests", "32",
+                                // Forwarded to the workers; CPU workers have no device budget.
+                                "--gpu-memory-utilization", "0.5"})
                   .release();
   }
   static void TearDownTestSuite() {
@@ -503,7 +505,8 @@ TEST(ServiceOverflowTest, FullQueueIsResourceExhaustedAndServiceKeepsServing) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << server->Log();
 }
 
-// Pipeline parallelism (2 stages) and a single worker (no mpirun) give the engine's tokens too.
+// Pipeline parallelism (2 stages, two steps in flight over disjoint sequences) and a single
+// worker (no mpirun) give the engine's tokens too.
 TEST(ServiceLayoutTest, PipelineAndSingleWorkerMatchTheEngine) {
   const std::string model = service_test::ServiceModelDir();
   EngineOptions options;
@@ -511,7 +514,9 @@ TEST(ServiceLayoutTest, PipelineAndSingleWorkerMatchTheEngine) {
   auto engine = Engine::Create(model, options);
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::vector<std::vector<int32_t>> expected;
-  const std::vector<std::vector<int32_t>> prompts = {PromptIds(9, 21), PromptIds(70, 22)};
+  const std::vector<std::vector<int32_t>> prompts = {PromptIds(9, 21),  PromptIds(70, 22),
+                                                     PromptIds(33, 23), PromptIds(5, 24),
+                                                     PromptIds(17, 25), PromptIds(50, 26)};
   for (const auto& p : prompts) {
     GenerateRequest req;
     req.prompt = p;
