@@ -16,7 +16,8 @@ import tempfile
 
 
 def generate_stubs(proto_dir, out_dir):
-    protos = ["tpserve/v1/inference.proto", "grpc/health/v1/health.proto"]
+    protos = ["tpserve/v1/inference.proto", "grpc/health/v1/health.proto",
+              "grpc/reflection/v1alpha/reflection.proto"]
     plugin = shutil.which("grpc_python_plugin")
     protoc = shutil.which("protoc")
     if protoc and plugin:
@@ -88,7 +89,35 @@ def main():
         toks = stub.Tokenize(pb.TokenizeRequest(text="print('hi')"), timeout=10)
         back = stub.Detokenize(pb.DetokenizeRequest(token_ids=toks.token_ids), timeout=10)
         assert back.text == "print('hi')", back.text
-        print("python client: OK (%d output tokens, %r)" % (unary.output_tokens, unary.text[:40]))
+
+        # Server reflection (what grpcurl and similar tools use): the services, then the
+        # descriptor of the file that defines tpserve.v1.Inference.
+        from google.protobuf import descriptor_pb2
+        refl_pb = importlib.import_module("grpc.reflection.v1alpha.reflection_pb2")
+        refl_grpc = importlib.import_module("grpc.reflection.v1alpha.reflection_pb2_grpc")
+        refl = refl_grpc.ServerReflectionStub(channel)
+        asks = [refl_pb.ServerReflectionRequest(list_services=""),
+                refl_pb.ServerReflectionRequest(file_containing_symbol="tpserve.v1.Inference"),
+                refl_pb.ServerReflectionRequest(file_containing_symbol="tpserve.v1.NoSuchThing")]
+        answers = list(refl.ServerReflectionInfo(iter(asks), timeout=10))
+        assert len(answers) == 3, answers
+        services = {s.name for s in answers[0].list_services_response.service}
+        for want in ("tpserve.v1.Inference", "grpc.health.v1.Health",
+                     "grpc.reflection.v1alpha.ServerReflection"):
+            assert want in services, (want, services)
+        files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                 for b in answers[1].file_descriptor_response.file_descriptor_proto]
+        inference = [f for f in files if f.package == "tpserve.v1"]
+        assert inference, [f.name for f in files]
+        methods = {m.name for f in inference for s in f.service if s.name == "Inference"
+                   for m in s.method}
+        assert {"Generate", "GenerateStream", "Tokenize", "Detokenize",
+                "GetModelInfo"} <= methods, methods
+        assert answers[2].HasField("error_response"), answers[2]
+        assert answers[2].error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0], \
+            answers[2].error_response
+        print("python client: OK (%d output tokens, %r; reflection lists %d services)"
+              % (unary.output_tokens, unary.text[:40], len(services)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

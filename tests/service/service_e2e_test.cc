@@ -445,6 +445,7 @@ TEST_F(ServiceTest, PythonClientWithDebianGrpcio) {
   while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
   const int status = pclose(p);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << out;
+  EXPECT_NE(out.find("reflection lists"), std::string::npos) << out;
 }
 
 // A small queue: overflow answers RESOURCE_EXHAUSTED and the service keeps serving; SIGTERM then
