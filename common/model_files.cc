@@ -196,6 +196,11 @@ absl::Status ModelFiles::ReadCols(std::string_view name, absl::Span<const int64_
   return f->ReadCols(name, expected_shape, col_begin, col_count, out_dtype, dst);
 }
 
+absl::StatusOr<std::string_view> ModelFiles::RawBytes(std::string_view name) const {
+  TP_ASSIGN_OR_RETURN(const SafetensorsFile* f, FileFor(name));
+  return f->RawBytes(name);
+}
+
 absl::Status ModelFiles::ValidateWeights() const {
   for (const WeightSpec& spec : LlamaWeightSpecs(config_)) {
     TP_ASSIGN_OR_RETURN(const SafetensorsFile* f, FileFor(spec.name));

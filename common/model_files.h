@@ -64,6 +64,9 @@ class ModelFiles {
   absl::Status ReadCols(std::string_view name, absl::Span<const int64_t> expected_shape,
                         int64_t col_begin, int64_t col_count, DType out_dtype, void* dst) const;
 
+  // The stored bytes of tensor `name` (inside the read-only mapping, valid while this lives).
+  absl::StatusOr<std::string_view> RawBytes(std::string_view name) const;
+
   // Checks that every tensor of LlamaWeightSpecs(config()) is present with its shape and a
   // loadable dtype (F32, BF16, F16). Extra tensors are allowed.
   absl::Status ValidateWeights() const;

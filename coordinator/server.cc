@@ -35,9 +35,9 @@ namespace tpserve {
 const char kCoordinatorUsage[] =
     "usage: tpserve-coordinator --model DIR [--port P] [--host H] [--workers N | --tp T --pp P]\n"
     "         [--device-map MAP] [--spawn-workers [--device cpu|cuda|auto] [--worker-binary B]]\n"
-    "         [--kv-cache-mb MB] [--max-num-seqs N] [--max-num-batched-tokens N]\n"
-    "         [--max-queued-requests N] [--register-timeout S] [--drain-timeout S]\n"
-    "         [--heartbeat-timeout S] [--ready-file PATH]\n"
+    "         [--gpu-memory-utilization F] [--kv-cache-mb MB] [--max-num-seqs N]\n"
+    "         [--max-num-batched-tokens N] [--max-queued-requests N] [--register-timeout S]\n"
+    "         [--drain-timeout S] [--heartbeat-timeout S] [--ready-file PATH]\n"
     "       tpserve serve --model DIR [--workers N | --tp T --pp P] [--device cpu|cuda|auto]\n"
     "         [--port P] (same flags; spawns the local workers)";
 
@@ -150,6 +150,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
                                 "device",
                                 "worker-binary",
                                 "kv-cache-mb",
+                                "gpu-memory-utilization",
                                 "block-size",
                                 "max-num-seqs",
                                 "max-num-batched-tokens",
@@ -184,6 +185,12 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   TP_ASSIGN_OR_RETURN(kv_mb, a.GetInt("kv-cache-mb", 0));
   if (kv_mb < 0) return absl::InvalidArgumentError("--kv-cache-mb must be >= 0");
   o.kv_cache_mb = kv_mb;
+  TP_ASSIGN_OR_RETURN(o.gpu_memory_utilization,
+                      a.GetDouble("gpu-memory-utilization", o.gpu_memory_utilization));
+  if (!(o.gpu_memory_utilization > 0 && o.gpu_memory_utilization <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--gpu-memory-utilization must be in (0, 1] (got ", o.gpu_memory_utilization, ")"));
+  }
   const IntFlag ints[] = {
       {"port", &o.port, 0, 65535},
       {"workers", &o.world_size, 1, 4096},
@@ -273,6 +280,7 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
   g.pp = o.pp;
   g.device_map = o.device_map;
   g.kv_cache_bytes = o.kv_cache_mb << 20;
+  g.gpu_memory_utilization = o.gpu_memory_utilization;
   g.block_size = o.block_size;
   g.max_num_batched_tokens = o.max_num_batched_tokens;
   g.max_num_seqs = o.max_num_seqs;

@@ -21,9 +21,10 @@ struct CoordinatorOptions {
   std::string device_map;
   // Local workers: spawn them (one per visible GPU with --device cuda, else CPU workers).
   bool spawn_workers = false;
-  std::string device = "auto";  // of spawned workers
-  std::string worker_binary;    // default: tpserve-worker next to this binary or on PATH
-  int64_t kv_cache_mb = 0;      // per worker; 0: the worker's default
+  std::string device = "auto";           // of spawned workers
+  std::string worker_binary;             // default: tpserve-worker next to this binary or on PATH
+  int64_t kv_cache_mb = 0;               // per worker; 0: sized from gpu_memory_utilization
+  double gpu_memory_utilization = 0.90;  // of each GPU's memory, for weights, workspace and KV
   int block_size = 16;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 512;

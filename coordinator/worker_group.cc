@@ -242,6 +242,7 @@ absl::Status WorkerGroup::Start(std::chrono::seconds register_timeout,
     a->set_device_map(plan_.DeviceMapString());
     a->set_rank(r);
     a->set_kv_cache_bytes(options_.kv_cache_bytes);
+    a->set_gpu_memory_utilization(options_.gpu_memory_utilization);
     a->set_block_size(options_.block_size);
     a->set_max_num_batched_tokens(options_.max_num_batched_tokens);
     a->set_max_num_seqs(options_.max_num_seqs);

@@ -30,7 +30,8 @@ struct WorkerGroupOptions {
   int tp = 0;  // 0: world_size (pp = 1)
   int pp = 1;
   std::string device_map;      // optional manual layer map
-  int64_t kv_cache_bytes = 0;  // per worker; 0: the worker's default
+  int64_t kv_cache_bytes = 0;  // per worker; 0: from gpu_memory_utilization (CPU: default)
+  double gpu_memory_utilization = 0.90;
   int block_size = 16;
   int max_num_batched_tokens = 512;
   int max_num_seqs = 64;

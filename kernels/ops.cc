@@ -1,10 +1,42 @@
-// Shared pieces of the ops interface: batch metadata helpers and RoPE frequencies.
+// Shared pieces of the ops interface: batch metadata helpers, RoPE frequencies, the default
+// (synchronous) weight uploader.
 #include "kernels/ops.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace tpserve {
+namespace {
+
+// Copies at once through Ops::CopyToDevice (the default when a backend has nothing faster).
+class SyncUploader final : public DeviceUploader {
+ public:
+  explicit SyncUploader(Ops* ops) : ops_(ops) {}
+  void Upload(void* dst, const void* src, size_t bytes) override {
+    ops_->CopyToDevice(dst, src, bytes);
+    stats_.bytes += static_cast<int64_t>(bytes);
+  }
+  void UploadRows(void* dst, const void* src, size_t rows, size_t row_bytes,
+                  size_t src_pitch) override {
+    std::vector<char> packed(rows * row_bytes);
+    for (size_t r = 0; r < rows; ++r) {
+      std::memcpy(packed.data() + r * row_bytes, static_cast<const char*>(src) + r * src_pitch,
+                  row_bytes);
+    }
+    Upload(dst, packed.data(), packed.size());
+  }
+  void Flush() override {}
+  Stats stats() const override { return stats_; }
+
+ private:
+  Ops* ops_;
+  Stats stats_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceUploader> Ops::MakeUploader() { return std::make_unique<SyncUploader>(this); }
 
 int BatchMeta::max_query_len() const {
   int m = 0;

@@ -44,6 +44,27 @@ struct BatchMeta {
   bool all_decode() const { return num_tokens == num_seqs; }
 };
 
+// Bulk host-to-device copies for loading weights. Copies may be queued: a source must stay
+// valid and unchanged until the next Flush(), which completes every queued copy.
+class DeviceUploader {
+ public:
+  struct Stats {
+    int64_t bytes = 0;       // bytes copied
+    double host_copy_s = 0;  // wall time spent copying sources into staging memory
+    double wait_s = 0;       // wall time spent waiting for device copies to free staging
+    int threads = 1;         // host threads copying into staging
+  };
+  virtual ~DeviceUploader() = default;
+  // `bytes` from host `src` to device `dst`.
+  virtual void Upload(void* dst, const void* src, size_t bytes) = 0;
+  // `rows` rows of `row_bytes`, `src_pitch` bytes apart in host memory, packed contiguously at
+  // `dst` (a column slice of a row-major matrix).
+  virtual void UploadRows(void* dst, const void* src, size_t rows, size_t row_bytes,
+                          size_t src_pitch) = 0;
+  virtual void Flush() = 0;
+  virtual Stats stats() const = 0;
+};
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -60,6 +81,16 @@ class Ops {
   virtual void CopyDeviceToDevice(void* dst, const void* src, size_t bytes) = 0;
   // Waits for all queued work (no-op on the CPU).
   virtual void Synchronize() = 0;
+  // Device memory in bytes (free, total). False when the backend has no device memory of its
+  // own (the CPU ops): then nothing is sized from it.
+  virtual bool MemoryInfo(size_t* free_bytes, size_t* total_bytes) const {
+    (void)free_bytes;
+    (void)total_bytes;
+    return false;
+  }
+  // A bulk copier for weight loading. The default copies synchronously through CopyToDevice;
+  // CUDA streams through pinned staging buffers on a copy stream.
+  virtual std::unique_ptr<DeviceUploader> MakeUploader();
 
   // Makes `meta` the current batch for the ops below.
   virtual void SetBatch(const BatchMeta& meta) = 0;
@@ -79,6 +110,22 @@ class Ops {
   virtual void Rope(Tensor q, Tensor k, const Tensor& inv_freq, int head_dim) = 0;
   // Writes k, v [T, Hk * D] into the paged caches [blocks, block_size, Hk, D] at slot_mapping.
   virtual void KvWrite(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache) = 0;
+  // Rope and KvWrite in one pass over the fused projection qkv [T, (Hq + 2 Hk) * D] (each
+  // token's q heads, then k heads, then v heads): q_out [T, Hq * D] = rotated q; rotated k and
+  // v go into the caches at slot_mapping (slots < 0 are padding: nothing is written for them).
+  virtual void RopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_heads,
+                           int num_kv_heads, int head_dim, Tensor q_out, Tensor k_cache,
+                           Tensor v_cache) = 0;
+  // The attention input of a layer: Gemm(x, w_qkv, bias, qkv), then RopeKvWrite(qkv, ...), the
+  // default. `qkv` [T, (Hq + 2 Hk) * D] is scratch a backend that fuses the two may leave
+  // unwritten (CUDA at small T: the skinny GEMM rotates and stores in its epilogue).
+  virtual void QkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
+                              const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
+                              int head_dim, Tensor qkv, Tensor q_out, Tensor k_cache,
+                              Tensor v_cache) {
+    Gemm(x, w_qkv, bias, qkv);
+    RopeKvWrite(qkv, inv_freq, num_q_heads, num_kv_heads, head_dim, q_out, k_cache, v_cache);
+  }
   // Causal attention of q [T, Hq * D] over the paged cache, which already holds this step's
   // keys and values; query token i of a sequence sees cache positions
   // [0, context_len - query_len + i]. GQA: q head h reads KV head h / (Hq / Hk).
@@ -92,6 +139,13 @@ class Ops {
                                Tensor out) = 0;
   // gate_up [M, 2I] (gate then up) -> out [M, I] = silu(gate) * up.
   virtual void SiluMul(const Tensor& gate_up, Tensor out) = 0;
+  // y [M, N] = SiluMul(gate_up) * w[N, I]^T: the MLP's down projection. `act` [M, I] is scratch
+  // a backend may use for the activation (its contents afterwards are unspecified). The default
+  // is SiluMul into act, then Gemm; CUDA reads gate_up directly in its small-M GEMM.
+  virtual void SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Tensor y) {
+    SiluMul(gate_up, act);
+    Gemm(act, w, nullptr, y);
+  }
   // out = a + b (elementwise, same shape).
   virtual void Add(const Tensor& a, const Tensor& b, Tensor out) = 0;
   // out[i] = in[rows[i]] for the batch's logits_rows.

@@ -5,6 +5,9 @@
 //
 //   tpserve-engine-bench --model DIR [--device cuda] [--prompt-len 512] [--new-tokens 512]
 //       [--prefill-len 2048] [--batches 8,32,64] [--context 1024] [--repeats 3] [--json FILE]
+//       [--gpu-memory-utilization F | --kv-cache-mb MB] [--profile]
+// The KV cache holds just what the scenarios need unless one of the last two flags sizes it as
+// the server does.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -20,6 +23,7 @@
 #include "common/model_files.h"
 #include "common/status.h"
 #include "tools/cli_args.h"
+#include "tools/engine_profile.h"
 #include "tools/hw_limits.h"
 #include "worker/engine.h"
 
@@ -43,8 +47,9 @@ absl::Status Main(const std::vector<std::string>& args) {
   TP_ASSIGN_OR_RETURN(CliArgs a,
                       CliArgs::Parse(args,
                                      {"model", "device", "prompt-len", "new-tokens", "prefill-len",
-                                      "batches", "context", "repeats", "json", "max-batch-tokens"},
-                                     {}));
+                                      "batches", "context", "repeats", "json", "max-batch-tokens",
+                                      "gpu-memory-utilization", "kv-cache-mb"},
+                                     {"profile"}));
   TP_ASSIGN_OR_RETURN(std::string model_dir, a.Required("model"));
   TP_ASSIGN_OR_RETURN(int64_t prompt_len, a.GetInt("prompt-len", 512));
   TP_ASSIGN_OR_RETURN(int64_t new_tokens, a.GetInt("new-tokens", 512));
@@ -82,8 +87,14 @@ absl::Status Main(const std::vector<std::string>& args) {
   const int64_t tokens_needed = std::max<int64_t>(
       {prompt_len + new_tokens, prefill_len,
        int64_t{max_batch} * (context + max_batch * context / options.model.max_batch_tokens + 24)});
-  options.num_kv_blocks =
-      static_cast<int>((tokens_needed + 2 * max_batch) / options.block_size + 2 * max_batch + 8);
+  TP_ASSIGN_OR_RETURN(options.gpu_memory_utilization,
+                      a.GetDouble("gpu-memory-utilization", options.gpu_memory_utilization));
+  TP_ASSIGN_OR_RETURN(int64_t kv_mb, a.GetInt("kv-cache-mb", 0));
+  options.kv_cache_bytes = kv_mb << 20;
+  if (!a.Has("gpu-memory-utilization") && !a.Has("kv-cache-mb")) {
+    options.num_kv_blocks =
+        static_cast<int>((tokens_needed + 2 * max_batch) / options.block_size + 2 * max_batch + 8);
+  }
   const auto t0 = std::chrono::steady_clock::now();
   TP_ASSIGN_OR_RETURN(auto engine, Engine::Create(model_dir, options));
   const double load_s =
@@ -201,6 +212,11 @@ absl::Status Main(const std::vector<std::string>& args) {
                  floor_ms > 0 ? step / floor_ms : 0.0);
   }
   out["batched_decode"] = rows;
+  if (a.Flag("profile")) {  // per-op CUDA event times of eager steps (tools/engine_profile.h)
+    TP_ASSIGN_OR_RETURN(out["op_profile"],
+                        ProfileEngineOps(*engine, options.block_size,
+                                         DefaultOpProfileScenarios(static_cast<int>(prefill_len))));
+  }
   out["peak_device_memory_GB"] = DeviceMemoryInUse() / 1e9;
   const std::string json_path = a.GetOr("json", "");
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";

@@ -3,7 +3,7 @@
 # puts them under .carry/gpu/). Runs the gpu-tier tests, makes a random DeepSeek-Coder-6.7B-shaped
 # checkpoint, compares it with transformers bf16, runs the engine benchmark and the HF
 # baselines. Logs and JSON go to $OUT (or ./gpu-out).
-# Usage: bash tools/gpu_job.sh [tests] [ds67] [bench] [hf] [tok]   (default: all)
+# Usage: bash tools/gpu_job.sh [tests] [ds67] [bench] [hf] [pp]   (default: tests ds67 bench hf)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
@@ -71,5 +71,14 @@ if has hf; then
     >"$out/hf_bench.log" 2>&1
   log "hf_bench rc=$?"
   grep '^{' "$out/hf_bench.log" | tee -a "$out/summary.txt"
+fi
+if has pp && [ -x "$stage/bin/model_parallel_bench" ]; then
+  # CPU pipeline of 2 stages on tiny-coder (16 cores here): one micro-batch vs two in flight.
+  for m in 1 2; do
+    log "model_parallel_bench pp=2 batch 8, micro-batches $m"
+    OPENBLAS_NUM_THREADS=1 timeout 120 mpirun --allow-run-as-root -np 2 \
+      "$stage/bin/model_parallel_bench" --pp 2 --batch 8 --new-tokens 64 --micro-batches $m \
+      --model models/tiny-coder 2>&1 | grep "rank 0" | tee -a "$out/summary.txt"
+  done
 fi
 log done

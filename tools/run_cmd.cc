@@ -22,7 +22,10 @@ namespace {
 constexpr char kUsage[] =
     "usage: tpserve run --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]\n"
     "                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--ignore-eos]\n"
-    "                   [--device cpu|cuda|auto] [--json]";
+    "                   [--device cpu|cuda|auto] [--gpu-memory-utilization F] [--kv-cache-mb MB]\n"
+    "                   [--json]\n"
+    "On a GPU the KV cache takes what --gpu-memory-utilization (default 0.90) of the device's\n"
+    "memory leaves after the weights; on the CPU it holds this one request.";
 
 absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
   std::vector<int32_t> ids;
@@ -41,10 +44,11 @@ absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
 }  // namespace
 
 absl::Status RunRunCommand(const std::vector<std::string>& args) {
-  auto parsed = CliArgs::Parse(args,
-                               {"model", "prompt", "prompt-ids", "max-new-tokens", "temperature",
-                                "top-p", "top-k", "seed", "device", "kv-cache-mb"},
-                               {"json", "ignore-eos"});
+  auto parsed =
+      CliArgs::Parse(args,
+                     {"model", "prompt", "prompt-ids", "max-new-tokens", "temperature", "top-p",
+                      "top-k", "seed", "device", "kv-cache-mb", "gpu-memory-utilization"},
+                     {"json", "ignore-eos"});
   if (!parsed.ok()) return Annotate(parsed.status(), kUsage);
   const CliArgs& a = *parsed;
   TP_ASSIGN_OR_RETURN(std::string model_dir, a.Required("model"));
@@ -59,6 +63,12 @@ absl::Status RunRunCommand(const std::vector<std::string>& args) {
   TP_ASSIGN_OR_RETURN(int64_t top_k, a.GetInt("top-k", 0));
   TP_ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
   TP_ASSIGN_OR_RETURN(int64_t kv_mb, a.GetInt("kv-cache-mb", 0));
+  TP_ASSIGN_OR_RETURN(double utilization, a.GetDouble("gpu-memory-utilization", 0.90));
+  if (kv_mb < 0) return absl::InvalidArgumentError("--kv-cache-mb must be >= 0");
+  if (!(utilization > 0 && utilization <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gpu-memory-utilization must be in (0, 1] (got ", utilization, ")"));
+  }
   if (max_new < 1 || max_new > (1 << 20)) {
     return absl::InvalidArgumentError("--max-new-tokens must be between 1 and 1048576");
   }
@@ -85,8 +95,12 @@ absl::Status RunRunCommand(const std::vector<std::string>& args) {
   EngineOptions options;
   options.device = a.GetOr("device", "auto");
   options.kv_cache_bytes = kv_mb * (int64_t{1} << 20);
-  const int64_t need = static_cast<int64_t>(req.prompt.size()) + req.max_new_tokens;
-  options.num_kv_blocks = static_cast<int>((need + options.block_size - 1) / options.block_size);
+  options.gpu_memory_utilization = utilization;
+  if (ResolveDevice(options.device) == "cpu") {
+    // The CPU has no device memory budget: a cache for this one request.
+    const int64_t need = static_cast<int64_t>(req.prompt.size()) + req.max_new_tokens;
+    options.num_kv_blocks = static_cast<int>((need + options.block_size - 1) / options.block_size);
+  }
   options.model.max_batch_seqs = 1;
   const auto t0 = std::chrono::steady_clock::now();
   TP_ASSIGN_OR_RETURN(auto engine, Engine::Create(model_dir, options));
@@ -106,6 +120,7 @@ absl::Status RunRunCommand(const std::vector<std::string>& args) {
     j["finish_reason"] = r.finish_reason;
     j["device"] = ResolveDevice(options.device);
     j["load_seconds"] = load_s;
+    j["kv_capacity_tokens"] = engine->kv_capacity_tokens();
     j["generate_seconds"] = gen_s;
     j["tokens_per_second"] = r.output_ids.size() / gen_s;
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;

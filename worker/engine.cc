@@ -12,6 +12,7 @@
 #include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
+#include "worker/shard_loader.h"
 #ifdef TPSERVE_HAVE_CUDA
 #include "kernels/cuda/cuda_ops.h"
 #include "worker/cuda_graph_runner.h"
@@ -95,19 +96,26 @@ Engine::~Engine() {
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_dir,
                                                        const EngineOptions& options) {
+  // Phases of Create are logged at info level so that the load time can be attributed.
+  using Clock = std::chrono::steady_clock;
+  auto seconds = [](Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  };
+  const auto t_start = Clock::now();
   std::unique_ptr<Engine> engine(new Engine());
   engine->options_ = options;
   TP_ASSIGN_OR_RETURN(ModelFiles files, ModelFiles::Open(model_dir));
   engine->files_ = std::make_unique<ModelFiles>(std::move(files));
   TP_RETURN_IF_ERROR(engine->files_->ValidateWeights());
   const ModelConfig& config = engine->files_->config();
+  const auto t_opened = Clock::now();
 
   if (options.ops != nullptr) {
     engine->ops_ = options.ops;
   } else {
     std::string device = ResolveDevice(options.device);
-    if (options.device == "auto" && device == "cuda" && config.head_dim != 64 &&
-        config.head_dim != 128) {
+    if (options.device == "auto" && device == "cuda" && config.head_dim != 32 &&
+        config.head_dim != 64 && config.head_dim != 128) {
       TP_LOG(WARNING) << "head_dim " << config.head_dim
                       << " has no CUDA attention kernel: running on the CPU";
       device = "cpu";
@@ -115,6 +123,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_
     TP_ASSIGN_OR_RETURN(engine->owned_ops_, MakeOps(device));
     engine->ops_ = engine->owned_ops_.get();
   }
+  const auto t_ops = Clock::now();
   PlanOptions plan_options;
   plan_options.tp = options.tp;
   plan_options.pp = options.pp;
@@ -130,44 +139,55 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_
     engine->single_pp_ = MakeSingleRankCommunicator(engine->ops_);
     comms.pp = engine->single_pp_.get();
   }
-  TP_ASSIGN_OR_RETURN(engine->model_, LlamaModel::Load(*engine->files_, engine->plan_, options.rank,
-                                                       engine->ops_, comms, options.model));
-  int blocks = options.num_kv_blocks;
-  const RankShard& shard = engine->model_->shard();
-  if (options.kv_cache_bytes > 0) {
-    const size_t per_block = KvCache::BlockBytes(
-        std::max(1, engine->model_->num_local_layers()), options.block_size, shard.num_kv_heads,
-        static_cast<int>(config.head_dim), engine->ops_->compute_dtype());
-    blocks = static_cast<int>(options.kv_cache_bytes / per_block);
-  } else if (blocks <= 0) {
-    const int64_t per_seq =
-        (config.max_position_embeddings + options.block_size - 1) / options.block_size;
-    blocks = static_cast<int>(std::min<int64_t>(per_seq * 4, 1 << 16));
-  }
-  if (blocks <= 0) {
-    return absl::ResourceExhaustedError("the KV cache budget holds not even one block");
-  }
-  engine->cache_ = engine->model_->MakeKvCache(blocks, options.block_size);
+  ShardLoadOptions load;
+  load.model = options.model;
+  load.block_size = options.block_size;
+  load.kv_cache_bytes = options.kv_cache_bytes;
+  load.num_kv_blocks = options.num_kv_blocks;
+  load.gpu_memory_utilization = options.gpu_memory_utilization;
+  const int64_t blocks_per_seq =
+      (config.max_position_embeddings + options.block_size - 1) / options.block_size;
 #ifdef TPSERVE_HAVE_CUDA
-  if (auto* cuda = dynamic_cast<CudaOps*>(engine->ops_)) {
-    // Size the batch buffers once so that nothing moves after warm-up.
-    CudaReserve reserve;
-    reserve.max_tokens = options.model.max_batch_tokens;
-    reserve.max_seqs = CudaGraphRunner::Bucket(options.model.max_batch_seqs);
-    reserve.max_blocks_per_seq = std::max(
-        16, CudaGraphRunner::Bucket(static_cast<int>(std::min<int64_t>(
-                (config.max_position_embeddings + options.block_size - 1) / options.block_size,
-                blocks))));
-    reserve.block_size = options.block_size;
-    reserve.num_heads = shard.num_q_heads;
-    reserve.head_dim = static_cast<int>(config.head_dim);
-    cuda->Reserve(reserve);
-    if (options.cuda_graphs && options.tp == 1 && options.pp == 1) {
-      engine->graphs_ = std::make_unique<CudaGraphRunner>(cuda, engine->model_.get(),
-                                                          engine->cache_.get(), reserve.max_seqs);
-    }
+  CudaReserve reserve;
+  auto* cuda = dynamic_cast<CudaOps*>(engine->ops_);
+  if (cuda != nullptr) {
+    // Size the batch buffers once, before the KV budget is measured, so that nothing moves
+    // after warm-up and the budget counts them.
+    load.before_kv = [&](LlamaModel& model) {
+      const RankShard& shard = model.shard();
+      reserve.max_tokens = options.model.max_batch_tokens;
+      reserve.max_seqs = CudaGraphRunner::Bucket(options.model.max_batch_seqs);
+      const int64_t table_blocks = options.num_kv_blocks > 0
+                                       ? std::min<int64_t>(blocks_per_seq, options.num_kv_blocks)
+                                       : blocks_per_seq;
+      reserve.max_blocks_per_seq =
+          std::max(16, CudaGraphRunner::Bucket(static_cast<int>(table_blocks)));
+      reserve.block_size = options.block_size;
+      reserve.num_heads = shard.num_q_heads;
+      reserve.head_dim = static_cast<int>(config.head_dim);
+      cuda->Reserve(reserve);
+    };
+  }
+#else
+  (void)blocks_per_seq;
+#endif
+  TP_ASSIGN_OR_RETURN(LoadedShard shard, LoadShard(*engine->files_, engine->plan_, options.rank,
+                                                   engine->ops_, comms, load));
+  engine->model_ = std::move(shard.model);
+  engine->cache_ = std::move(shard.cache);
+#ifdef TPSERVE_HAVE_CUDA
+  if (cuda != nullptr && options.cuda_graphs && options.tp == 1 && options.pp == 1) {
+    // Decode graphs are captured lazily, on the first decode step of each batch bucket.
+    engine->graphs_ = std::make_unique<CudaGraphRunner>(cuda, engine->model_.get(),
+                                                        engine->cache_.get(), reserve.max_seqs);
   }
 #endif
+  const auto t_end = Clock::now();
+  TP_LOG(INFO) << absl::StrFormat(
+      "Engine::Create %.3f s: open and validate %.3f s, device init %.3f s, shard load "
+      "(weights, workspace, KV pool) %.3f s",
+      seconds(t_start, t_end), seconds(t_start, t_opened), seconds(t_opened, t_ops),
+      seconds(t_ops, t_end));
   return engine;
 }
 

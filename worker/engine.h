@@ -24,8 +24,12 @@ class CudaGraphRunner;
 struct EngineOptions {
   std::string device = "cpu";  // "cpu", "cuda" or "auto" (cuda when a GPU is present)
   int block_size = 16;
-  int num_kv_blocks = 0;       // 0: enough for max_batch_seqs sequences of the full context
-  int64_t kv_cache_bytes = 0;  // alternative to num_kv_blocks (takes precedence when > 0)
+  // KV cache size: kv_cache_bytes, else num_kv_blocks, else (on a device) what
+  // gpu_memory_utilization leaves after the weights and workspace (worker/kv_budget.h), else
+  // (CPU) room for 4 sequences of the full context.
+  int num_kv_blocks = 0;
+  int64_t kv_cache_bytes = 0;
+  double gpu_memory_utilization = 0.90;  // fraction of the device's total memory, in (0, 1]
   ModelOptions model;
   // Parallel layout; the defaults are one rank. For several ranks the caller passes the
   // communicators of this rank (see ParallelContext) and every rank calls the same methods.

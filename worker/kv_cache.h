@@ -1,6 +1,7 @@
 // The paged KV cache of one worker: for each local layer a K and a V pool of
-// [num_blocks, block_size, local KV heads, head_dim] in the compute dtype, allocated once.
-// Workers own the contents; block tables (which blocks a sequence uses) live in the scheduler.
+// [num_blocks, block_size, local KV heads, head_dim] in the compute dtype, in one allocation
+// made once at start. Workers own the contents; block tables (which blocks a sequence uses)
+// live in the scheduler.
 #pragma once
 
 #include <vector>
@@ -18,18 +19,20 @@ class KvCache {
   static size_t BlockBytes(int num_layers, int block_size, int num_kv_heads, int head_dim,
                            DType dtype);
 
-  Tensor k(int local_layer) { return Layer(k_[local_layer]); }
-  Tensor v(int local_layer) { return Layer(v_[local_layer]); }
+  Tensor k(int local_layer) { return Layer(2 * local_layer); }
+  Tensor v(int local_layer) { return Layer(2 * local_layer + 1); }
   int num_blocks() const { return num_blocks_; }
   int block_size() const { return block_size_; }
   int64_t capacity_tokens() const { return static_cast<int64_t>(num_blocks_) * block_size_; }
+  size_t bytes() const { return pool_.bytes(); }
 
  private:
-  Tensor Layer(const DeviceBuffer& buf) const;
+  Tensor Layer(int index) const;
 
   Ops* ops_;
   int num_blocks_, block_size_, num_kv_heads_, head_dim_;
-  std::vector<DeviceBuffer> k_, v_;
+  size_t layer_bytes_;  // one K or V pool of one layer
+  DeviceBuffer pool_;   // [layer][K, V][blocks, block_size, heads, head_dim]
 };
 
 }  // namespace tpserve

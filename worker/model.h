@@ -32,9 +32,21 @@ struct ParallelContext {
   Communicator* pp = nullptr;
 };
 
+// Device bytes of one rank's shard, known before anything is allocated.
+struct ShardMemory {
+  int64_t weight_bytes = 0;      // the weights (one allocation, tensors 256-byte aligned)
+  int64_t activation_bytes = 0;  // activation buffers for ModelOptions' batch limits
+};
+
 class LlamaModel {
  public:
-  // Loads this rank's shard of the weights (converted to ops->compute_dtype()).
+  // What Load would allocate for rank `rank` on `ops` (reads only the checkpoint's header).
+  static absl::StatusOr<ShardMemory> EstimateMemory(const ModelFiles& files, const ShardPlan& plan,
+                                                    int rank, Ops* ops,
+                                                    const ModelOptions& options);
+  // Loads this rank's shard of the weights (converted to ops->compute_dtype()). On a device,
+  // tensors stored in the compute dtype stream from the mapped file through the ops' uploader
+  // (pinned staging on CUDA); others are converted on the host first.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const ModelFiles& files,
                                                           const ShardPlan& plan, int rank, Ops* ops,
                                                           ParallelContext comms,
@@ -47,6 +59,8 @@ class LlamaModel {
   int64_t vocab_padded() const { return plan_.vocab_padded; }
   // Bytes of this rank's weights on the device.
   size_t weight_bytes() const { return weight_bytes_; }
+  // Bytes of its activation buffers.
+  size_t activation_bytes() const { return activation_bytes_; }
 
   // Makes a KV cache for this shard's layers and KV heads.
   std::unique_ptr<KvCache> MakeKvCache(int num_blocks, int block_size) const;
@@ -63,9 +77,17 @@ class LlamaModel {
 
  private:
   struct Layer;
+  struct PlannedWeight;
   LlamaModel(const ModelConfig& config, const ShardPlan& plan, int rank, Ops* ops,
              ParallelContext comms, const ModelOptions& options);
+  static absl::Status CheckSupported(const ModelConfig& config, const ShardPlan& plan, int rank,
+                                     Ops* ops);
+  // Every weight tensor of this shard and where its parts come from; `layers_` is sized and
+  // the plan points into it and into `fused` (per layer: qkv, qkv bias).
+  absl::StatusOr<std::vector<PlannedWeight>> PlanWeights(const ModelFiles& files,
+                                                         std::vector<Tensor>& fused);
   absl::Status LoadWeights(const ModelFiles& files);
+  std::vector<int64_t> ActivationElems() const;
   void AllocateActivations();
   Tensor Act(int index, int64_t rows, int64_t cols);
 
@@ -76,6 +98,7 @@ class LlamaModel {
   ParallelContext comms_;
   ModelOptions options_;
   size_t weight_bytes_ = 0;
+  size_t activation_bytes_ = 0;
 
   std::vector<DeviceBuffer> weight_buffers_;
   Tensor embed_, final_norm_, lm_head_, inv_freq_;

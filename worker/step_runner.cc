@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
 #include "common/status.h"
+#include "worker/shard_loader.h"
 
 namespace tpserve {
 
@@ -22,25 +23,15 @@ absl::StatusOr<std::unique_ptr<StepRunner>> StepRunner::Create(const ModelFiles&
   std::unique_ptr<StepRunner> r(new StepRunner());
   r->ops_ = ops;
   r->options_ = options;
-  TP_ASSIGN_OR_RETURN(r->model_, LlamaModel::Load(files, plan, rank, ops, comms, options.model));
-  const ModelConfig& config = files.config();
+  ShardLoadOptions load;
+  load.model = options.model;
+  load.block_size = options.block_size;
+  load.kv_cache_bytes = options.kv_cache_bytes;
+  load.gpu_memory_utilization = options.gpu_memory_utilization;
+  TP_ASSIGN_OR_RETURN(LoadedShard loaded, LoadShard(files, plan, rank, ops, comms, load));
+  r->model_ = std::move(loaded.model);
+  r->cache_ = std::move(loaded.cache);
   const RankShard& shard = r->model_->shard();
-  const int bs = options.block_size;
-  int64_t blocks = 0;
-  if (options.kv_cache_bytes > 0) {
-    const size_t per_block =
-        KvCache::BlockBytes(std::max(1, r->model_->num_local_layers()), bs, shard.num_kv_heads,
-                            static_cast<int>(config.head_dim), ops->compute_dtype());
-    blocks = options.kv_cache_bytes / static_cast<int64_t>(per_block);
-  } else {
-    const int64_t per_seq = (config.max_position_embeddings + bs - 1) / bs;
-    blocks = std::min<int64_t>(per_seq * 4, 1 << 16);
-  }
-  if (blocks <= 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("a KV cache of ", options.kv_cache_bytes, " bytes holds not even one block"));
-  }
-  r->cache_ = r->model_->MakeKvCache(static_cast<int>(std::min<int64_t>(blocks, 1 << 24)), bs);
   r->sampler_ = shard.last_stage && shard.tp_rank == 0;
   return r;
 }

@@ -19,7 +19,10 @@ namespace tpserve {
 
 struct StepRunnerOptions {
   int block_size = 16;
-  int64_t kv_cache_bytes = 0;  // 0: room for 4 full-length sequences (at most 65536 blocks)
+  // KV cache size: kv_cache_bytes when > 0, else (on a device) what gpu_memory_utilization
+  // leaves after the weights and workspace, else (CPU) room for 4 full-length sequences.
+  int64_t kv_cache_bytes = 0;
+  double gpu_memory_utilization = 0.90;
   ModelOptions model;
 };
 

@@ -121,6 +121,7 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   StepRunnerOptions so;
   so.block_size = a.block_size();
   so.kv_cache_bytes = a.kv_cache_bytes();
+  if (a.gpu_memory_utilization() > 0) so.gpu_memory_utilization = a.gpu_memory_utilization();
   so.model.max_batch_tokens = a.max_num_batched_tokens();
   so.model.max_batch_seqs = a.max_num_seqs();
   ParallelContext comms{groups.tp_comm.get(), groups.pp_comm.get()};
@@ -134,7 +135,8 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   if (!client.Send(report)) return absl::UnavailableError("could not send the KV report");
   TP_LOG(INFO) << "loaded layers [" << runner->model().shard().layer_begin << ", "
                << runner->model().shard().layer_end << "), " << runner->num_blocks()
-               << " KV blocks";
+               << " KV blocks = " << static_cast<int64_t>(runner->num_blocks()) * so.block_size
+               << " tokens";
 
   while (client.Read(&msg)) {
     if (msg.has_shutdown()) {

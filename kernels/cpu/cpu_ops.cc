@@ -141,6 +141,50 @@ class CpuOps final : public Ops {
     }
   }
 
+  void RopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
+                   int head_dim, Tensor q_out, Tensor k_cache, Tensor v_cache) override {
+    CheckF32(qkv, "rope_kv_write qkv");
+    const int half = head_dim / 2;
+    const int64_t q_width = int64_t{num_q_heads} * head_dim;
+    const int64_t kv_width = int64_t{num_kv_heads} * head_dim;
+    const int64_t width = q_width + 2 * kv_width;
+    const int64_t slots = k_cache.dim(0) * k_cache.dim(1);
+    TP_CHECK(head_dim % 2 == 0 && inv_freq.numel() == half &&
+             qkv.numel() == meta_.num_tokens * width &&
+             q_out.numel() == meta_.num_tokens * q_width && k_cache.numel() == slots * kv_width &&
+             v_cache.numel() == k_cache.numel())
+        << "rope_kv_write: qkv " << qkv.ShapeString() << ", q_out " << q_out.ShapeString()
+        << ", k_cache " << k_cache.ShapeString() << ", heads " << num_q_heads << "/" << num_kv_heads
+        << ", head_dim " << head_dim;
+    std::vector<float> k(kv_width);
+    for (int t = 0; t < meta_.num_tokens; ++t) {
+      const float* row = qkv.ptr<float>() + t * width;
+      float* q = q_out.ptr<float>() + t * q_width;
+      std::memcpy(q, row, q_width * sizeof(float));
+      std::memcpy(k.data(), row + q_width, kv_width * sizeof(float));
+      const float pos = static_cast<float>(meta_.positions[t]);
+      for (float* x : {q, k.data()}) {
+        const int64_t heads = x == q ? num_q_heads : num_kv_heads;
+        for (int64_t h = 0; h < heads; ++h) {
+          float* v = x + h * head_dim;
+          for (int i = 0; i < half; ++i) {
+            const float angle = pos * inv_freq.ptr<float>()[i];  // as Rope
+            const float c = std::cos(angle), s = std::sin(angle);
+            const float a = v[i], b = v[i + half];
+            v[i] = a * c - b * s;
+            v[i + half] = b * c + a * s;
+          }
+        }
+      }
+      const int64_t slot = meta_.slot_mapping[t];
+      if (slot < 0) continue;  // padding
+      TP_CHECK(slot < slots) << "slot " << slot << " outside the cache";
+      std::memcpy(k_cache.ptr<float>() + slot * kv_width, k.data(), kv_width * sizeof(float));
+      std::memcpy(v_cache.ptr<float>() + slot * kv_width, row + q_width + kv_width,
+                  kv_width * sizeof(float));
+    }
+  }
+
   void AttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                         int num_heads, int num_kv_heads, int head_dim, float scale,
                         Tensor out) override {

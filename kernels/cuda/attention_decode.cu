@@ -1,9 +1,11 @@
 // Decode attention over the paged KV cache (one query per sequence), flash-decoding style:
 // the context is cut into partitions (DecodePartition keys), one block per (partition, group
-// of G query heads sharing a KV head, sequence); a second kernel merges the partitions with
-// their softmax maxima and sums. K and V are each read once with 16-byte loads; fp32 math.
-// The grid depends only on (num_seqs, max_blocks_per_seq), so a decode step can be captured
-// in a CUDA graph and replayed for any context lengths up to that capacity.
+// of G query heads sharing a KV head, sequence). Each block writes its partial result (output,
+// softmax max and sum) to the workspace; the last block of a (sequence, head group) to finish,
+// found with an arrival counter, merges the partials into the output, so a step is one kernel.
+// K and V are each read once with 16-byte loads; fp32 math. The grid depends only on
+// (num_seqs, max_blocks_per_seq), so a decode step can be captured in a CUDA graph and
+// replayed for any context lengths up to that capacity.
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
 
@@ -14,6 +16,107 @@ constexpr int kThreads = 128;
 constexpr int kSub = 64;  // keys whose K and V are in flight at once (sub-tile kernel)
 constexpr int kMaxTwoPhasePartition = 256;
 constexpr float kLog2e = 1.4426950408889634f;
+
+// Writes zeros for the kG heads of a padding sequence (context 0).
+template <int kD, int kG>
+__device__ void WriteZeroRows(int64_t q_row, int num_heads, int head0,
+                              __nv_bfloat16* __restrict__ out) {
+  for (int i = threadIdx.x; i < kG * kD; i += kThreads) {
+    out[(q_row * num_heads + head0) * kD + i] = __float2bfloat16(0.0f);
+  }
+}
+
+// The end of every split: o_s holds sum_t p_t v_t (p relative to m_s), l_s the sum of p.
+// A context of one partition is normalized and written directly. Otherwise the partial goes to
+// the workspace record [seq][head][split]; the block that arrives last at its (sequence, head
+// group) counter merges all `used` partials and resets the counter for the next launch
+// (threadfence reduction: each block's records are visible before its arrival is counted).
+template <int kD, int kG>
+__device__ void FinishSplit(const float (&o_s)[kG][kD], const float* m_s, const float* l_s,
+                            int used, int split, int num_splits, int seq, int group, int num_heads,
+                            int64_t q_row, unsigned* __restrict__ counters,
+                            float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
+  __shared__ bool last_s;
+  const int tid = threadIdx.x;
+  const int head0 = group * kG;
+  if (used == 1) {
+    for (int i = tid; i < kG * kD; i += kThreads) {
+      int g = i / kD, d = i % kD;
+      float l = l_s[g];
+      out[(q_row * num_heads + head0 + g) * kD + d] =
+          __float2bfloat16(l > 0.0f ? o_s[g][d] / l : 0.0f);
+    }
+    return;
+  }
+  for (int i = tid; i < kG * (kD + 2); i += kThreads) {
+    int g = i / (kD + 2), j = i % (kD + 2);
+    int64_t rec = (static_cast<int64_t>(seq) * num_heads + head0 + g) * num_splits + split;
+    float v = j < kD ? o_s[g][j] : (j == kD ? m_s[g] : l_s[g]);
+    records[rec * (kD + 2) + j] = v;
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    unsigned* counter = counters + static_cast<int64_t>(seq) * gridDim.y + group;
+    unsigned arrived = atomicAdd(counter, 1u) + 1;
+    last_s = arrived == static_cast<unsigned>(used);
+    if (last_s) atomicExch(counter, 0u);
+  }
+  __syncthreads();
+  if (!last_s) return;
+  __threadfence();
+  // Merge, one head at a time: warp w folds splits w, w + 4, ... (online softmax rescaling, the
+  // loads of several splits in flight), lane l holds elements [l * kVec, (l + 1) * kVec); then
+  // the four warps' results are combined through shared memory.
+  constexpr int kWarpsPerBlock = kThreads / 32;
+  constexpr int kVec = kD / 32;
+  __shared__ float warp_m[kWarpsPerBlock], warp_den[kWarpsPerBlock];
+  __shared__ float warp_num[kWarpsPerBlock][kD];
+  const int warp = tid / 32, lane = tid % 32;
+  for (int g = 0; g < kG; ++g) {
+    const float* rec =
+        records + (static_cast<int64_t>(seq) * num_heads + head0 + g) * num_splits * (kD + 2);
+    float m_run = -INFINITY, den = 0.0f, num[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) num[e] = 0.0f;
+#pragma unroll 4
+    for (int s = warp; s < used; s += kWarpsPerBlock) {
+      const float* r = rec + s * (kD + 2);
+      float ms = __ldcg(r + kD), ls = __ldcg(r + kD + 1), o[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) o[e] = __ldcg(r + lane * kVec + e);
+      float m_new = fmaxf(m_run, ms);
+      float a = exp2f(m_run - m_new), b = exp2f(ms - m_new);  // a = 0 on the first split
+      den = den * a + ls * b;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) num[e] = num[e] * a + o[e] * b;
+      m_run = m_new;
+    }
+    if (lane == 0) {
+      warp_m[warp] = m_run;
+      warp_den[warp] = den;
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) warp_num[warp][lane * kVec + e] = num[e];
+    __syncthreads();
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarpsPerBlock; ++w) m = fmaxf(m, warp_m[w]);
+    for (int d = tid; d < kD; d += kThreads) {
+      float total_num = 0.0f, total_den = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarpsPerBlock; ++w) {
+        if (warp_m[w] == -INFINITY) continue;  // a warp without splits
+        float f = exp2f(warp_m[w] - m);
+        total_num += warp_num[w][d] * f;
+        total_den += warp_den[w] * f;
+      }
+      out[(q_row * num_heads + head0 + g) * kD + d] =
+          __float2bfloat16(total_den > 0.0f ? total_num / total_den : 0.0f);
+    }
+    __syncthreads();  // warp_* are rewritten for the next head
+  }
+}
 
 // Large batches: one block per split of up to 256 keys, three phases (all scores, softmax, PV)
 // with few registers, so that many blocks stay resident and their loads overlap.
@@ -26,7 +129,8 @@ __global__ void __launch_bounds__(kThreads)
                          const int32_t* __restrict__ context_lens,
                          const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
                          int block_size, int num_heads, int num_kv_heads, int partition,
-                         float scale_log2, float* __restrict__ workspace) {
+                         float scale_log2, unsigned* __restrict__ counters,
+                         float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
   constexpr int kLanesPerToken = kD / 8;                     // 16-byte chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // tokens read per block step
   constexpr int kUnroll = 4;
@@ -35,18 +139,27 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float o_s[kG][kD];
   __shared__ float m_s[kG], l_s[kG];
 
+  PdlLaunchDependents();
   const int split = blockIdx.x, group = blockIdx.y, seq = blockIdx.z;
   const int num_splits = gridDim.x;
   const int ctx = context_lens[seq];
   const int start = split * partition;
-  if (start >= ctx) return;
-  const int n = min(partition, ctx - start);
   const int head0 = group * kG;
+  const int64_t q_row = query_start[seq];
+  if (start >= ctx) {
+    if (ctx == 0 && split == 0) {
+      PdlWait();
+      WriteZeroRows<kD, kG>(q_row, num_heads, head0, out);
+    }
+    return;
+  }
+  const int n = min(partition, ctx - start);
+  const int used = (ctx + partition - 1) / partition;
   const int kv_head = head0 / (num_heads / num_kv_heads);
   const int tid = threadIdx.x;
-  const int64_t q_row = query_start[seq];
   const int32_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks_per_seq;
 
+  PdlWait();  // q and this step's K/V rows come from the previous kernels
   for (int i = tid; i < kG * kD; i += kThreads) {
     int g = i / kD, d = i % kD;
     q_s[g][d] = __bfloat162float(q[(q_row * num_heads + head0 + g) * kD + d]) * scale_log2;
@@ -149,14 +262,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < 8; ++e) atomicAdd(&o_s[g][chunk * 8 + e], acc[g][e]);
   }
   __syncthreads();
-
-  // Partial result: [seq][head][split] -> o[kD], m, l.
-  for (int i = tid; i < kG * (kD + 2); i += kThreads) {
-    int g = i / (kD + 2), j = i % (kD + 2);
-    int64_t rec = (static_cast<int64_t>(seq) * num_heads + head0 + g) * num_splits + split;
-    float v = j < kD ? o_s[g][j] : (j == kD ? m_s[g] : l_s[g]);
-    workspace[rec * (kD + 2) + j] = v;
-  }
+  FinishSplit<kD, kG>(o_s, m_s, l_s, used, split, num_splits, seq, group, num_heads, q_row,
+                      counters, records, out);
 }
 
 // Small batches: one block per split of `partition` keys, kG query heads of one KV head, one
@@ -172,7 +279,8 @@ __global__ void __launch_bounds__(kThreads)
                           const int32_t* __restrict__ context_lens,
                           const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
                           int block_size, int num_heads, int num_kv_heads, int partition,
-                          float scale_log2, float* __restrict__ workspace) {
+                          float scale_log2, unsigned* __restrict__ counters,
+                          float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
   constexpr int kLanesPerToken = kD / 8;                     // 16-byte chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // rows read per block step
   constexpr int kUnroll = kSub / kTokensPerStep;
@@ -181,17 +289,64 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float o_s[kG][kD];
   __shared__ float m_s[kG], l_s[kG], alpha_s[kG];
 
+  PdlLaunchDependents();
   const int split = blockIdx.x, group = blockIdx.y, seq = blockIdx.z;
   const int num_splits = gridDim.x;
   const int ctx = context_lens[seq];
   const int start = split * partition;
-  if (start >= ctx) return;
-  const int n = min(partition, ctx - start);
   const int head0 = group * kG;
+  const int64_t q_row = query_start[seq];
+  if (start >= ctx) {
+    if (ctx == 0 && split == 0) {
+      PdlWait();
+      WriteZeroRows<kD, kG>(q_row, num_heads, head0, out);
+    }
+    return;
+  }
+  const int n = min(partition, ctx - start);
+  const int used = (ctx + partition - 1) / partition;
   const int kv_head = head0 / (num_heads / num_kv_heads);
   const int tid = threadIdx.x;
-  const int64_t q_row = query_start[seq];
   const int32_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks_per_seq;
+  const int chunk = tid % kLanesPerToken, tok_lane = tid / kLanesPerToken;
+  const int warp = tid / 32, lane = tid % 32;
+
+  // K and V rows of a sub-tile; `skip_pos` is left for later (zeros).
+  uint4 kv[kUnroll], vv[kUnroll];
+  auto load_tile = [&](int sub, int cnt, int skip_pos) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      int tok = u * kTokensPerStep + tok_lane;
+      int pos = start + sub + tok;
+      if (tok < cnt && pos != skip_pos) {
+        int64_t slot =
+            static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+        int64_t off = (slot * num_kv_heads + kv_head) * kD + chunk * 8;
+        kv[u] = LoadStreaming(k_cache + off);
+        vv[u] = LoadStreaming(v_cache + off);
+      } else {
+        kv[u] = vv[u] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  // Earlier steps wrote every key but the last (ctx - 1), which the previous kernel writes now:
+  // the first sub-tile's other rows are loaded before waiting for it.
+  load_tile(0, min(kSub, n), ctx - 1);
+  PdlWait();
+  if (ctx - 1 - start < kSub) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      int tok = u * kTokensPerStep + tok_lane;
+      if (start + tok == ctx - 1) {
+        int pos = ctx - 1;
+        int64_t slot =
+            static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+        int64_t off = (slot * num_kv_heads + kv_head) * kD + chunk * 8;
+        kv[u] = LoadStreaming(k_cache + off);
+        vv[u] = LoadStreaming(v_cache + off);
+      }
+    }
+  }
 
   for (int i = tid; i < kG * kD; i += kThreads) {
     int g = i / kD, d = i % kD;
@@ -204,8 +359,6 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  const int chunk = tid % kLanesPerToken, tok_lane = tid / kLanesPerToken;
-  const int warp = tid / 32, lane = tid % 32;
   float qf[kG][8];
 #pragma unroll
   for (int g = 0; g < kG; ++g) {
@@ -221,22 +374,8 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int sub = 0; sub < n; sub += kSub) {
     const int cnt = min(kSub, n - sub);
-    uint4 kv[kUnroll], vv[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      int tok = u * kTokensPerStep + tok_lane;
-      if (tok < cnt) {
-        int pos = start + sub + tok;
-        int64_t slot =
-            static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-        int64_t off = (slot * num_kv_heads + kv_head) * kD + chunk * 8;
-        kv[u] = LoadStreaming(k_cache + off);
-        vv[u] = LoadStreaming(v_cache + off);
-      } else {
-        kv[u] = vv[u] = make_uint4(0, 0, 0, 0);
-      }
-    }
-    // Scores (log2 domain).
+    if (sub > 0) load_tile(sub, cnt, -1);
+      // Scores (log2 domain).
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       int tok = u * kTokensPerStep + tok_lane;
@@ -301,86 +440,42 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < 8; ++e) atomicAdd(&o_s[g][chunk * 8 + e], acc[g][e]);
   }
   __syncthreads();
-
-  // Partial result: [seq][head][split] -> o[kD] (relative to m), m, l.
-  for (int i = tid; i < kG * (kD + 2); i += kThreads) {
-    int g = i / (kD + 2), j = i % (kD + 2);
-    int64_t rec = (static_cast<int64_t>(seq) * num_heads + head0 + g) * num_splits + split;
-    float v = j < kD ? o_s[g][j] : (j == kD ? m_s[g] : l_s[g]);
-    workspace[rec * (kD + 2) + j] = v;
-  }
-}
-
-template <int kD>
-__global__ void DecodeCombineKernel(const float* __restrict__ workspace,
-                                    const int32_t* __restrict__ query_start,
-                                    const int32_t* __restrict__ context_lens, int num_heads,
-                                    int num_splits, int partition,
-                                    __nv_bfloat16* __restrict__ out) {
-  const int head = blockIdx.x, seq = blockIdx.y;
-  const int used = min(num_splits, (context_lens[seq] + partition - 1) / partition);
-  const float* rec =
-      workspace + (static_cast<int64_t>(seq) * num_heads + head) * num_splits * (kD + 2);
-  float m = -INFINITY;
-  for (int s = 0; s < used; ++s) m = fmaxf(m, rec[s * (kD + 2) + kD]);
-  const int64_t row = query_start[seq];
-  for (int d = threadIdx.x; d < kD; d += blockDim.x) {
-    float num = 0.0f, den = 0.0f;
-    for (int s = 0; s < used; ++s) {
-      const float* r = rec + s * (kD + 2);
-      float w = exp2f(r[kD] - m);
-      num += w * r[d];
-      den += w * r[kD + 1];
-    }
-    out[(row * num_heads + head) * kD + d] = __float2bfloat16(den > 0.0f ? num / den : 0.0f);
-  }
+  FinishSplit<kD, kG>(o_s, m_s, l_s, used, split, num_splits, seq, group, num_heads, q_row,
+                      counters, records, out);
 }
 
 template <int kD, int kG>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
-                 int num_kv_heads, float scale, const DeviceBatch& b, float* workspace, Tensor out,
-                 cudaStream_t stream) {
+                 int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
+                 unsigned* counters, Tensor out, cudaStream_t stream) {
   int splits = DecodeNumSplits(b, num_heads, num_kv_heads);
   int partition = DecodePartition(b.num_seqs, num_heads, num_kv_heads);
   dim3 grid(splits, num_heads / kG, b.num_seqs);
   auto kernel = partition == kSub ? DecodePartitionKernel<kD, kG> : DecodeTwoPhaseKernel<kD, kG>;
-  kernel<<<grid, kThreads, 0, stream>>>(
-      q.ptr<const __nv_bfloat16>(), k_cache.ptr<const __nv_bfloat16>(),
-      v_cache.ptr<const __nv_bfloat16>(), b.query_start, b.context_lens, b.block_tables,
-      b.max_blocks_per_seq, b.block_size, num_heads, num_kv_heads, partition, scale * kLog2e,
-      workspace);
-  TP_CUDA_CHECK_LAUNCH();
-  DecodeCombineKernel<kD><<<dim3(num_heads, b.num_seqs), kD, 0, stream>>>(
-      workspace, b.query_start, b.context_lens, num_heads, splits, partition,
-      out.ptr<__nv_bfloat16>());
+  LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(),
+            k_cache.ptr<const __nv_bfloat16>(), v_cache.ptr<const __nv_bfloat16>(), b.query_start,
+            b.context_lens, b.block_tables, b.max_blocks_per_seq, b.block_size, num_heads,
+            num_kv_heads, partition, scale * kLog2e, counters, workspace, out.ptr<__nv_bfloat16>());
   TP_CUDA_CHECK_LAUNCH();
 }
 
 template <int kD>
-void LaunchForDim(int group, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                  int num_heads, int num_kv_heads, float scale, const DeviceBatch& b,
-                  float* workspace, Tensor out, cudaStream_t stream) {
+void LaunchForDim(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
+                  int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
+                  unsigned* counters, Tensor out, cudaStream_t stream) {
   const int g = DecodeHeadsPerBlock(num_heads, num_kv_heads);
-  if (g == 8) {
-    LaunchTyped<kD, 8>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, out,
-                       stream);
-  } else if (g == 4) {
-    LaunchTyped<kD, 4>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, out,
-                       stream);
-  } else if (g == 2) {
-    LaunchTyped<kD, 2>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, out,
-                       stream);
-  } else {
-    LaunchTyped<kD, 1>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, out,
-                       stream);
-  }
+  auto launch = g == 8   ? LaunchTyped<kD, 8>
+                : g == 4 ? LaunchTyped<kD, 4>
+                : g == 2 ? LaunchTyped<kD, 2>
+                         : LaunchTyped<kD, 1>;
+  launch(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, counters, out, stream);
 }
 
 }  // namespace
 
 void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                            int num_heads, int num_kv_heads, int head_dim, float scale,
-                           const DeviceBatch& b, float* workspace, Tensor out,
+                           const DeviceBatch& b, float* workspace, unsigned* counters, Tensor out,
                            cudaStream_t stream) {
   TP_CHECK_CUDA_TENSOR(q, DType::kBF16);
   TP_CHECK_CUDA_TENSOR(k_cache, DType::kBF16);
@@ -390,22 +485,25 @@ void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor&
       << "AttentionDecode needs one query per sequence (tokens " << b.num_tokens << ", seqs "
       << b.num_seqs << "); use AttentionPrefill";
   TP_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
-           (head_dim == 64 || head_dim == 128) && k_cache.ndim == 4 &&
+           (head_dim == 32 || head_dim == 64 || head_dim == 128) && k_cache.ndim == 4 &&
            k_cache.dim(1) == b.block_size && k_cache.dim(2) == num_kv_heads &&
            k_cache.dim(3) == head_dim && v_cache.numel() == k_cache.numel() &&
            q.numel() == int64_t{b.num_tokens} * num_heads * head_dim && out.numel() == q.numel())
       << "AttentionDecode: q " << q.ShapeString() << ", k_cache " << k_cache.ShapeString()
       << ", out " << out.ShapeString() << ", heads " << num_heads << "/" << num_kv_heads
-      << ", head_dim " << head_dim << " (64 or 128), block_size " << b.block_size;
-  TP_CHECK(workspace != nullptr) << "AttentionDecode: no workspace";
+      << ", head_dim " << head_dim << " (32, 64 or 128), block_size " << b.block_size;
+  TP_CHECK(workspace != nullptr && counters != nullptr)
+      << "AttentionDecode: no workspace or counters";
   if (b.num_seqs == 0) return;
-  int group = num_heads / num_kv_heads;
-  if (head_dim == 64) {
-    LaunchForDim<64>(group, q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, out,
-                     stream);
+  if (head_dim == 32) {
+    LaunchForDim<32>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, counters,
+                     out, stream);
+  } else if (head_dim == 64) {
+    LaunchForDim<64>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, counters,
+                     out, stream);
   } else {
-    LaunchForDim<128>(group, q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, out,
-                      stream);
+    LaunchForDim<128>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, counters,
+                      out, stream);
   }
 }
 

@@ -21,10 +21,12 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
 }
 
 // Element offset of (row, 8-element chunk) in a [rows][kD] tile; chunks XOR-swizzled by row so
-// that ldmatrix over 8 consecutive rows hits 8 different bank groups.
+// that ldmatrix over 8 consecutive rows hits 8 different bank groups (kD >= 64; a 32-wide row
+// has 4 chunks, and the XOR stays inside the row).
 template <int kD>
 __device__ __forceinline__ int Swizzle(int row, int chunk) {
-  return row * kD + ((chunk ^ (row & 7)) << 3);
+  constexpr int kMask = (kD / 8 < 8 ? kD / 8 : 8) - 1;
+  return row * kD + ((chunk ^ (row & kMask)) << 3);
 }
 
 __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
@@ -294,15 +296,17 @@ void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor
   TP_CHECK_CUDA_TENSOR(v_cache, DType::kBF16);
   TP_CHECK_CUDA_TENSOR(out, DType::kBF16);
   TP_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
-           (head_dim == 64 || head_dim == 128) && k_cache.ndim == 4 &&
+           (head_dim == 32 || head_dim == 64 || head_dim == 128) && k_cache.ndim == 4 &&
            k_cache.dim(1) == b.block_size && k_cache.dim(2) == num_kv_heads &&
            k_cache.dim(3) == head_dim && v_cache.numel() == k_cache.numel() &&
            q.numel() == int64_t{b.num_tokens} * num_heads * head_dim && out.numel() == q.numel())
       << "AttentionPrefill: q " << q.ShapeString() << ", k_cache " << k_cache.ShapeString()
       << ", out " << out.ShapeString() << ", heads " << num_heads << "/" << num_kv_heads
-      << ", head_dim " << head_dim << " (64 or 128), block_size " << b.block_size;
+      << ", head_dim " << head_dim << " (32, 64 or 128), block_size " << b.block_size;
   if (b.num_prefill_work == 0) return;
-  if (head_dim == 64) {
+  if (head_dim == 32) {
+    LaunchTyped<32>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out, stream);
+  } else if (head_dim == 64) {
     LaunchTyped<64>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out, stream);
   } else {
     LaunchTyped<128>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out, stream);

@@ -3,15 +3,122 @@
 #include "kernels/cuda/cuda_ops.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "common/check.h"
 #include "common/logging.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/sample.h"
+#include "kernels/cuda/uploader.h"
 
 namespace tpserve {
+namespace cuda {
+namespace {
+
+std::atomic<int> g_pdl{-1};  // -1: not decided yet
+// Set by SetBatch for the kernels launched next: PDL only for decode-sized batches. Measured on
+// the H200 (6.7B shape): PDL takes batch-1 decode from 3.96 to 3.78 ms/token and leaves batch 64
+// unchanged, but the 2048-token prefill ran 51-54 ms with it against 50.3-50.8 ms without.
+thread_local bool t_pdl_batch = true;
+constexpr int kPdlMaxTokens = 256;
+
+bool DeviceSupportsPdl() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major >= 9;
+}
+
+bool PdlAllowed() {
+  int v = g_pdl.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("TPSERVE_PDL");
+    v = DeviceSupportsPdl() && !(env != nullptr && std::string(env) == "0") ? 1 : 0;
+    g_pdl.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+}  // namespace
+
+bool PdlEnabled() { return t_pdl_batch && PdlAllowed(); }
+
+}  // namespace cuda
+
+void CudaOps::set_programmatic_launch(bool on) {
+  cuda::g_pdl.store(on && cuda::DeviceSupportsPdl() ? 1 : 0, std::memory_order_relaxed);
+}
+
+bool CudaOps::programmatic_launch() { return cuda::PdlAllowed(); }
+
+// Times one op when the profiler is on: the shape string is only built then.
+class CudaOps::OpScope {
+ public:
+  template <typename ShapeFn>
+  OpScope(CudaOps* ops, const char* op, ShapeFn&& shape, double bytes = 0) {
+    if (ops->profiler_ != nullptr) {
+      profiler_ = ops->profiler_.get();
+      token_ = profiler_->Begin(op, shape(), bytes);
+    }
+  }
+  ~OpScope() {
+    if (profiler_ != nullptr) profiler_->End(token_);
+  }
+  OpScope(const OpScope&) = delete;
+  OpScope& operator=(const OpScope&) = delete;
+
+ private:
+  cuda::OpProfiler* profiler_ = nullptr;
+  int token_ = -1;
+};
+
+namespace {
+
+std::string Dims(const Tensor& t) {
+  std::string s;
+  for (int i = 0; i < t.ndim; ++i) {
+    if (i > 0) s += 'x';
+    s += std::to_string(t.shape[i]);
+  }
+  return s;
+}
+
+std::string GemmShape(int64_t m, int64_t n, int64_t k) {
+  return "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k);
+}
+
+}  // namespace
+
+void CudaOps::set_op_profiling(bool on) {
+  if (on && profiler_ == nullptr) {
+    profiler_ = std::make_unique<cuda::OpProfiler>(stream_);
+  } else if (!on) {
+    profiler_.reset();
+    step_token_ = -1;
+  }
+}
+
+void CudaOps::BeginProfiledStep() {
+  if (profiler_ != nullptr && step_token_ < 0) step_token_ = profiler_->Begin("step", "", 0);
+}
+
+void CudaOps::EndProfiledStep() {
+  if (profiler_ != nullptr && step_token_ >= 0) profiler_->End(step_token_);
+  step_token_ = -1;
+}
+
+std::vector<OpProfileRow> CudaOps::TakeOpProfile() {
+  return profiler_ != nullptr ? profiler_->Take() : std::vector<OpProfileRow>{};
+}
+
+void CudaOps::StallStream(int us) { cuda::LaunchStall(us, stream_); }
 
 int CudaDeviceCount() {
   int n = 0;
@@ -32,16 +139,22 @@ CudaOps::CudaOps(int device) : device_(device) {
   lt_ = std::make_unique<cuda::LtGemm>();
   sampler_ = std::make_unique<cuda::GpuSampler>();
   batch_ = std::make_unique<cuda::DeviceBatch>();
+  const char* profile = std::getenv("TPSERVE_OP_PROFILE");
+  if (profile != nullptr && std::string(profile) == "1") set_op_profiling(true);
+  const char* fused = std::getenv("TPSERVE_FUSED_SKINNY");
+  if (fused != nullptr && std::string(fused) == "0") fused_skinny_ = false;
 }
 
 CudaOps::~CudaOps() {
   cudaStreamSynchronize(stream_);
+  profiler_.reset();
   sampler_.reset();
   lt_.reset();
   for (auto& s : sections_) cudaFree(s.dev);
   for (auto* p : staging_) cudaFreeHost(p);
   for (auto& e : staging_done_) cudaEventDestroy(e);
   cudaFree(decode_ws_);
+  cudaFree(decode_counters_);
   cudaStreamDestroy(stream_);
 }
 
@@ -79,6 +192,16 @@ void CudaOps::CopyDeviceToDevice(void* dst, const void* src, size_t bytes) {
 
 void CudaOps::Synchronize() { TP_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
+bool CudaOps::MemoryInfo(size_t* free_bytes, size_t* total_bytes) const {
+  TP_CUDA_CHECK(cudaSetDevice(device_));
+  TP_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
+  return true;
+}
+
+std::unique_ptr<DeviceUploader> CudaOps::MakeUploader() {
+  return cuda::MakePinnedUploader(device_);
+}
+
 void CudaOps::EnsureNotCapturing(const char* what) const {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   TP_CUDA_CHECK(cudaStreamIsCapturing(stream_, &status));
@@ -99,15 +222,25 @@ void CudaOps::GrowSection(Section& s, size_t bytes) {
   ++generation_;
 }
 
-void CudaOps::GrowDecodeWorkspace(size_t floats) {
-  if (floats <= decode_ws_floats_) return;
+void CudaOps::GrowDecodeWorkspace(const cuda::DeviceBatch& b, int num_heads, int num_kv_heads,
+                                  int head_dim) {
+  const size_t floats = cuda::DecodeWorkspaceFloats(b, num_heads, num_kv_heads, head_dim);
+  const size_t counters = cuda::DecodeNumCounters(b, num_heads, num_kv_heads);
+  if (floats <= decode_ws_floats_ && counters <= decode_counters_cap_) return;
   EnsureNotCapturing("growing the decode-attention workspace");
   TP_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (decode_ws_ != nullptr) TP_CUDA_CHECK(cudaFree(decode_ws_));
-  decode_ws_ = static_cast<float*>(Alloc(floats * sizeof(float)));
-  decode_ws_floats_ = floats;
-  // Start from zeros (no stale partial results are ever read, but keep it deterministic).
-  TP_CUDA_CHECK(cudaMemsetAsync(decode_ws_, 0, floats * sizeof(float), stream_));
+  if (floats > decode_ws_floats_) {
+    if (decode_ws_ != nullptr) TP_CUDA_CHECK(cudaFree(decode_ws_));
+    decode_ws_ = static_cast<float*>(Alloc(floats * sizeof(float)));
+    decode_ws_floats_ = floats;
+  }
+  if (counters > decode_counters_cap_) {
+    if (decode_counters_ != nullptr) TP_CUDA_CHECK(cudaFree(decode_counters_));
+    decode_counters_ = static_cast<unsigned*>(Alloc(counters * sizeof(unsigned)));
+    decode_counters_cap_ = counters;
+    // The kernel leaves every counter it uses at zero again.
+    TP_CUDA_CHECK(cudaMemsetAsync(decode_counters_, 0, counters * sizeof(unsigned), stream_));
+  }
   ++generation_;
 }
 
@@ -131,8 +264,7 @@ void CudaOps::Reserve(const CudaReserve& r) {
     b.num_seqs = r.max_seqs;
     b.max_blocks_per_seq = r.max_blocks_per_seq;
     b.block_size = r.block_size;
-    GrowDecodeWorkspace(
-        cuda::DecodeWorkspaceFloats(b, reserve_heads_, reserve_kv_heads_, reserve_head_dim_));
+    GrowDecodeWorkspace(b, reserve_heads_, reserve_kv_heads_, reserve_head_dim_);
   }
 }
 
@@ -197,8 +329,7 @@ void CudaOps::SetBatch(const BatchMeta& m) {
     b.num_seqs = S;
     b.max_blocks_per_seq = m.max_blocks_per_seq;
     b.block_size = m.block_size;
-    GrowDecodeWorkspace(
-        cuda::DecodeWorkspaceFloats(b, reserve_heads_, reserve_kv_heads_, reserve_head_dim_));
+    GrowDecodeWorkspace(b, reserve_heads_, reserve_kv_heads_, reserve_head_dim_);
   }
 
   // Pinned staging, used alternately; wait for the copy that last read this one.
@@ -222,6 +353,7 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   }
   TP_CUDA_CHECK(cudaEventRecord(staging_done_[p], stream_));
 
+  cuda::t_pdl_batch = T <= cuda::kPdlMaxTokens;
   cuda::DeviceBatch& b = *batch_;
   b.num_seqs = S;
   b.num_tokens = T;
@@ -245,15 +377,21 @@ void CudaOps::SetBatch(const BatchMeta& m) {
 void CudaOps::Embedding(const Tensor& table, int64_t row_offset, Tensor out) {
   TP_CHECK(batch_->token_ids != nullptr || batch_->num_tokens == 0)
       << "Embedding: the batch has no token_ids";
+  OpScope scope(
+      this, "Embedding", [&] { return Dims(out); }, 2.0 * out.bytes());
   cuda::LaunchEmbedding(table, row_offset, *batch_, out, stream_);
 }
 
 void CudaOps::RmsNorm(const Tensor& x, const Tensor& weight, float eps, Tensor out) {
+  OpScope scope(
+      this, "RmsNorm", [&] { return Dims(x); }, 2.0 * x.bytes());
   cuda::LaunchRmsNorm(x, weight, eps, out, stream_);
 }
 
 void CudaOps::AddRmsNorm(Tensor residual, const Tensor& x, const Tensor& weight, float eps,
                          Tensor out) {
+  OpScope scope(
+      this, "AddRmsNorm", [&] { return Dims(x); }, 4.0 * x.bytes());
   cuda::LaunchAddRmsNorm(residual, x, weight, eps, out, stream_);
 }
 
@@ -265,9 +403,13 @@ void CudaOps::set_skinny_max_m(int m) {
 void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) {
   int64_t k = x.dim(-1);
   int64_t m = k == 0 ? 0 : x.numel() / k;
-  if (m > 0 && m <= skinny_max_m_ && k % 8 == 0 &&
-      (reinterpret_cast<uintptr_t>(x.data) & 15) == 0 &&
-      (reinterpret_cast<uintptr_t>(w.data) & 15) == 0) {
+  const bool skinny = m > 0 && m <= skinny_max_m_ && k % 8 == 0 &&
+                      (reinterpret_cast<uintptr_t>(x.data) & 15) == 0 &&
+                      (reinterpret_cast<uintptr_t>(w.data) & 15) == 0;
+  OpScope scope(
+      this, skinny ? "Gemm.skinny" : "Gemm.cublasLt", [&] { return GemmShape(m, w.dim(0), k); },
+      double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
+  if (skinny) {
     cuda::LaunchSkinnyGemm(x, w, bias, y, stream_);
   } else {
     lt_->Run(x, w, bias, y, stream_);
@@ -283,17 +425,76 @@ void CudaOps::GemmSkinny(const Tensor& x, const Tensor& w, const Tensor* bias, T
   cuda::LaunchSkinnyGemm(x, w, bias, y, stream_, config);
 }
 
+void CudaOps::SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Tensor y) {
+  const int64_t k = w.dim(-1);
+  const int64_t m = k == 0 ? 0 : gate_up.numel() / (2 * k);
+  if (fused_skinny_ && m > 0 && m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) &&
+      k % 8 == 0 && (reinterpret_cast<uintptr_t>(gate_up.data) & 15) == 0 &&
+      (reinterpret_cast<uintptr_t>(w.data) & 15) == 0) {
+    OpScope scope(
+        this, "SiluMulGemm.skinny", [&] { return GemmShape(m, w.dim(0), k); },
+        double(w.bytes()) + double(gate_up.bytes()) + double(y.bytes()));
+    cuda::LaunchSkinnySwiGluGemm(gate_up, w, y, stream_);
+    return;
+  }
+  SiluMul(gate_up, act);
+  Gemm(act, w, nullptr, y);
+}
+
+void CudaOps::SiluMulGemmSkinny(const Tensor& gate_up, const Tensor& w, Tensor y, int config) {
+  cuda::LaunchSkinnySwiGluGemm(gate_up, w, y, stream_, config);
+}
+
 void CudaOps::Rope(Tensor q, Tensor k, const Tensor& inv_freq, int head_dim) {
+  OpScope scope(
+      this, "Rope", [&] { return Dims(q) + " " + Dims(k); }, 2.0 * (q.bytes() + k.bytes()));
   cuda::LaunchRope(q, k, inv_freq, head_dim, *batch_, stream_);
 }
 
 void CudaOps::KvWrite(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache) {
+  OpScope scope(
+      this, "KvWrite", [&] { return Dims(k); }, 2.0 * (k.bytes() + v.bytes()));
   cuda::LaunchKvWrite(k, v, k_cache, v_cache, *batch_, stream_);
+}
+
+void CudaOps::RopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_heads,
+                          int num_kv_heads, int head_dim, Tensor q_out, Tensor k_cache,
+                          Tensor v_cache) {
+  OpScope scope(
+      this, "RopeKvWrite", [&] { return Dims(qkv); }, 2.0 * qkv.bytes());
+  cuda::LaunchRopeKvWrite(qkv, inv_freq, num_q_heads, num_kv_heads, head_dim, *batch_, q_out,
+                          k_cache, v_cache, stream_);
+}
+
+void CudaOps::QkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
+                             const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
+                             int head_dim, Tensor qkv, Tensor q_out, Tensor k_cache,
+                             Tensor v_cache) {
+  const int64_t k = x.dim(-1);
+  const int64_t m = k == 0 ? 0 : x.numel() / k;
+  if (fused_skinny_ && m > 0 && m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) &&
+      k % 8 == 0 && m == batch_->num_tokens && head_dim % 2 == 0 &&
+      (reinterpret_cast<uintptr_t>(x.data) & 15) == 0 &&
+      (reinterpret_cast<uintptr_t>(w_qkv.data) & 15) == 0) {
+    OpScope scope(
+        this, "QkvRopeKvWrite.skinny", [&] { return GemmShape(m, w_qkv.dim(0), k); },
+        double(w_qkv.bytes()) + double(x.bytes()) + 2.0 * double(qkv.bytes()));
+    cuda::LaunchSkinnyQkvRopeKvWrite(x, w_qkv, bias, inv_freq, num_q_heads, num_kv_heads, head_dim,
+                                     *batch_, q_out, k_cache, v_cache, stream_);
+    return;
+  }
+  Gemm(x, w_qkv, bias, qkv);
+  RopeKvWrite(qkv, inv_freq, num_q_heads, num_kv_heads, head_dim, q_out, k_cache, v_cache);
 }
 
 void CudaOps::AttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                int num_heads, int num_kv_heads, int head_dim, float scale,
                                Tensor out) {
+  OpScope scope(this, "AttentionPrefill", [&] {
+    return "T=" + std::to_string(batch_->num_tokens) + " seqs=" + std::to_string(batch_->num_seqs) +
+           " h=" + std::to_string(num_heads) + "/" + std::to_string(num_kv_heads) +
+           " ctx<=" + std::to_string(batch_->max_context_len);
+  });
   cuda::LaunchAttentionPrefill(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
                                *batch_, out, stream_);
 }
@@ -301,29 +502,52 @@ void CudaOps::AttentionPrefill(const Tensor& q, const Tensor& k_cache, const Ten
 void CudaOps::AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                               int num_heads, int num_kv_heads, int head_dim, float scale,
                               Tensor out) {
-  GrowDecodeWorkspace(cuda::DecodeWorkspaceFloats(*batch_, num_heads, num_kv_heads, head_dim));
+  GrowDecodeWorkspace(*batch_, num_heads, num_kv_heads, head_dim);
+  // KV bytes when every sequence has the longest context (as in the benchmarks).
+  const double kv_bytes = 2.0 * batch_->num_seqs * batch_->max_context_len * num_kv_heads *
+                          head_dim * DTypeSize(k_cache.dtype);
+  OpScope scope(
+      this, "AttentionDecode",
+      [&] {
+        return "seqs=" + std::to_string(batch_->num_seqs) + " h=" + std::to_string(num_heads) +
+               "/" + std::to_string(num_kv_heads) +
+               " ctx<=" + std::to_string(batch_->max_context_len) + " part=" +
+               std::to_string(cuda::DecodePartition(batch_->num_seqs, num_heads, num_kv_heads));
+      },
+      kv_bytes);
   cuda::LaunchAttentionDecode(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
-                              *batch_, decode_ws_, out, stream_);
+                              *batch_, decode_ws_, decode_counters_, out, stream_);
 }
 
 void CudaOps::SiluMul(const Tensor& gate_up, Tensor out) {
+  OpScope scope(
+      this, "SiluMul", [&] { return Dims(gate_up); },
+      double(gate_up.bytes()) + double(out.bytes()));
   cuda::LaunchSiluMul(gate_up, out, stream_);
 }
 
 void CudaOps::Add(const Tensor& a, const Tensor& b, Tensor out) {
+  OpScope scope(
+      this, "Add", [&] { return Dims(a); }, 3.0 * a.bytes());
   cuda::LaunchAdd(a, b, out, stream_);
 }
 
 void CudaOps::GatherLogitRows(const Tensor& in, Tensor out) {
+  OpScope scope(
+      this, "GatherLogitRows", [&] { return Dims(out); }, 2.0 * out.bytes());
   cuda::LaunchGatherRows(in, *batch_, out, stream_);
 }
 
 void CudaOps::InterleaveShards(const Tensor& in, Tensor out) {
+  OpScope scope(
+      this, "InterleaveShards", [&] { return Dims(in); }, 2.0 * in.bytes());
   cuda::LaunchInterleaveShards(in, out, stream_);
 }
 
 std::vector<int32_t> CudaOps::Sample(const Tensor& logits, int64_t vocab_size,
                                      const std::vector<SamplingParams>& params) {
+  OpScope scope(
+      this, "Sample", [&] { return Dims(logits); }, double(logits.bytes()));
   return sampler_->Sample(logits, vocab_size, params, stream_);
 }
 

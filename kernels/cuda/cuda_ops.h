@@ -16,6 +16,7 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/cuda/op_profiler.h"
 #include "kernels/ops.h"
 
 namespace tpserve {
@@ -56,6 +57,9 @@ class CudaOps final : public Ops {
   // Asynchronous, ordered on stream().
   void CopyDeviceToDevice(void* dst, const void* src, size_t bytes) override;
   void Synchronize() override;
+  bool MemoryInfo(size_t* free_bytes, size_t* total_bytes) const override;
+  // Pinned staging buffers and a copy stream of its own (kernels/cuda/uploader.h).
+  std::unique_ptr<DeviceUploader> MakeUploader() override;
 
   void SetBatch(const BatchMeta& meta) override;
 
@@ -66,12 +70,21 @@ class CudaOps final : public Ops {
   void Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) override;
   void Rope(Tensor q, Tensor k, const Tensor& inv_freq, int head_dim) override;
   void KvWrite(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache) override;
+  void RopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
+                   int head_dim, Tensor q_out, Tensor k_cache, Tensor v_cache) override;
+  // T <= 2 (and skinny_max_m): one skinny GEMM with the RoPE/KV-write epilogue (qkv unwritten);
+  // otherwise Gemm then RopeKvWrite.
+  void QkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
+                      const Tensor& inv_freq, int num_q_heads, int num_kv_heads, int head_dim,
+                      Tensor qkv, Tensor q_out, Tensor k_cache, Tensor v_cache) override;
   void AttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                         int num_heads, int num_kv_heads, int head_dim, float scale,
                         Tensor out) override;
   void AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                        int num_kv_heads, int head_dim, float scale, Tensor out) override;
   void SiluMul(const Tensor& gate_up, Tensor out) override;
+  // M <= 2 (and skinny_max_m): one skinny GEMM reading gate_up; otherwise SiluMul + Gemm.
+  void SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Tensor y) override;
   void Add(const Tensor& a, const Tensor& b, Tensor out) override;
   void GatherLogitRows(const Tensor& in, Tensor out) override;
   void InterleaveShards(const Tensor& in, Tensor out) override;
@@ -88,15 +101,41 @@ class CudaOps final : public Ops {
   // Benchmarks: force one path.
   void GemmCublasLt(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y);
   void GemmSkinny(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, int config);
+  void SiluMulGemmSkinny(const Tensor& gate_up, const Tensor& w, Tensor y, int config);
+
+  // Programmatic dependent launch of the decode-path kernels (see cuda_util.cuh), for every
+  // CudaOps of the process. On by default on Hopper (for batches of at most 256 tokens);
+  // TPSERVE_PDL=0 turns it off.
+  static void set_programmatic_launch(bool on);
+  static bool programmatic_launch();
+  // The small-M fusions into the skinny GEMM (QkvRopeKvWrite, SiluMulGemm); on by default,
+  // TPSERVE_FUSED_SKINNY=0 turns them off (A/B measurements).
+  void set_fused_skinny(bool on) { fused_skinny_ = on; }
+  bool fused_skinny() const { return fused_skinny_; }
+
+  // Op profiler (op_profiler.h): while on, every op launched outside stream capture is timed
+  // with a pair of CUDA events. Also switched on by TPSERVE_OP_PROFILE=1.
+  void set_op_profiling(bool on);
+  bool op_profiling() const { return profiler_ != nullptr; }
+  // Times everything queued in between as one "step" row of the profile.
+  void BeginProfiledStep();
+  void EndProfiledStep();
+  // Synchronizes and returns the per-(op, shape) totals since the last call, then clears them.
+  std::vector<OpProfileRow> TakeOpProfile();
+  // Keeps the stream busy for `us` microseconds so that the host queues the next ops ahead of
+  // the GPU (profiled ops then run back to back, as in a graph).
+  void StallStream(int us);
 
  private:
+  class OpScope;  // times one op when profiling (cuda_ops.cc)
   struct Section {
     void* dev = nullptr;
     size_t cap = 0;  // bytes
   };
   void EnsureNotCapturing(const char* what) const;
   void GrowSection(Section& s, size_t bytes);
-  void GrowDecodeWorkspace(size_t floats);
+  void GrowDecodeWorkspace(const cuda::DeviceBatch& b, int num_heads, int num_kv_heads,
+                           int head_dim);
 
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
@@ -106,6 +145,7 @@ class CudaOps final : public Ops {
   // Measured on the H200: the skinny kernel beats cuBLASLt at M = 1 and 2 on every 6.7B shape
   // (e.g. gate_up 94.7% / 91.5% vs 85% of copy bandwidth); from M = 4 cuBLASLt is faster.
   int skinny_max_m_ = 2;
+  bool fused_skinny_ = true;
   uint64_t generation_ = 0;
   // Batch buffers on the device and their pinned staging (two, used alternately).
   enum {
@@ -124,11 +164,15 @@ class CudaOps final : public Ops {
   size_t staging_cap_[2] = {0, 0};
   cudaEvent_t staging_done_[2] = {nullptr, nullptr};
   int staging_next_ = 0;
-  float* decode_ws_ = nullptr;
+  float* decode_ws_ = nullptr;  // partial results of the decode-attention splits
   size_t decode_ws_floats_ = 0;
+  unsigned* decode_counters_ = nullptr;  // their arrival counters (zero between launches)
+  size_t decode_counters_cap_ = 0;
   int reserve_heads_ = 0;
   int reserve_kv_heads_ = 0;
   int reserve_head_dim_ = 0;
+  std::unique_ptr<cuda::OpProfiler> profiler_;
+  int step_token_ = -1;
 };
 
 std::unique_ptr<Ops> MakeCudaOps(int device);

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "common/check.h"
 #include "common/dtype.h"
@@ -64,6 +65,47 @@ __device__ __forceinline__ float BlockSum(float v, float* scratch /* [32] shared
   __syncthreads();
   v = lane < nwarps ? scratch[lane] : 0.0f;
   return WarpSum(v);
+}
+
+// Programmatic dependent launch (Hopper): a kernel launched with LaunchPdl may start while the
+// previous kernel in the stream is still running. Everything before PdlWait() must read only
+// data that no kernel of the current forward writes (weights, the batch arrays uploaded by
+// SetBatch, KV rows of earlier steps); PdlWait() returns once the previous kernel has completed
+// and its writes are visible. Every kernel calls PdlLaunchDependents() early so that the next
+// one can be scheduled onto SMs as soon as all of this kernel's blocks are resident. Both are
+// no-ops for a kernel launched without the attribute.
+__device__ __forceinline__ void PdlWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void PdlLaunchDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// True when kernels are launched with programmatic stream serialization: a Hopper-or-newer
+// device, TPSERVE_PDL not set to 0 (read once), and the current batch (CudaOps::SetBatch on
+// this thread) decode-sized (at most 256 tokens).
+bool PdlEnabled();
+
+// Launches `kernel` with the programmatic-stream-serialization attribute when PdlEnabled().
+// Works inside stream capture (the graph gets programmatic edges).
+template <typename... KernelArgs, typename... Args>
+void LaunchPdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+               cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = PdlEnabled() ? 1 : 0;
+  TP_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 inline bool IsAligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }

@@ -4,6 +4,9 @@
 
 #include <cublas_v2.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "kernels/cuda/cuda_util.cuh"
 
 namespace tpserve::cuda {
@@ -21,6 +24,8 @@ int PointerAlignment(const void* p) {
 LtGemm::LtGemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   TP_CUBLAS_CHECK(cublasLtCreate(&handle_));
   TP_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+  const char* env = std::getenv("TPSERVE_CUBLASLT_AUTOTUNE");
+  autotune_ = !(env != nullptr && std::string(env) == "0");
 }
 
 LtGemm::~LtGemm() {
@@ -69,15 +74,56 @@ LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int al
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
     TP_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
   }
-  cublasLtMatmulHeuristicResult_t result;
+  constexpr int kCandidates = 8;
+  cublasLtMatmulHeuristicResult_t results[kCandidates];
   int found = 0;
   TP_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c,
-                                                 pref, 1, &result, &found));
+                                                 pref, m <= 256 ? kCandidates : 1, results,
+                                                 &found));
   cublasLtMatmulPreferenceDestroy(pref);
   TP_CHECK(found > 0) << "cuBLASLt has no algorithm for GEMM M=" << m << " N=" << n << " K=" << k
                       << (bias ? " with bias" : "") << " alignment " << alignment;
-  plan.algo = result.algo;
+  plan.algo = results[0].algo;
+  for (int i = 0; i < found; ++i) {
+    if (results[i].state == CUBLAS_STATUS_SUCCESS) plan.candidates.push_back(results[i].algo);
+  }
+  plan.tuned = !autotune_ || plan.candidates.size() <= 1;
   return plans_.emplace(key, plan).first->second;
+}
+
+void LtGemm::Launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const Tensor& x,
+                    const Tensor& w, Tensor y, cudaStream_t stream) {
+  float alpha = 1.0f, beta = 0.0f;
+  TP_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, w.data, plan.a, x.data, plan.b, &beta,
+                                 y.data, plan.c, y.data, plan.c, &algo, workspace_,
+                                 workspace_bytes_, stream));
+}
+
+void LtGemm::Tune(Plan& plan, const Tensor& x, const Tensor& w, Tensor y, cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TP_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) return;  // tuned at the next eager call
+  cudaEvent_t start, stop;
+  TP_CUDA_CHECK(cudaEventCreate(&start));
+  TP_CUDA_CHECK(cudaEventCreate(&stop));
+  float best_ms = 0;
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    constexpr int kReps = 5;
+    Launch(plan, plan.candidates[i], x, w, y, stream);  // warm-up
+    TP_CUDA_CHECK(cudaEventRecord(start, stream));
+    for (int r = 0; r < kReps; ++r) Launch(plan, plan.candidates[i], x, w, y, stream);
+    TP_CUDA_CHECK(cudaEventRecord(stop, stream));
+    TP_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    TP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (i == 0 || ms < best_ms) {
+      best_ms = ms;
+      plan.algo = plan.candidates[i];
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  plan.tuned = true;
 }
 
 void LtGemm::Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
@@ -103,10 +149,8 @@ void LtGemm::Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
     TP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                    &bp, sizeof(bp)));
   }
-  float alpha = 1.0f, beta = 0.0f;
-  TP_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, w.data, plan.a, x.data, plan.b, &beta,
-                                 y.data, plan.c, y.data, plan.c, &plan.algo, workspace_,
-                                 workspace_bytes_, stream));
+  if (!plan.tuned) Tune(plan, x, w, y, stream);
+  Launch(plan, plan.algo, x, w, y, stream);
 }
 
 }  // namespace tpserve::cuda

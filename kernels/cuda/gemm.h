@@ -1,5 +1,8 @@
 // GEMM through cuBLASLt: y[M, N] = x[M, K] w[N, K]^T (+ bias), bf16 in/out, fp32 accumulate.
-// The algorithm is chosen once per (M, N, K, bias, alignment) by the heuristic and cached.
+// The algorithm is chosen once per (M, N, K, bias, alignment) and cached: for M <= 256 (decode
+// batches, where the heuristic's first choice is often not the fastest) the heuristic's best 8
+// are timed on the first call made outside stream capture, else its first choice is taken.
+// TPSERVE_CUBLASLT_AUTOTUNE=0 turns the timing off.
 #pragma once
 
 #include <cublasLt.h>
@@ -8,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <tuple>
+#include <vector>
 
 #include "common/dtype.h"
 
@@ -28,14 +32,21 @@ class LtGemm {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo;
+    std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first
+    bool tuned = false;
   };
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, int>;
   Plan& GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int alignment);
+  // Times the candidates on these operands and keeps the fastest in plan.algo.
+  void Tune(Plan& plan, const Tensor& x, const Tensor& w, Tensor y, cudaStream_t stream);
+  void Launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const Tensor& x, const Tensor& w,
+              Tensor y, cudaStream_t stream);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   std::map<Key, Plan> plans_;
+  bool autotune_ = true;
 };
 
 }  // namespace tpserve::cuda

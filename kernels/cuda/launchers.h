@@ -56,11 +56,19 @@ inline int DecodeNumSplits(const DeviceBatch& b, int num_heads, int num_kv_heads
   return cap <= 0 ? 1 : (cap + p - 1) / p;
 }
 
-// Floats of decode-attention workspace for this batch and head layout.
+// Decode attention: the partial results of the splits [seq][head][split] -> (o[head_dim], max,
+// sum), and one arrival counter per (sequence, head group) in a buffer of their own. The last
+// block of a (sequence, head group) to finish merges the partials and resets its counter, so
+// the counters must be zero before the first launch (CudaOps clears them when allocating) and
+// stay zero between launches.
 inline size_t DecodeWorkspaceFloats(const DeviceBatch& b, int num_heads, int num_kv_heads,
                                     int head_dim) {
   return static_cast<size_t>(b.num_seqs) * num_heads * DecodeNumSplits(b, num_heads, num_kv_heads) *
          (head_dim + 2);
+}
+inline size_t DecodeNumCounters(const DeviceBatch& b, int num_heads, int num_kv_heads) {
+  return static_cast<size_t>(b.num_seqs) *
+         (num_heads / DecodeHeadsPerBlock(num_heads, num_kv_heads));
 }
 
 void LaunchEmbedding(const Tensor& table, int64_t row_offset, const DeviceBatch& b, Tensor out,
@@ -73,6 +81,10 @@ void LaunchRope(Tensor q, Tensor k, const Tensor& inv_freq, int head_dim, const 
                 cudaStream_t stream);
 void LaunchKvWrite(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache,
                    const DeviceBatch& b, cudaStream_t stream);
+// Ops::RopeKvWrite: qkv [T, (Hq + 2 Hk) * D] -> q_out (rotated), k (rotated) and v in the caches.
+void LaunchRopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
+                       int head_dim, const DeviceBatch& b, Tensor q_out, Tensor k_cache,
+                       Tensor v_cache, cudaStream_t stream);
 void LaunchSiluMul(const Tensor& gate_up, Tensor out, cudaStream_t stream);
 void LaunchAdd(const Tensor& a, const Tensor& b, Tensor out, cudaStream_t stream);
 void LaunchGatherRows(const Tensor& in, const DeviceBatch& b, Tensor out, cudaStream_t stream);
@@ -80,10 +92,15 @@ void LaunchInterleaveShards(const Tensor& in, Tensor out, cudaStream_t stream);
 void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             int num_heads, int num_kv_heads, int head_dim, float scale,
                             const DeviceBatch& b, Tensor out, cudaStream_t stream);
-// workspace: DecodeWorkspaceFloats(b, num_heads, num_kv_heads, head_dim) floats.
+// workspace: DecodeWorkspaceFloats(b, num_heads, num_kv_heads, head_dim) floats; counters:
+// DecodeNumCounters(b, num_heads, num_kv_heads), zero.
+// One kernel (the last block of each sequence and head group merges the splits). It may read
+// the cache rows of positions < context_len - 1 before the previous kernel in the stream has
+// finished (programmatic dependent launch): only the current token's row may be written by it.
 void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                            int num_heads, int num_kv_heads, int head_dim, float scale,
-                           const DeviceBatch& b, float* workspace, Tensor out, cudaStream_t stream);
+                           const DeviceBatch& b, float* workspace, unsigned* counters, Tensor out,
+                           cudaStream_t stream);
 
 // Skinny GEMM y[M, N] = x[M, K] w[N, K]^T (+ bias) for small M, streaming w once.
 inline constexpr int kSkinnyMaxM = 16;
@@ -91,6 +108,18 @@ inline constexpr int kSkinnyMaxM = 16;
 void LaunchSkinnyGemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                       cudaStream_t stream, int config = 0);
 int SkinnyGemmNumConfigs();
+// The fused variants below (SwiGLU input, RoPE/KV epilogue) exist for M <= 2.
+inline constexpr int kSkinnyFusedMaxM = 2;
+// y[M, N] = (silu(gate) * up) w[N, K]^T for gate_up [M, 2K] (gate then up): the MLP's down
+// projection reading SiluMul's result without storing it.
+void LaunchSkinnySwiGluGemm(const Tensor& gate_up, const Tensor& w, Tensor y, cudaStream_t stream,
+                            int config = 0);
+// Ops::QkvRopeKvWrite for M = b.num_tokens <= 2: the skinny GEMM of x by the fused q/k/v weight
+// [(Hq + 2 Hk) * D, K] with RopeKvWrite as its epilogue (the projection itself is not stored).
+void LaunchSkinnyQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
+                                const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
+                                int head_dim, const DeviceBatch& b, Tensor q_out, Tensor k_cache,
+                                Tensor v_cache, cudaStream_t stream);
 
 // Sampling: one row of logits per params entry. Writes ids[rows] on the device.
 struct DeviceSampleParams {

@@ -1,5 +1,7 @@
 // RMSNorm and the fused residual-add + RMSNorm: one block per row, fp32 sum of squares,
-// 16-byte bf16 accesses. The residual is stored in bf16 and normalized as stored.
+// 16-byte bf16 accesses. The residual is stored in bf16 and normalized as stored. Launched with
+// programmatic dependent launch (cuda_util.cuh), so the next kernel's blocks (a skinny GEMM
+// prefetching its weights) start while these run.
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
 
@@ -16,6 +18,8 @@ __global__ void __launch_bounds__(kThreads)
                   const Bf16x8* __restrict__ weight, float eps, int vecs, int hidden,
                   Bf16x8* __restrict__ out) {
   __shared__ float scratch[32];
+  PdlLaunchDependents();
+  PdlWait();  // x and the residual come from the previous kernels
   int64_t base = static_cast<int64_t>(blockIdx.x) * vecs;
   float v[kMaxVecs][8];
   float ss = 0.0f;
@@ -73,9 +77,9 @@ void LaunchRmsNorm(const Tensor& x, const Tensor& weight, float eps, Tensor out,
   int hidden = static_cast<int>(x.dim(-1));
   int rows = static_cast<int>(x.numel() / hidden);
   if (rows == 0) return;
-  RmsNormKernel<false><<<rows, kThreads, 0, stream>>>(nullptr, x.ptr<const Bf16x8>(),
-                                                      weight.ptr<const Bf16x8>(), eps, hidden / 8,
-                                                      hidden, out.ptr<Bf16x8>());
+  LaunchPdl(RmsNormKernel<false>, dim3(rows), dim3(kThreads), 0, stream,
+            static_cast<Bf16x8*>(nullptr), x.ptr<const Bf16x8>(), weight.ptr<const Bf16x8>(), eps,
+            hidden / 8, hidden, out.ptr<Bf16x8>());
   TP_CUDA_CHECK_LAUNCH();
 }
 
@@ -88,9 +92,9 @@ void LaunchAddRmsNorm(Tensor residual, const Tensor& x, const Tensor& weight, fl
   int hidden = static_cast<int>(x.dim(-1));
   int rows = static_cast<int>(x.numel() / hidden);
   if (rows == 0) return;
-  RmsNormKernel<true><<<rows, kThreads, 0, stream>>>(residual.ptr<Bf16x8>(), x.ptr<const Bf16x8>(),
-                                                     weight.ptr<const Bf16x8>(), eps, hidden / 8,
-                                                     hidden, out.ptr<Bf16x8>());
+  LaunchPdl(RmsNormKernel<true>, dim3(rows), dim3(kThreads), 0, stream, residual.ptr<Bf16x8>(),
+            x.ptr<const Bf16x8>(), weight.ptr<const Bf16x8>(), eps, hidden / 8, hidden,
+            out.ptr<Bf16x8>());
   TP_CUDA_CHECK_LAUNCH();
 }
 

@@ -156,6 +156,50 @@ TEST_F(CpuOpsTest, RopeRotatesPairsByPositionTimesFrequency) {
   EXPECT_NE(k, k0);
 }
 
+// The fused op equals Rope then KvWrite on the q, k, v column blocks of qkv, and leaves the
+// cache alone for padding slots (-1).
+TEST_F(CpuOpsTest, RopeKvWriteEqualsRopeThenKvWrite) {
+  const int tokens = 3, heads = 4, kv_heads = 2, d = 8, bs = 4, blocks = 3;
+  const int qw = heads * d, kvw = kv_heads * d, width = qw + 2 * kvw;
+  RopeConfig rope;
+  auto inv = RopeInvFreq(rope, d);
+  auto qkv = RandomVec(rng_, tokens * width);
+  BatchMeta m = OneSeqMeta({1, 2, 3}, {5, 6, 7});
+  m.slot_mapping = {9, -1, 2};
+  std::vector<float> q(tokens * qw), k(tokens * kvw), v(tokens * kvw);
+  for (int t = 0; t < tokens; ++t) {
+    std::copy_n(qkv.begin() + t * width, qw, q.begin() + t * qw);
+    std::copy_n(qkv.begin() + t * width + qw, kvw, k.begin() + t * kvw);
+    std::copy_n(qkv.begin() + t * width + qw + kvw, kvw, v.begin() + t * kvw);
+  }
+  auto kc = RandomVec(rng_, blocks * bs * kvw), vc = RandomVec(rng_, blocks * bs * kvw);
+  auto kc_want = kc, vc_want = vc;
+  ops_->SetBatch(m);
+  ops_->Rope(View(q, {tokens, qw}), View(k, {tokens, kvw}), View(inv, {d / 2}), d);
+  for (int t : {0, 2}) {  // KvWrite has no padding slots
+    std::copy_n(k.begin() + t * kvw, kvw, kc_want.begin() + m.slot_mapping[t] * kvw);
+    std::copy_n(v.begin() + t * kvw, kvw, vc_want.begin() + m.slot_mapping[t] * kvw);
+  }
+  std::vector<float> q_out(tokens * qw, NAN);
+  ops_->RopeKvWrite(View(qkv, {tokens, width}), View(inv, {d / 2}), heads, kv_heads, d,
+                    View(q_out, {tokens, qw}), View(kc, {blocks, bs, kv_heads, d}),
+                    View(vc, {blocks, bs, kv_heads, d}));
+  EXPECT_EQ(q_out, q);
+  EXPECT_EQ(kc, kc_want);
+  EXPECT_EQ(vc, vc_want);
+}
+
+// The default SiluMulGemm is SiluMul then Gemm.
+TEST_F(CpuOpsTest, SiluMulGemmEqualsSiluMulThenGemm) {
+  const int m = 3, n = 5, k = 7;
+  auto gu = RandomVec(rng_, m * 2 * k), w = RandomVec(rng_, n * k);
+  std::vector<float> act(m * k), want(m * n), act2(m * k), got(m * n);
+  ops_->SiluMul(View(gu, {m, 2 * k}), View(act, {m, k}));
+  ops_->Gemm(View(act, {m, k}), View(w, {n, k}), nullptr, View(want, {m, n}));
+  ops_->SiluMulGemm(View(gu, {m, 2 * k}), View(w, {n, k}), View(act2, {m, k}), View(got, {m, n}));
+  EXPECT_EQ(got, want);
+}
+
 TEST(RopeInvFreqTest, Llama3KeepsHighFrequenciesAndScalesLowOnes) {
   RopeConfig rope;
   rope.theta = 500000;

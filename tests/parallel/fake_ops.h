@@ -39,6 +39,9 @@ class FakeOps : public Ops {
   void Gemm(const Tensor&, const Tensor&, const Tensor*, Tensor) override { Unused(); }
   void Rope(Tensor, Tensor, const Tensor&, int) override { Unused(); }
   void KvWrite(const Tensor&, const Tensor&, Tensor, Tensor) override { Unused(); }
+  void RopeKvWrite(const Tensor&, const Tensor&, int, int, int, Tensor, Tensor, Tensor) override {
+    Unused();
+  }
   void AttentionPrefill(const Tensor&, const Tensor&, const Tensor&, int, int, int, float,
                         Tensor) override {
     Unused();

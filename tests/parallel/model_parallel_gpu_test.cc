@@ -45,7 +45,7 @@ constexpr absl::Duration kCommTimeout = absl::Seconds(120);
     GTEST_SKIP() << "no CUDA device";              \
   }
 
-// head_dim 64 (the CUDA attention kernels take 64 or 128), vocab 1001 (padded to 1002 at TP=2),
+// head_dim 64 (the CUDA attention kernels take 32, 64 or 128), vocab 1001 (padded to 1002 at TP=2),
 // one KV head (replicated at TP=2), 3 layers (PP=2 splits 2+1 or 1+2).
 ModelConfig RandomGpuConfig() {
   ModelConfig c;
@@ -225,9 +225,9 @@ TEST_P(ModelParallelGpuTest, MatchesOneRankWithinBf16Tolerance) {
   }
   absl::StatusOr<ModelConfig> config = LoadModelConfig(g_world->ModelDir(c.model) + "/config.json");
   ASSERT_TRUE(config.ok()) << config.status();
-  if (config->head_dim != 64 && config->head_dim != 128) {
+  if (config->head_dim != 32 && config->head_dim != 64 && config->head_dim != 128) {
     // Same on every rank, so nobody waits for the others.
-    std::printf("%s: head_dim %lld is not supported by the CUDA attention kernels (64 or 128)\n",
+    std::printf("%s: head_dim %lld is not supported by the CUDA attention kernels (32, 64, 128)\n",
                 c.model.c_str(), static_cast<long long>(config->head_dim));
     GTEST_SKIP() << c.model << " has head_dim " << config->head_dim;
   }

@@ -36,7 +36,7 @@ inline ModelConfig AwkwardConfig() {
 
 // Writes a random model for `config` under the temp dir and returns the directory.
 inline std::string WriteTestModel(const ModelConfig& config, const std::string& name,
-                                  uint64_t seed = 7) {
+                                  uint64_t seed = 7, DType dtype = DType::kF32) {
   namespace fs = std::filesystem;
   fs::path dir = fs::path(::testing::TempDir()) / "tpserve_models" / name;
   fs::create_directories(dir);
@@ -46,7 +46,7 @@ inline std::string WriteTestModel(const ModelConfig& config, const std::string& 
   options.config_path = config_path.string();
   options.out_dir = dir.string();
   options.seed = seed;
-  options.dtype = DType::kF32;
+  options.dtype = dtype;
   options.threads = 1;
   absl::Status status = WriteRandomModel(options);
   EXPECT_TRUE(status.ok()) << status;

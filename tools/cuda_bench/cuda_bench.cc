@@ -2,6 +2,7 @@
 // ceiling for decode), skinny GEMM vs cuBLASLt at decode sizes for the DeepSeek-Coder-6.7B
 // shapes, prefill attention TFLOP/s and decode attention GB/s. Times are medians of CUDA-event
 // timed repetitions after warm-up; weights rotate over copies larger than the L2 cache.
+//   tpserve-cuda-bench [--m1]   (--m1: only the batch-1 decode kernels, a short run)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -78,7 +79,7 @@ std::string Fmt(const char* f, double a, double b = 0) {
   return buf;
 }
 
-int Main() {
+int Main(bool m1_only) {
   if (CudaDeviceCount() == 0) {
     std::printf("no CUDA device\n");
     return 0;
@@ -112,9 +113,9 @@ int Main() {
                           {"gate_up 22016x4096", 22016, 4096},
                           {"down 4096x11008", 4096, 11008},
                           {"lm_head 32256x4096", 32256, 4096}};
-  void* xbuf = ops.Alloc(16 * 11008 * 2);
+  void* xbuf = ops.Alloc(16 * 11008 * 2 * 2);
   void* ybuf = ops.Alloc(size_t{16} * 32256 * 2);
-  FillRandom(xbuf, 16 * 11008 * 2, 1.0f);
+  FillRandom(xbuf, 16 * 11008 * 2 * 2, 1.0f);
   for (const Shape& sh : shapes) {
     size_t wbytes = size_t{2} * sh.n * sh.k;
     int copies = static_cast<int>(std::max<size_t>(2, (size_t{1} << 30) / wbytes + 1));
@@ -125,6 +126,7 @@ int Main() {
                     Device::kCuda);
     };
     for (int m : {1, 2, 4, 8, 16}) {
+      if (m1_only && m > 1) break;
       Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
       Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
       auto report = [&](const std::string& label, double ms) {
@@ -138,6 +140,14 @@ int Main() {
         report("skinny cfg" + std::to_string(c),
                MedianMs(s, 50, [&](int i) { ops.GemmSkinny(x, wt(i), nullptr, y, c); }));
       }
+      // The down projection reading silu(gate) * up from gate_up [M, 2K] (SiluMulGemm).
+      if (sh.n == 4096 && sh.k == 11008 && m <= 2) {
+        Tensor gu(xbuf, {m, 2 * sh.k}, DType::kBF16, Device::kCuda);
+        for (int c = 0; c < 7; ++c) {
+          report("swiglu cfg" + std::to_string(c),
+                 MedianMs(s, 50, [&](int i) { ops.SiluMulGemmSkinny(gu, wt(i), y, c); }));
+        }
+      }
     }
     ops.Free(w);
   }
@@ -147,6 +157,7 @@ int Main() {
   // 3. cuBLAS bf16 peak and a prefill-sized GEMM.
   for (auto [m, n, k] : {std::tuple{4096, 4096, 4096}, std::tuple{2048, 12288, 4096},
                          std::tuple{2048, 4096, 11008}}) {
+    if (m1_only) break;
     void* a = ops.Alloc(size_t{2} * m * k);
     void* b = ops.Alloc(size_t{2} * n * k);
     void* c = ops.Alloc(size_t{2} * m * n);
@@ -184,7 +195,7 @@ int Main() {
     m.num_tokens = seqs * qlen;
     return m;
   };
-  {
+  if (!m1_only) {
     const int T = 2048;
     BatchMeta m = batch(1, T, T);
     size_t cache_bytes = size_t{2} * m.max_blocks_per_seq * bs * hk * d;
@@ -207,6 +218,7 @@ int Main() {
   }
   for (auto [B, ctx] : {std::pair{1, 1024}, std::pair{8, 1024}, std::pair{32, 1024},
                         std::pair{64, 1024}, std::pair{1, 4096}, std::pair{8, 4096}}) {
+    if (m1_only && B != 1 && B != 64) continue;
     BatchMeta m = batch(B, 1, ctx);
     size_t cache_bytes = size_t{2} * B * m.max_blocks_per_seq * bs * hk * d;
     void *kc = ops.Alloc(cache_bytes), *vc = ops.Alloc(cache_bytes);
@@ -237,4 +249,6 @@ int Main() {
 }  // namespace
 }  // namespace tpserve
 
-int main() { return tpserve::Main(); }
+int main(int argc, char** argv) {
+  return tpserve::Main(argc > 1 && std::string(argv[1]) == "--m1");
+}

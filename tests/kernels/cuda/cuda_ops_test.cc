@@ -252,6 +252,141 @@ TEST_F(CudaOpsTest, RopeRotateHalf) {
   }
 }
 
+// Rope + KvWrite fused on the fused q/k/v projection: q_out and the rotated k within bf16
+// tolerance (one rounding of the rotation), v an exact copy, padding slots (-1) untouched.
+TEST_F(CudaOpsTest, RopeKvWriteMatchesCpu) {
+  struct Case {
+    int hq, hk, d;
+  };
+  for (Case c : {Case{8, 2, 128}, Case{4, 4, 64}, Case{32, 32, 128}}) {
+    SCOPED_TRACE(testing::Message() << "heads " << c.hq << "/" << c.hk << " d " << c.d);
+    const int bs = 16, blocks = 300;
+    BatchMeta m = MakeBatch({{29, 4000}, {1, 7}, {1, 0}, {3, 3}}, bs, blocks, rng_);
+    const int T = m.num_tokens, width = (c.hq + 2 * c.hk) * c.d, kvw = c.hk * c.d;
+    RopeConfig rc;
+    rc.theta = 100000.0;
+    auto inv = RopeInvFreq(rc, c.d);
+    auto qkv = RandomBf16(rng_, size_t{1} * T * width);
+    auto kc = RandomBf16(rng_, size_t{1} * blocks * bs * kvw);
+    auto vc = RandomBf16(rng_, size_t{1} * blocks * bs * kvw);
+    std::vector<float> q_want(size_t{1} * T * c.hq * c.d), kc_want = kc, vc_want = vc;
+    SetBatch(m);
+    cpu_->RopeKvWrite(Cpu(qkv, {T, width}), Cpu(inv, {c.d / 2}), c.hq, c.hk, c.d,
+                      Cpu(q_want, {T, c.hq * c.d}), Cpu(kc_want, {blocks, bs, c.hk, c.d}),
+                      Cpu(vc_want, {blocks, bs, c.hk, c.d}));
+    Tensor gkc = Gpu(kc, {blocks, bs, c.hk, c.d}), gvc = Gpu(vc, {blocks, bs, c.hk, c.d});
+    Tensor q_out = GpuOut({T, c.hq * c.d});
+    ops_->RopeKvWrite(Gpu(qkv, {T, width}), GpuF32(inv, {c.d / 2}), c.hq, c.hk, c.d, q_out, gkc,
+                      gvc);
+    EXPECT_LT(RelL2(Host(q_out), q_want), kBf16Tol);
+    EXPECT_LT(RelL2(Host(gkc), kc_want), kBf16Tol);
+    EXPECT_EQ(Host(gvc), vc_want);  // a copy: exact
+    // The rotation is not the identity on the rows written (positions > 0 exist).
+    EXPECT_GT(RelL2(Host(gkc), kc), 1e-3);
+    bufs_.clear();
+  }
+}
+
+// QkvRopeKvWrite: the skinny GEMM with the RoPE/KV-write epilogue (M <= 2) and the unfused
+// Gemm + RopeKvWrite, against the CPU's fp32 Gemm then RopeKvWrite. The rows written (q_out and
+// the cache rows of the batch's slots) within kBf16Tol; every other cache row untouched.
+TEST_F(CudaOpsTest, QkvRopeKvWriteFusedAndUnfused) {
+  struct Case {
+    std::vector<std::pair<int, int>> seqs;
+    int hq, hk, d, hidden;
+    bool bias;
+  };
+  for (const Case& c :
+       {Case{{{1, 700}}, 32, 32, 128, 4096, false}, Case{{{1, 33}, {1, 0}}, 8, 2, 128, 520, true},
+        Case{{{1, 5}, {1, 1000}}, 4, 4, 64, 264, false}, Case{{{1, 17}}, 12, 4, 128, 1024, true}}) {
+    for (bool fused : {true, false}) {
+      SCOPED_TRACE(testing::Message() << "heads " << c.hq << "/" << c.hk << " d " << c.d << " seqs "
+                                      << c.seqs.size() << " bias " << c.bias << " fused " << fused);
+      gpu_->set_fused_skinny(fused);
+      const int bs = 16, blocks = 100;
+      BatchMeta m = MakeBatch(c.seqs, bs, blocks, rng_);
+      const int T = m.num_tokens, width = (c.hq + 2 * c.hk) * c.d, kvw = c.hk * c.d;
+      RopeConfig rc;
+      auto inv = RopeInvFreq(rc, c.d);
+      auto x = RandomBf16(rng_, size_t{1} * T * c.hidden);
+      auto w = RandomBf16(rng_, size_t{1} * width * c.hidden, 0.05f);
+      auto bias = RandomBf16(rng_, width);
+      auto kc = RandomBf16(rng_, size_t{1} * blocks * bs * kvw);
+      auto vc = RandomBf16(rng_, size_t{1} * blocks * bs * kvw);
+      std::vector<float> qkv(size_t{1} * T * width), q_want(size_t{1} * T * c.hq * c.d);
+      std::vector<float> kc_want = kc, vc_want = vc;
+      SetBatch(m);
+      Tensor cb = Cpu(bias, {width});
+      cpu_->QkvRopeKvWrite(Cpu(x, {T, c.hidden}), Cpu(w, {width, c.hidden}), c.bias ? &cb : nullptr,
+                           Cpu(inv, {c.d / 2}), c.hq, c.hk, c.d, Cpu(qkv, {T, width}),
+                           Cpu(q_want, {T, c.hq * c.d}), Cpu(kc_want, {blocks, bs, c.hk, c.d}),
+                           Cpu(vc_want, {blocks, bs, c.hk, c.d}));
+      Tensor gb = Gpu(bias, {width});
+      Tensor gkc = Gpu(kc, {blocks, bs, c.hk, c.d}), gvc = Gpu(vc, {blocks, bs, c.hk, c.d});
+      Tensor q_out = GpuOut({T, c.hq * c.d}), gqkv = GpuOut({T, width});
+      ops_->QkvRopeKvWrite(Gpu(x, {T, c.hidden}), Gpu(w, {width, c.hidden}), c.bias ? &gb : nullptr,
+                           GpuF32(inv, {c.d / 2}), c.hq, c.hk, c.d, gqkv, q_out, gkc, gvc);
+      EXPECT_LT(RelL2(Host(q_out), q_want), kBf16Tol);
+      const std::vector<float> got_k = Host(gkc), got_v = Host(gvc);
+      std::vector<float> rows_got, rows_want;
+      std::vector<bool> written(size_t{1} * blocks * bs, false);
+      for (int t = 0; t < T; ++t) {
+        const int64_t slot = m.slot_mapping[t];
+        if (slot < 0) continue;
+        written[slot] = true;
+        for (const auto* pair : {&got_k, &got_v}) {
+          rows_got.insert(rows_got.end(), pair->begin() + slot * kvw,
+                          pair->begin() + (slot + 1) * kvw);
+        }
+        rows_want.insert(rows_want.end(), kc_want.begin() + slot * kvw,
+                         kc_want.begin() + (slot + 1) * kvw);
+        rows_want.insert(rows_want.end(), vc_want.begin() + slot * kvw,
+                         vc_want.begin() + (slot + 1) * kvw);
+      }
+      EXPECT_LT(RelL2(rows_got, rows_want), kBf16Tol);
+      size_t changed = 0;
+      for (size_t slot = 0; slot < written.size(); ++slot) {
+        if (written[slot]) continue;
+        for (int64_t i = slot * kvw; i < int64_t(slot + 1) * kvw; ++i) {
+          changed += got_k[i] != kc[i] || got_v[i] != vc[i];
+        }
+      }
+      EXPECT_EQ(changed, 0u) << "cache rows outside the batch's slots were written";
+      bufs_.clear();
+    }
+  }
+  gpu_->set_fused_skinny(true);
+}
+
+// SiluMulGemm: the fused skinny kernel (M <= 2, every config) and the SiluMul + Gemm fallback
+// against the CPU's fp32 SiluMul then Gemm. Tolerance kBf16Tol (bf16 activation and weights).
+TEST_F(CudaOpsTest, SiluMulGemmFusedAndFallback) {
+  struct Shape {
+    int m, n, k;
+  };
+  for (Shape s : {Shape{1, 4096, 11008}, Shape{2, 333, 264}, Shape{1, 1000, 1032},
+                  Shape{2, 4096, 2752}, Shape{3, 130, 520}, Shape{40, 256, 1024}}) {
+    SCOPED_TRACE(testing::Message() << "M=" << s.m << " N=" << s.n << " K=" << s.k);
+    auto gu = RandomBf16(rng_, size_t{2} * s.m * s.k, 2.0f);
+    auto w = RandomBf16(rng_, size_t{1} * s.n * s.k, 0.05f);
+    std::vector<float> act(size_t{1} * s.m * s.k), want(size_t{1} * s.m * s.n);
+    cpu_->SiluMulGemm(Cpu(gu, {s.m, 2 * s.k}), Cpu(w, {s.n, s.k}), Cpu(act, {s.m, s.k}),
+                      Cpu(want, {s.m, s.n}));
+    Tensor ggu = Gpu(gu, {s.m, 2 * s.k}), gw = Gpu(w, {s.n, s.k});
+    Tensor gact = GpuOut({s.m, s.k}), out = GpuOut({s.m, s.n});
+    ops_->SiluMulGemm(ggu, gw, gact, out);
+    EXPECT_LT(RelL2(Host(out), want), kBf16Tol) << "dispatch";
+    if (s.m <= 2) {
+      for (int c = 0; c < 7; ++c) {
+        out = GpuOut({s.m, s.n});
+        gpu_->SiluMulGemmSkinny(ggu, gw, out, c);
+        EXPECT_LT(RelL2(Host(out), want), kBf16Tol) << "skinny config " << c;
+      }
+    }
+    bufs_.clear();
+  }
+}
+
 TEST_F(CudaOpsTest, KvWriteAndSiluMulAndAdd) {
   const int bs = 16, blocks = 20, hk = 4, d = 128;
   BatchMeta m = MakeBatch({{20, 35}, {1, 64}, {7, 7}}, bs, blocks, rng_);
@@ -360,6 +495,7 @@ TEST_F(CudaAttentionTest, PrefillVarlenCachedPrefixGqa) {
       {{{200, 200}, {1, 1000}, {1, 33}}, 12, 4, 128, 16},                // prefill + decode rows
       {{{65, 129}, {128, 128}}, 6, 1, 128, 32},                          // block boundaries, MQA
       {{{300, 4096}}, 4, 2, 128, 16},                                    // long context chunk
+      {{{119, 119}, {7, 40}, {1, 33}}, 8, 2, 32, 16},  // head_dim 32 (tiny-coder's shape)
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(i);
@@ -374,6 +510,12 @@ TEST_F(CudaAttentionTest, DecodePagedSplitGqa) {
       {{{1, 100}, {1, 0}, {1, 700}}, 12, 4, 128, 16},                              // G=3
       {{{1, 4096}, {1, 3000}}, 8, 4, 128, 16},                                     // long, G=2
       {{{1, 31}, {1, 64}}, 8, 2, 128, 32},                                         // block size 32
+      {{{1, 768}}, 32, 32, 128, 16},  // batch 1 of the 6.7B shape: 12 splits merged in-kernel
+      // 192 sequence-head pairs: the two-phase kernel with 128-key splits.
+      {{{1, 1}, {1, 129}, {1, 0}, {1, 640}, {1, 128}, {1, 1000}}, 32, 32, 128, 16},
+      {{{1, 1}, {1, 40}, {1, 127}}, 8, 2, 32, 16},  // head_dim 32 (tiny-coder), sub-tile kernel
+      // head_dim 32, 256 sequence-head pairs: the two-phase kernel.
+      {{{1, 200}, {1, 17}, {1, 999}, {1, 64}, {1, 1}, {1, 300}, {1, 128}, {1, 77}}, 32, 32, 32, 16},
   };
   // A large batch (>= 512 sequence-head pairs: 256-key partitions) with random contexts.
   AttnCase big{{}, 32, 32, 64, 16};
@@ -457,6 +599,148 @@ TEST_F(CudaOpsTest, DecodeStepReplaysAsCudaGraph) {
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+}
+
+// One decode layer's attention half as the model runs it (skinny q/k/v GEMM, RopeKvWrite,
+// single-kernel decode attention, skinny o projection), captured once as a CUDA graph and
+// replayed over new contexts, with programmatic dependent launch on and off: the kernels that
+// start before the previous one finishes must still see its q and this step's K/V row. The
+// reference rounds to bf16 where the GPU stores bf16 (qkv, q, k); tolerance kBf16Tol.
+TEST_F(CudaOpsTest, DecodeChainReplaysWithProgrammaticLaunch) {
+  const int hq = 8, hk = 2, d = 128, bs = 16, blocks = 200, max_blocks = 64, hidden = 512;
+  const int width = (hq + 2 * hk) * d;
+  RopeConfig rc;
+  auto inv = RopeInvFreq(rc, d);
+  auto wqkv = RandomBf16(rng_, size_t{1} * width * hidden, 0.05f);
+  auto wo = RandomBf16(rng_, size_t{1} * hidden * hq * d, 0.05f);
+  auto kc0 = RandomBf16(rng_, size_t{1} * blocks * bs * hk * d);
+  auto vc0 = RandomBf16(rng_, size_t{1} * blocks * bs * hk * d);
+  Tensor gwqkv = Gpu(wqkv, {width, hidden}), gwo = Gpu(wo, {hidden, hq * d});
+  Tensor ginv = GpuF32(inv, {d / 2});
+  Tensor gk = Gpu(kc0, {blocks, bs, hk, d}), gv = Gpu(vc0, {blocks, bs, hk, d});
+  const float scale = 1.0f / std::sqrt(float(d));
+  for (int B : {1, 2}) {
+    for (bool pdl : {true, false}) {
+      SCOPED_TRACE(testing::Message() << "batch " << B << " PDL " << pdl);
+      CudaOps::set_programmatic_launch(pdl);
+      auto xs = RandomBf16(rng_, size_t{1} * B * hidden);
+      Tensor gx = Gpu(xs, {B, hidden});
+      Tensor qkv = GpuOut({B, width}), q = GpuOut({B, hq * d}), attn = GpuOut({B, hq * d});
+      Tensor out = GpuOut({B, hidden});
+      auto meta = [&](const std::vector<int>& ctxs) {
+        BatchMeta m;
+        m.num_seqs = B;
+        m.num_tokens = B;
+        m.block_size = bs;
+        m.max_blocks_per_seq = max_blocks;
+        for (int i = 0; i < B; ++i) {
+          m.query_start.push_back(i);
+          m.context_lens.push_back(ctxs[i]);
+          m.positions.push_back(ctxs[i] - 1);
+          m.token_ids.push_back(i);
+          m.logits_rows.push_back(i);
+          std::vector<int32_t> row(max_blocks, -1);
+          for (int b = 0; b < (ctxs[i] + bs - 1) / bs; ++b) row[b] = (i * 97 + b * 3) % blocks;
+          m.slot_mapping.push_back(row[(ctxs[i] - 1) / bs] * bs + (ctxs[i] - 1) % bs);
+          m.block_tables.insert(m.block_tables.end(), row.begin(), row.end());
+        }
+        m.query_start.push_back(B);
+        return m;
+      };
+      auto step = [&] {
+        ops_->Gemm(gx, gwqkv, nullptr, qkv);
+        ops_->RopeKvWrite(qkv, ginv, hq, hk, d, q, gk, gv);
+        ops_->AttentionDecode(q, gk, gv, hq, hk, d, scale, attn);
+        ops_->Gemm(attn, gwo, nullptr, out);
+      };
+      auto round = [](std::vector<float>& v) {
+        for (float& x : v) x = Bf16ToF32(F32ToBf16(x));
+      };
+      auto reference = [&](const BatchMeta& m) {
+        std::vector<float> r_qkv(size_t{1} * B * width), r_q(size_t{1} * B * hq * d);
+        std::vector<float> r_attn(r_q.size()), r_out(size_t{1} * B * hidden);
+        std::vector<float> kc = Host(gk), vc = Host(gv);  // the cache before this step
+        cpu_->SetBatch(m);
+        cpu_->Gemm(Cpu(xs, {B, hidden}), Cpu(wqkv, {width, hidden}), nullptr,
+                   Cpu(r_qkv, {B, width}));
+        round(r_qkv);
+        cpu_->RopeKvWrite(Cpu(r_qkv, {B, width}), Cpu(inv, {d / 2}), hq, hk, d,
+                          Cpu(r_q, {B, hq * d}), Cpu(kc, {blocks, bs, hk, d}),
+                          Cpu(vc, {blocks, bs, hk, d}));
+        round(r_q);
+        round(kc);
+        cpu_->AttentionDecode(Cpu(r_q, {B, hq * d}), Cpu(kc, {blocks, bs, hk, d}),
+                              Cpu(vc, {blocks, bs, hk, d}), hq, hk, d, scale,
+                              Cpu(r_attn, {B, hq * d}));
+        round(r_attn);
+        cpu_->Gemm(Cpu(r_attn, {B, hq * d}), Cpu(wo, {hidden, hq * d}), nullptr,
+                   Cpu(r_out, {B, hidden}));
+        return r_out;
+      };
+      std::vector<int> first = B == 1 ? std::vector<int>{768} : std::vector<int>{700, 1024};
+      BatchMeta m1 = meta(first);
+      ops_->SetBatch(m1);
+      step();  // warm-up outside capture (workspace, cuBLAS)
+      ops_->Synchronize();
+      uint64_t gen = gpu_->layout_generation();
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      ASSERT_EQ(cudaStreamBeginCapture(gpu_->stream(), cudaStreamCaptureModeThreadLocal),
+                cudaSuccess);
+      step();
+      ASSERT_EQ(cudaStreamEndCapture(gpu_->stream(), &graph), cudaSuccess);
+      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      for (auto ctxs : {first, std::vector<int>{33, 1000}, std::vector<int>{1024, 64},
+                        std::vector<int>{65, 1}}) {
+        ctxs.resize(B);
+        BatchMeta m = meta(ctxs);
+        std::vector<float> want = reference(m);
+        ops_->SetBatch(m);
+        ASSERT_EQ(gpu_->layout_generation(), gen);
+        ASSERT_EQ(cudaGraphLaunch(exec, gpu_->stream()), cudaSuccess);
+        EXPECT_LT(RelL2(Host(out), want), kBf16Tol) << "context " << ctxs[0];
+        // Eagerly too, twice (the arrival counters must be back at zero).
+        for (int rep = 0; rep < 2; ++rep) {
+          ops_->SetBatch(m);
+          step();
+          EXPECT_LT(RelL2(Host(out), want), kBf16Tol) << "eager, context " << ctxs[0];
+        }
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    }
+  }
+  CudaOps::set_programmatic_launch(true);
+}
+
+// The op profiler times eager ops per (op, shape), records nothing while capturing, and costs
+// nothing once off.
+TEST_F(CudaOpsTest, OpProfilerTimesEagerOps) {
+  const int n = 1024, k = 2048;
+  auto x = RandomBf16(rng_, k), w = RandomBf16(rng_, size_t{1} * n * k, 0.05f);
+  Tensor gx = Gpu(x, {1, k}), gw = Gpu(w, {n, k}), y = GpuOut({1, n});
+  gpu_->set_op_profiling(true);
+  gpu_->BeginProfiledStep();
+  for (int i = 0; i < 3; ++i) ops_->Gemm(gx, gw, nullptr, y);
+  gpu_->EndProfiledStep();
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(gpu_->stream(), cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  ops_->Gemm(gx, gw, nullptr, y);
+  ASSERT_EQ(cudaStreamEndCapture(gpu_->stream(), &graph), cudaSuccess);
+  cudaGraphDestroy(graph);
+  std::vector<OpProfileRow> rows = gpu_->TakeOpProfile();
+  ASSERT_EQ(rows.size(), 2u);
+  const OpProfileRow& gemm = rows[0].op == "step" ? rows[1] : rows[0];
+  const OpProfileRow& step = rows[0].op == "step" ? rows[0] : rows[1];
+  EXPECT_EQ(gemm.op, "Gemm.skinny");
+  EXPECT_EQ(gemm.shape, "M=1 N=1024 K=2048");
+  EXPECT_EQ(gemm.calls, 3);
+  EXPECT_GT(gemm.total_us, 0.0);
+  EXPECT_GE(step.total_us, gemm.total_us * 0.99);
+  std::cout << FormatOpProfile(rows, 1);
+  gpu_->set_op_profiling(false);
+  ops_->Gemm(gx, gw, nullptr, y);
+  EXPECT_TRUE(gpu_->TakeOpProfile().empty());
 }
 
 // The sampling rule of ops.h evaluated with double-precision sums (the GPU sums float

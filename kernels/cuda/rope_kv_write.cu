@@ -1,0 +1,99 @@
+// RoPE and the paged KV-cache write fused, on the output of the fused q/k/v projection:
+// qkv [T, (Hq + 2 Hk) * D] -> q_out [T, Hq * D] (rotated), k (rotated) and v into the caches
+// [blocks, block_size, Hk, D] at slot_mapping (slots < 0 are padding: q only). One kernel
+// instead of three (Rope, KvWrite and the copies of separate q/k/v GEMMs); fp32 math, the same
+// rounding as Rope then KvWrite.
+#include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/launchers.h"
+
+namespace tpserve::cuda {
+namespace {
+
+constexpr int kHeadsPerBlock = 8;  // one warp per head
+constexpr int kMaxHalf = 256;      // head_dim <= 512
+
+__global__ void __launch_bounds__(kHeadsPerBlock * 32)
+    RopeKvWriteKernel(const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ inv_freq,
+                      const int32_t* __restrict__ positions,
+                      const int32_t* __restrict__ slot_mapping, int num_q_heads, int num_kv_heads,
+                      int head_dim, int64_t num_slots, __nv_bfloat16* __restrict__ q_out,
+                      __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache) {
+  __shared__ float cos_s[kMaxHalf], sin_s[kMaxHalf];
+  PdlLaunchDependents();
+  const int t = blockIdx.x;
+  const int half = head_dim / 2;
+  // Positions and slots come from SetBatch: safe to read before the wait.
+  const float pos = static_cast<float>(positions[t]);
+  const int64_t slot = slot_mapping[t];
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    float s, c;
+    sincosf(pos * inv_freq[i], &s, &c);
+    cos_s[i] = c;
+    sin_s[i] = s;
+  }
+  __syncthreads();
+  PdlWait();  // qkv is the previous kernel's output
+
+  const int heads = num_q_heads + 2 * num_kv_heads;
+  const int head = blockIdx.y * kHeadsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (head >= heads) return;
+  const __nv_bfloat16* src = qkv + (static_cast<int64_t>(t) * heads + head) * head_dim;
+  __nv_bfloat16* dst;
+  if (head < num_q_heads) {
+    dst = q_out + (static_cast<int64_t>(t) * num_q_heads + head) * head_dim;
+  } else {
+    if (slot < 0 || slot >= num_slots) return;
+    const int kv = head - num_q_heads;
+    dst = kv < num_kv_heads ? k_cache + (slot * num_kv_heads + kv) * head_dim
+                            : v_cache + (slot * num_kv_heads + kv - num_kv_heads) * head_dim;
+  }
+  const auto* s2 = reinterpret_cast<const __nv_bfloat162*>(src);
+  auto* d2 = reinterpret_cast<__nv_bfloat162*>(dst);
+  if (head >= num_q_heads + num_kv_heads) {  // v: a copy
+    for (int i = lane; i < head_dim / 2; i += 32) d2[i] = s2[i];
+    return;
+  }
+  // Pairs (i, i + half), two adjacent i per lane (head_dim % 4 == 0).
+  for (int j = lane; j < half / 2; j += 32) {
+    float2 a = __bfloat1622float2(s2[j]);
+    float2 b = __bfloat1622float2(s2[j + half / 2]);
+    const int i = 2 * j;
+    float c0 = cos_s[i], s0 = sin_s[i], c1 = cos_s[i + 1], s1 = sin_s[i + 1];
+    d2[j] = __floats2bfloat162_rn(a.x * c0 - b.x * s0, a.y * c1 - b.y * s1);
+    d2[j + half / 2] = __floats2bfloat162_rn(b.x * c0 + a.x * s0, b.y * c1 + a.y * s1);
+  }
+}
+
+}  // namespace
+
+void LaunchRopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
+                       int head_dim, const DeviceBatch& b, Tensor q_out, Tensor k_cache,
+                       Tensor v_cache, cudaStream_t stream) {
+  TP_CHECK_CUDA_TENSOR(qkv, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(inv_freq, DType::kF32);
+  TP_CHECK_CUDA_TENSOR(q_out, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(k_cache, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(v_cache, DType::kBF16);
+  const int64_t width = int64_t{num_q_heads + 2 * num_kv_heads} * head_dim;
+  TP_CHECK(num_q_heads > 0 && num_kv_heads > 0 && head_dim > 0 && head_dim % 4 == 0 &&
+           head_dim / 2 <= kMaxHalf && inv_freq.numel() == head_dim / 2 &&
+           qkv.dim(0) == b.num_tokens && qkv.numel() == b.num_tokens * width &&
+           q_out.numel() == int64_t{b.num_tokens} * num_q_heads * head_dim && k_cache.ndim == 4 &&
+           k_cache.dim(1) == b.block_size && k_cache.dim(2) == num_kv_heads &&
+           k_cache.dim(3) == head_dim && v_cache.numel() == k_cache.numel() &&
+           IsAligned16(qkv.data))
+      << "RopeKvWrite: qkv " << qkv.ShapeString() << ", q_out " << q_out.ShapeString()
+      << ", k_cache " << k_cache.ShapeString() << ", inv_freq " << inv_freq.ShapeString()
+      << ", heads " << num_q_heads << "/" << num_kv_heads << ", head_dim " << head_dim
+      << " (a multiple of 4), tokens " << b.num_tokens << ", block_size " << b.block_size;
+  if (b.num_tokens == 0) return;
+  dim3 grid(b.num_tokens, CeilDiv(num_q_heads + 2 * num_kv_heads, kHeadsPerBlock));
+  LaunchPdl(RopeKvWriteKernel, grid, dim3(kHeadsPerBlock * 32), 0, stream,
+            qkv.ptr<const __nv_bfloat16>(), inv_freq.ptr<const float>(), b.positions,
+            b.slot_mapping, num_q_heads, num_kv_heads, head_dim, k_cache.dim(0) * k_cache.dim(1),
+            q_out.ptr<__nv_bfloat16>(), k_cache.ptr<__nv_bfloat16>(), v_cache.ptr<__nv_bfloat16>());
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace tpserve::cuda

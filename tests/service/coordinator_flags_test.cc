@@ -1,0 +1,39 @@
+// The coordinator's flags that size the workers: --gpu-memory-utilization (forwarded to every
+// worker in its Assignment) and --kv-cache-mb.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "coordinator/server.h"
+
+namespace tpserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(CoordinatorFlagsTest, GpuMemoryUtilizationDefaultsToNinetyPercent) {
+  auto o = ParseCoordinatorFlags({"--model", "m"}, /*serve_command=*/true);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_DOUBLE_EQ(o->gpu_memory_utilization, 0.90);
+  EXPECT_EQ(o->kv_cache_mb, 0);
+}
+
+TEST(CoordinatorFlagsTest, GpuMemoryUtilizationIsParsedAndRangeChecked) {
+  auto o = ParseCoordinatorFlags({"--model", "m", "--gpu-memory-utilization", "0.5"}, true);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_DOUBLE_EQ(o->gpu_memory_utilization, 0.5);
+  o = ParseCoordinatorFlags({"--model", "m", "--gpu-memory-utilization=1"}, false);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_DOUBLE_EQ(o->gpu_memory_utilization, 1.0);
+  for (const char* bad : {"0", "1.5", "-0.1"}) {
+    o = ParseCoordinatorFlags({"--model", "m", "--gpu-memory-utilization", bad}, true);
+    ASSERT_FALSE(o.ok()) << bad;
+    EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(o.status().message()), HasSubstr("(0, 1]"));
+  }
+  o = ParseCoordinatorFlags({"--model", "m", "--gpu-memory-utilization", "most"}, true);
+  EXPECT_FALSE(o.ok());
+  EXPECT_THAT(std::string(kCoordinatorUsage), HasSubstr("--gpu-memory-utilization F"));
+}
+
+}  // namespace
+}  // namespace tpserve

@@ -1,0 +1,29 @@
+// tpserve-engine-bench --profile: a few eager forward steps (decode at batch 1 and 64, one long
+// prefill) with the CUDA op profiler on; prints one table per scenario and returns them as JSON.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/statusor.h"
+#include "worker/engine.h"
+
+namespace tpserve {
+
+struct OpProfileScenario {
+  std::string name;
+  int seqs = 1;
+  int context = 1;       // tokens in the cache after the step, per sequence
+  bool prefill = false;  // one sequence, `context` query tokens; else one query per sequence
+  int steps = 3;
+};
+
+// The default scenarios: decode batch 1 at context 768, decode batch 64 at context 1024,
+// prefill of `prefill_len` tokens.
+std::vector<OpProfileScenario> DefaultOpProfileScenarios(int prefill_len);
+
+// Runs each scenario that fits the engine's KV cache and batch limits (others are reported as
+// skipped). Needs the CUDA ops.
+absl::StatusOr<nlohmann::json> ProfileEngineOps(Engine& engine, int block_size,
+                                                const std::vector<OpProfileScenario>& scenarios);
+
+}  // namespace tpserve
