@@ -5,7 +5,9 @@
 # the table (CSV, markdown) and the plots. Everything goes to $OUT/scaling (or ./scaling-out).
 # Usage: bash tools/scaling/one_gpu_job.sh [quick|full]   (quick: fewer requests per preset)
 #   env: TPSERVE (default .carry/gpu/bin/tpserve, else build/tools/tpserve), MODEL (/tmp/ds67),
-#        HF_MODES (eager-bf16,compile-bf16; empty: no peers), CONFIG (overrides the config)
+#        HF_MODES (eager-bf16,compile-bf16; empty: no peers), HF_PRESETS (all four),
+#        HF_TIMEOUT (seconds for the peers; the presets finished by then are reported),
+#        CONFIG (overrides the config)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 size=${1:-quick}
@@ -35,7 +37,8 @@ if [ -n "$modes" ]; then
   log "HF peers: $modes"
   hf_args=()
   [ "$size" = quick ] && hf_args=(--num-requests 1 --num-conversations 8)
-  python3 tools/scaling/hf_peers.py --model "$model" --modes "$modes" --out "$out/hf" \
+  timeout "${HF_TIMEOUT:-0}" python3 tools/scaling/hf_peers.py --model "$model" --modes "$modes" \
+    --presets "${HF_PRESETS:-latency,batch32,batch64,chat}" --out "$out/hf" \
     "${hf_args[@]}" 2>&1 | tee -a "$out/job.txt"
   peers=(--peers "$out/hf/*.json")
 fi
