@@ -8,10 +8,19 @@
 #include "common/bf16.h"
 #include "common/status.h"
 #include "worker/shard_loader.h"
+#ifdef TPSERVE_HAVE_CUDA
+#include "kernels/cuda/cuda_ops.h"
+#include "worker/cuda_graph_runner.h"
+#else
+namespace tpserve {
+class CudaGraphRunner {};  // graphs need CUDA
+}  // namespace tpserve
+#endif
 
 namespace tpserve {
 
 StepRunner::~StepRunner() {
+  graphs_.reset();  // before the cache and the model it replays
   cache_.reset();
   model_.reset();
 }
@@ -28,9 +37,36 @@ absl::StatusOr<std::unique_ptr<StepRunner>> StepRunner::Create(const ModelFiles&
   load.block_size = options.block_size;
   load.kv_cache_bytes = options.kv_cache_bytes;
   load.gpu_memory_utilization = options.gpu_memory_utilization;
+#ifdef TPSERVE_HAVE_CUDA
+  // As in Engine::Create: the batch buffers are sized once, before the KV budget is measured,
+  // so that nothing moves after warm-up and decode steps can replay as CUDA graphs.
+  CudaReserve reserve;
+  auto* cuda =
+      options.cuda_graphs && plan.tp == 1 && plan.pp == 1 ? dynamic_cast<CudaOps*>(ops) : nullptr;
+  if (cuda != nullptr) {
+    const ModelConfig& config = files.config();
+    load.before_kv = [&](LlamaModel& model) {
+      reserve.max_tokens = options.model.max_batch_tokens;
+      reserve.max_seqs = CudaGraphRunner::Bucket(options.model.max_batch_seqs);
+      reserve.max_blocks_per_seq = std::max(
+          16, CudaGraphRunner::Bucket(static_cast<int>(
+                  (config.max_position_embeddings + options.block_size - 1) / options.block_size)));
+      reserve.block_size = options.block_size;
+      reserve.num_heads = model.shard().num_q_heads;
+      reserve.head_dim = static_cast<int>(config.head_dim);
+      cuda->Reserve(reserve);
+    };
+  }
+#endif
   TP_ASSIGN_OR_RETURN(LoadedShard loaded, LoadShard(files, plan, rank, ops, comms, load));
   r->model_ = std::move(loaded.model);
   r->cache_ = std::move(loaded.cache);
+#ifdef TPSERVE_HAVE_CUDA
+  if (cuda != nullptr) {
+    r->graphs_ =
+        std::make_unique<CudaGraphRunner>(cuda, r->model_.get(), r->cache_.get(), reserve.max_seqs);
+  }
+#endif
   const RankShard& shard = r->model_->shard();
   r->sampler_ = shard.last_stage && shard.tp_rank == 0;
   return r;
@@ -125,7 +161,16 @@ absl::StatusOr<std::vector<int32_t>> StepRunner::Run(const worker::StepPlan& pla
       h.insert(h.end(), s.token_ids().begin(), s.token_ids().end());
     }
   }
-  TP_ASSIGN_OR_RETURN(Tensor logits, model_->Forward(meta, *cache_));
+  Tensor logits;
+#ifdef TPSERVE_HAVE_CUDA
+  if (graphs_ != nullptr && meta.all_decode()) {
+    TP_ASSIGN_OR_RETURN(logits, graphs_->RunDecode(meta));
+  } else {
+    TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
+  }
+#else
+  TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
+#endif
   std::vector<int32_t> ids;
   if (!sampler_ || meta.logits_rows.empty()) return ids;
   std::vector<SamplingParams> params;

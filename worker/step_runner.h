@@ -17,6 +17,8 @@
 
 namespace tpserve {
 
+class CudaGraphRunner;
+
 struct StepRunnerOptions {
   int block_size = 16;
   // KV cache size: kv_cache_bytes when > 0, else (on a device) what gpu_memory_utilization
@@ -24,6 +26,11 @@ struct StepRunnerOptions {
   int64_t kv_cache_bytes = 0;
   double gpu_memory_utilization = 0.90;
   ModelOptions model;
+  // Replay decode steps as CUDA graphs (CUDA, tp = pp = 1 only), sizing the batch buffers once
+  // before the KV budget as Engine::Create does. Off until it has run on a GPU: the worker
+  // turns it on with TPSERVE_WORKER_CUDA_GRAPHS=1 (tools/serve_check.sh compares the served
+  // tokens with the engine's).
+  bool cuda_graphs = false;
 };
 
 class StepRunner {
@@ -56,6 +63,7 @@ class StepRunner {
   StepRunnerOptions options_;
   std::unique_ptr<LlamaModel> model_;
   std::unique_ptr<KvCache> cache_;
+  std::unique_ptr<CudaGraphRunner> graphs_;  // CUDA, tp = pp = 1: decode steps as graphs
   bool sampler_ = false;
   // Sampling rank only: every token of each live sequence (for repetition penalties).
   std::map<uint64_t, std::vector<int32_t>> history_;

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Quick GPU check of the service against the in-process engine (run on the GPU machine over
+# binaries staged by tools/gpu_stage.sh): the same greedy prompt through `tpserve run` (engine,
+# CUDA graphs) and through `tpserve serve` + `tpserve generate` must give the same tokens; then
+# the latency preset's TPOT. Logs under $OUT (or ./serve-check-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-$PWD/serve-check-out}
+mkdir -p "$out"
+find .carry/gpu -name '*.xz' -exec xz -d -T0 {} + 2>/dev/null
+chmod +x .carry/gpu/bin/* 2>/dev/null
+export LD_LIBRARY_PATH=$PWD/.carry/gpu/lib:${LD_LIBRARY_PATH:-}
+b=.carry/gpu/bin
+model=${MODEL:-/tmp/ds67}
+[ -f "$model/config.json" ] || "$b/tpserve" random-model \
+  --config tests/data/deepseek-coder-6.7b-instruct.config.json --out "$model" --seed 1 --dtype bf16 >/dev/null
+ids=$(python3 -c 'import random; r=random.Random(7); print(",".join(str(r.randrange(32256)) for _ in range(48)))')
+"$b/tpserve" run --model "$model" --device cuda --prompt-ids "$ids" --max-new-tokens 64 --ignore-eos \
+  --kv-cache-mb 4096 --json > "$out/engine.json" 2>"$out/engine.log"
+TPSERVE_WORKER_CUDA_GRAPHS=${TPSERVE_WORKER_CUDA_GRAPHS:-1} "$b/tpserve" serve --model "$model" --device cuda --port 50077 --kv-cache-mb 8192 \
+  --worker-binary "$b/tpserve-worker" --ready-file "$out/ready" >"$out/serve.log" 2>&1 &
+pid=$!
+for _ in $(seq 60); do [ -f "$out/ready" ] && break; sleep 0.5; done
+"$b/tpserve" generate --server 127.0.0.1:50077 --prompt-ids "$ids" --max-new-tokens 64 \
+  --ignore-eos --json > "$out/served.json" 2>&1
+"$b/tpserve" bench --server 127.0.0.1:50077 --preset latency --num-requests 2 --no-progress \
+  --json "$out/latency.json" > "$out/bench.log" 2>&1
+kill -TERM $pid; wait $pid
+python3 - "$out" <<'PY'
+import json, sys
+d = sys.argv[1]
+e = json.load(open(d + "/engine.json"))
+s = json.load(open(d + "/served.json"))
+ei = e.get("output_ids") or e.get("token_ids")
+si = s.get("token_ids") or s.get("tokenIds") or s.get("output_ids")
+lat = json.load(open(d + "/latency.json"))
+print(json.dumps({"equal": ei == si, "engine_ids": ei[:8], "served_ids": si[:8],
+                  "n": [len(ei), len(si)],
+                  "tpot_ms_median": lat.get("tpot_ms", {}).get("median", lat.get("tpot_ms_median"))}))
+PY
