@@ -73,6 +73,18 @@ class MpiCommunicator : public Communicator {
       : comm_(comm), ops_(ops), timeout_(timeout), name_(std::move(name)) {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
+    // World ranks of the members, for error messages: "rank 1 (world rank 3)".
+    world_ranks_.resize(size_);
+    std::vector<int> ranks(size_);
+    for (int i = 0; i < size_; ++i) ranks[i] = world_ranks_[i] = i;
+    MPI_Group group, world;
+    if (MPI_Comm_group(comm_, &group) == MPI_SUCCESS) {
+      if (MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
+        MPI_Group_translate_ranks(group, size_, ranks.data(), world, world_ranks_.data());
+        MPI_Group_free(&world);
+      }
+      MPI_Group_free(&group);
+    }
   }
 
   ~MpiCommunicator() override {
@@ -180,7 +192,7 @@ class MpiCommunicator : public Communicator {
       MPI_Get_count(&status, MPI_BYTE, &got);
       if (got != count) {
         return Fail(absl::InvalidArgumentError(absl::StrCat(
-            name(), ": rank ", rank_, " Recv from peer ", peer, " expected ", count,
+            name(), ": ", SelfText(), " Recv from ", PeerText(peer), " expected ", count,
             " bytes but the message has ", got, " (shapes differ between the ranks?)")));
       }
     }
@@ -228,7 +240,7 @@ class MpiCommunicator : public Communicator {
   absl::Status Usable() const {
     if (broken_.ok()) return absl::OkStatus();
     return absl::FailedPreconditionError(
-        absl::StrCat(name(), ": rank ", rank_,
+        absl::StrCat(name(), ": ", SelfText(),
                      ": communicator unusable after an earlier error: ", broken_.message()));
   }
   absl::Status Fail(absl::Status s) {
@@ -237,27 +249,35 @@ class MpiCommunicator : public Communicator {
   }
   absl::Status SelfError(const char* op) {
     return absl::InvalidArgumentError(
-        absl::StrCat(name(), ": rank ", rank_, " cannot ", op, " to itself"));
+        absl::StrCat(name(), ": ", SelfText(), " cannot ", op, " to itself"));
   }
   absl::Status CheckCount(const char* op, size_t bytes) {
     if (bytes <= static_cast<size_t>(INT_MAX)) return absl::OkStatus();
     return absl::InvalidArgumentError(
         absl::StrCat(name(), ": ", op, " of ", bytes, " bytes exceeds one MPI call's limit"));
   }
+  // "rank 1", or "rank 1 (world rank 3)" when the group's numbering differs from the world's.
+  std::string Numbered(const char* what, int r) const {
+    if (r < 0 || r >= size_ || world_ranks_[r] == r || world_ranks_[r] == MPI_UNDEFINED) {
+      return absl::StrCat(what, " ", r);
+    }
+    return absl::StrCat(what, " ", r, " (world rank ", world_ranks_[r], ")");
+  }
+  std::string SelfText() const { return Numbered("rank", rank_); }
   std::string PeerText(int peer) const {
-    return peer < 0 ? std::string("all ranks") : absl::StrCat("peer ", peer);
+    return peer < 0 ? std::string("all ranks") : Numbered("peer", peer);
   }
   absl::Status Call(int rc, const char* op, int peer) {
     if (rc == MPI_SUCCESS) return absl::OkStatus();
     return Fail(
-        absl::UnavailableError(absl::StrCat(name(), ": rank ", rank_, " ", op, " with ",
+        absl::UnavailableError(absl::StrCat(name(), ": ", SelfText(), " ", op, " with ",
                                             PeerText(peer), " failed: ", MpiErrorString(rc))));
   }
   absl::Status Wait(MPI_Request* req, const char* op, int peer, MPI_Status* status = nullptr) {
     const absl::Time start = absl::Now();
     absl::Status s =
         WaitImpl(req, start + timeout_,
-                 absl::StrCat(name(), ": rank ", rank_, " ", op, " with ", PeerText(peer)), status);
+                 absl::StrCat(name(), ": ", SelfText(), " ", op, " with ", PeerText(peer)), status);
     if (!s.ok()) return Fail(s);
     return s;
   }
@@ -268,6 +288,7 @@ class MpiCommunicator : public Communicator {
   std::string name_;
   int rank_ = 0;
   int size_ = 1;
+  std::vector<int> world_ranks_;  // by group rank
   absl::Status broken_;
   std::vector<char> send_staging_;  // device tensors staged for sending
   std::vector<char> recv_staging_;  // results for device tensors before the copy back

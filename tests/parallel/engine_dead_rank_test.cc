@@ -65,11 +65,10 @@ TEST(EngineDeadRankTest, StalledLastStageMakesFirstStageTimeOut) {
   SCOPED_TRACE(absl::StrCat("wall ", absl::FormatDuration(r.wall)));
   ExpectFailedFast(r);
   // Stage 0 waits for the sampled ids (Recv) or for its send of the activations to be taken.
-  EXPECT_THAT(
-      r.output,
-      ContainsRegex("engine_dead_rank_helper: rank 0: Generate failed: DEADLINE_EXCEEDED: "
-                    "pp chain of tp rank 0 \\(mpi\\): rank 0 (Recv|Send) with peer 1 did "
-                    "not finish within 3s"))
+  EXPECT_THAT(r.output,
+              ContainsRegex("engine_dead_rank_helper: rank 0: Generate failed: DEADLINE_EXCEEDED: "
+                            "pp chain of tp rank 0 \\(mpi\\): rank 0 (Recv|Send) with peer 1 did "
+                            "not finish within 3s"))
       << r.output;
 }
 
@@ -92,6 +91,14 @@ TEST(EngineDeadRankTest, StalledRankOfTwoByTwoGridMakesSurvivorsTimeOut) {
   EXPECT_THAT(r.output, ContainsRegex("engine_dead_rank_helper: rank [013]: Generate failed: "
                                       "DEADLINE_EXCEEDED: (tp group of stage 1|pp chain of tp "
                                       "rank [01]) \\(mpi\\): rank [0-9]"))
+      << r.output;
+  // Group ranks differ from world ranks here; the messages give both: world rank 3 in the tp
+  // group of stage 1 is its rank 1, and the stalled world rank 2 is peer 1 of the pp chain of
+  // tp rank 0 (or rank 0 of stage 1's tp group, waited on by all ranks).
+  EXPECT_THAT(r.output,
+              ContainsRegex("tp group of stage 1 \\(mpi\\): rank 1 \\(world rank 3\\) "
+                            "[A-Za-z]+ with all ranks|pp chain of tp rank 0 \\(mpi\\): rank 0 "
+                            "[A-Za-z]+ with peer 1 \\(world rank 2\\)"))
       << r.output;
 }
 
