@@ -173,26 +173,8 @@ class World : public ::testing::Environment {
 
   // Collective: every rank calls it with the same model, in the same order.
   const Reference* GetReference(const std::string& model, int64_t vocab) {
-    auto it = refs_.find(model);
-    if (it != refs_.end()) return &it->second;
-    std::vector<float> f;
-    std::vector<int32_t> n;
-    bool ok = true;
-    if (WorldRank() == 0) {
-      absl::StatusOr<Reference> ref = ComputeReference(model, vocab);
-      ok = ref.ok();
-      if (ok) {
-        mp_test::Pack(*ref, f, n);
-      } else {
-        ADD_FAILURE() << "single-rank reference of " << model << ": " << ref.status();
-      }
-    }
-    absl::Status s = mp_test::BroadcastBlob(*world_, 0, ok, f, n);
-    if (!s.ok()) {
-      ADD_FAILURE() << s;
-      return nullptr;
-    }
-    return &(refs_[model] = mp_test::Unpack(f, n, vocab));
+    return mp_test::SharedReference(*world_, refs_, model, vocab,
+                                    [&] { return ComputeReference(model, vocab); });
   }
 
  private:

@@ -5,6 +5,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,7 @@
 
 #include "common/logging.h"
 #include "common/model_config.h"
+#include "tests/parallel/mp_test_util.h"
 #include "tools/random_model.h"
 #include "worker/engine.h"
 
@@ -77,6 +80,35 @@ inline Reference Unpack(const std::vector<float>& f, const std::vector<int32_t>&
   }
   TP_CHECK(fi == f.size() && ni == n.size()) << "reference blob of unexpected size";
   return ref;
+}
+
+// Collective: rank 0 computes `model`'s single-rank reference with `compute` and broadcasts
+// it; every rank calls this with the same model, in the same order. Results are kept in
+// `cache`. Null (with a test failure) when rank 0 could not compute it.
+inline const Reference* SharedReference(Communicator& world,
+                                        std::map<std::string, Reference>& cache,
+                                        const std::string& model, int64_t vocab,
+                                        const std::function<absl::StatusOr<Reference>()>& compute) {
+  auto it = cache.find(model);
+  if (it != cache.end()) return &it->second;
+  std::vector<float> f;
+  std::vector<int32_t> n;
+  bool ok = true;
+  if (WorldRank() == 0) {
+    absl::StatusOr<Reference> ref = compute();
+    ok = ref.ok();
+    if (ok) {
+      Pack(*ref, f, n);
+    } else {
+      ADD_FAILURE() << "single-rank reference of " << model << ": " << ref.status();
+    }
+  }
+  absl::Status s = BroadcastBlob(world, 0, ok, f, n);
+  if (!s.ok()) {
+    ADD_FAILURE() << s;
+    return nullptr;
+  }
+  return &(cache[model] = Unpack(f, n, vocab));
 }
 
 }  // namespace tpserve::mp_test

@@ -169,36 +169,47 @@ TEST(BlockManagerTest, GrowsReleasesAndRefusesWithoutPartialChange) {
   EXPECT_EQ(m.free_blocks(), 5);
 }
 
-// Batched, chunked and preempted runs give exactly the solo results.
-TEST(SchedulerTest, ContinuousBatchingWithPreemptionMatchesSoloRuns) {
-  constexpr int kRequests = 24;
+// Request i of the batching tests: prompt and output lengths vary with i.
+std::shared_ptr<RequestState> BatchTestRequest(int i) {
+  return MakeRequest(5 + i * 3, 10 + i % 7, i);
+}
+
+// Runs requests 0..n-1 together on `s` (not yet started) and expects each to end by length with
+// exactly the tokens it gets alone on an unconstrained scheduler.
+void ExpectSoloResults(Scheduler& s, int n) {
   std::vector<std::vector<int32_t>> solo;
-  for (int i = 0; i < kRequests; ++i) {
+  for (int i = 0; i < n; ++i) {
     FakeExecutor ex(1000, 4);
-    Scheduler s(Options(1000, 1, 1000), nullptr, &ex);
-    s.Start();
-    auto r = MakeRequest(5 + i * 3, 10 + i % 7, i);
-    ASSERT_TRUE(s.Submit(r).ok());
+    Scheduler alone(Options(1000, 1, 1000), nullptr, &ex);
+    alone.Start();
+    auto r = BatchTestRequest(i);
+    ASSERT_TRUE(alone.Submit(r).ok());
     ASSERT_TRUE(WaitFinished({r}, 10));
     solo.push_back(Output(*r));
     ASSERT_EQ(static_cast<int>(solo.back().size()), 10 + i % 7);
   }
-  // 40 blocks of 4 tokens: far less than the 24 requests need together -> preemption.
-  FakeExecutor ex(40, 4);
-  Scheduler s(Options(40, 8, 16), nullptr, &ex);
   s.Start();
   std::vector<std::shared_ptr<RequestState>> reqs;
-  for (int i = 0; i < kRequests; ++i) {
-    reqs.push_back(MakeRequest(5 + i * 3, 10 + i % 7, i));
+  for (int i = 0; i < n; ++i) {
+    reqs.push_back(BatchTestRequest(i));
     ASSERT_TRUE(s.Submit(reqs.back()).ok());
   }
   ASSERT_TRUE(WaitFinished(reqs, 30));
-  for (int i = 0; i < kRequests; ++i) {
+  for (int i = 0; i < n; ++i) {
     RequestState::Taken t = reqs[i]->Take();
     EXPECT_TRUE(t.status.ok()) << t.status;
     EXPECT_EQ(Output(*reqs[i]), solo[i]) << "request " << i;
-    EXPECT_EQ(t.info.reason, Finish::kLength);
+    EXPECT_EQ(t.info.reason, Finish::kLength) << "request " << i;
   }
+}
+
+// Batched, chunked and preempted runs give exactly the solo results.
+TEST(SchedulerTest, ContinuousBatchingWithPreemptionMatchesSoloRuns) {
+  constexpr int kRequests = 24;
+  // 40 blocks of 4 tokens: far less than the 24 requests need together -> preemption.
+  FakeExecutor ex(40, 4);
+  Scheduler s(Options(40, 8, 16), nullptr, &ex);
+  ASSERT_NO_FATAL_FAILURE(ExpectSoloResults(s, kRequests));
   EXPECT_LE(ex.max_tokens_, 16);
   EXPECT_LE(ex.max_seqs_, 8);
   const SchedulerStats st = s.stats();
@@ -210,30 +221,9 @@ TEST(SchedulerTest, ContinuousBatchingWithPreemptionMatchesSoloRuns) {
 // chunking and preemption, still give exactly the solo results.
 TEST(SchedulerTest, StepsInFlightThroughAPipelineMatchSoloRuns) {
   constexpr int kRequests = 16;
-  std::vector<std::vector<int32_t>> solo;
-  for (int i = 0; i < kRequests; ++i) {
-    FakeExecutor ex(1000, 4);
-    Scheduler s(Options(1000, 1, 1000), nullptr, &ex);
-    s.Start();
-    auto r = MakeRequest(5 + i * 3, 10 + i % 7, i);
-    ASSERT_TRUE(s.Submit(r).ok());
-    ASSERT_TRUE(WaitFinished({r}, 10));
-    solo.push_back(Output(*r));
-  }
   PipelinedFakeExecutor ex(48, 4, 3);
   Scheduler s(Options(48, 9, 24), nullptr, &ex);
-  s.Start();
-  std::vector<std::shared_ptr<RequestState>> reqs;
-  for (int i = 0; i < kRequests; ++i) {
-    reqs.push_back(MakeRequest(5 + i * 3, 10 + i % 7, i));
-    ASSERT_TRUE(s.Submit(reqs.back()).ok());
-  }
-  ASSERT_TRUE(WaitFinished(reqs, 30));
-  for (int i = 0; i < kRequests; ++i) {
-    RequestState::Taken t = reqs[i]->Take();
-    EXPECT_TRUE(t.status.ok()) << t.status;
-    EXPECT_EQ(Output(*reqs[i]), solo[i]) << "request " << i;
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectSoloResults(s, kRequests));
   EXPECT_EQ(ex.max_in_flight_seen_, 3) << "the pipeline never held three steps";
   EXPECT_LE(ex.max_seqs_, 3) << "a step took more than a third of the 9 running sequences";
   const SchedulerStats st = s.stats();
