@@ -3,7 +3,9 @@
 # puts them under .carry/gpu/). Runs the gpu-tier tests, makes a random DeepSeek-Coder-6.7B-shaped
 # checkpoint, compares it with transformers bf16, runs the engine benchmark and the HF
 # baselines. Logs and JSON go to $OUT (or ./gpu-out).
-# Usage: bash tools/gpu_job.sh [tests] [ds67] [bench] [hf] [pp]   (default: tests ds67 bench hf)
+# Usage: bash tools/gpu_job.sh [tests] [ds67] [refs] [bench] [hf] [pp]
+#   (default: tests ds67 bench hf; refs: the transformers references alone, without tpserve's
+#   test; `refs hf` needs no tpserve binary but `tpserve random-model`)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
@@ -34,13 +36,15 @@ if has tests; then
     log "rc=$rc"
   done
 fi
-if has ds67 || has bench || has hf; then
+if has ds67 || has refs || has bench || has hf; then
   log "random DeepSeek-Coder-6.7B-shaped model"
   /usr/bin/time -v "$stage/bin/tpserve" random-model \
     --config tests/data/deepseek-coder-6.7b-instruct.config.json --out $ds --seed 1 --dtype bf16 \
     2>&1 | grep -E "random-model|Elapsed|Maximum resident" | tee -a "$out/summary.txt"
 fi
-if has ds67; then
+if has ds67 || has refs; then
+  # transformers on the same prompt: fp32 greedy (the truth), then bf16 teacher-forced over the
+  # fp32 ids, and how far bf16 lands from fp32 (the bar gpu_model_test holds us to).
   prompt=$(python3 -c 'import random; r=random.Random(5); print(",".join(str(r.randrange(32256)) for _ in range(64)))')
   log "transformers fp32 reference for the 6.7B shape (greedy, 32 steps)"
   python3 tools/hf_reference.py --model $ds --prompt-ids "$prompt" --steps 32 --dtype fp32 \
@@ -51,6 +55,11 @@ if has ds67; then
   python3 tools/hf_reference.py --model $ds --prompt-ids "$prompt" --force-ids "$greedy" \
     --dtype bf16 --device cuda --out /tmp/ds67_ref16.safetensors >"$out/hf_ref16.log" 2>&1
   log "rc=$?"
+  python3 tools/logits_diff.py /tmp/ds67_ref32.safetensors /tmp/ds67_ref16.safetensors \
+    >"$out/bf16_vs_fp32.jsonl" 2>&1
+  tail -1 "$out/bf16_vs_fp32.jsonl" | tee -a "$out/summary.txt"
+fi
+if has ds67; then
   log "gpu_model_test on the 6.7B shape"
   TPSERVE_DS67_DIR=$ds TPSERVE_DS67_REF=/tmp/ds67_ref32.safetensors \
     TPSERVE_DS67_REF_BF16=/tmp/ds67_ref16.safetensors timeout 300 \
@@ -66,7 +75,7 @@ if has bench; then
 fi
 if has hf; then
   log "HF transformers baselines"
-  timeout 900 python3 tools/hf_bench.py --model $ds --modes ${HF_MODES:-eager-bf16,eager-fp32,compile-bf16} \
+  timeout ${HF_BENCH_TIMEOUT:-900} python3 tools/hf_bench.py --model $ds --modes ${HF_MODES:-eager-bf16,eager-fp32,compile-bf16} \
     --prompt-len 512 --new-tokens ${HF_NEW_TOKENS:-128} --out "$out/hf_bench.json" \
     >"$out/hf_bench.log" 2>&1
   log "hf_bench rc=$?"
