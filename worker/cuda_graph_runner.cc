@@ -29,6 +29,19 @@ CudaGraphRunner::~CudaGraphRunner() { Clear(); }
 
 void CudaGraphRunner::Clear() { graphs_.clear(); }
 
+CudaReserve CudaGraphRunner::ReserveFor(const ModelConfig& config, const RankShard& shard,
+                                        const ModelOptions& model, int block_size,
+                                        int64_t max_table_blocks) {
+  CudaReserve r;
+  r.max_tokens = model.max_batch_tokens;
+  r.max_seqs = Bucket(model.max_batch_seqs);
+  r.max_blocks_per_seq = std::max(16, Bucket(static_cast<int>(max_table_blocks)));
+  r.block_size = block_size;
+  r.num_heads = shard.num_q_heads;
+  r.head_dim = static_cast<int>(config.head_dim);
+  return r;
+}
+
 int CudaGraphRunner::Bucket(int n) {
   int b = 1;
   while (b < n) b *= 2;

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/status/statusor.h"
+#include "kernels/cuda/cuda_ops.h"
 #include "kernels/ops.h"
 #include "worker/kv_cache.h"
 #include "worker/model.h"
@@ -28,6 +29,12 @@ class CudaGraphRunner {
   int num_graphs() const { return static_cast<int>(graphs_.size()); }
 
   static int Bucket(int n);  // next power of two (at least 1)
+  // The batch-buffer sizes (CudaOps::Reserve) that cover every bucket this runner captures:
+  // model.max_batch_tokens tokens, max_batch_seqs sequences and block tables of up to
+  // `max_table_blocks` blocks, bucketed. Reserve them before warm-up so nothing moves later.
+  static CudaReserve ReserveFor(const ModelConfig& config, const RankShard& shard,
+                                const ModelOptions& model, int block_size,
+                                int64_t max_table_blocks);
 
  private:
   struct Graph;

@@ -154,17 +154,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_
     // Size the batch buffers once, before the KV budget is measured, so that nothing moves
     // after warm-up and the budget counts them.
     load.before_kv = [&](LlamaModel& model) {
-      const RankShard& shard = model.shard();
-      reserve.max_tokens = options.model.max_batch_tokens;
-      reserve.max_seqs = CudaGraphRunner::Bucket(options.model.max_batch_seqs);
       const int64_t table_blocks = options.num_kv_blocks > 0
                                        ? std::min<int64_t>(blocks_per_seq, options.num_kv_blocks)
                                        : blocks_per_seq;
-      reserve.max_blocks_per_seq =
-          std::max(16, CudaGraphRunner::Bucket(static_cast<int>(table_blocks)));
-      reserve.block_size = options.block_size;
-      reserve.num_heads = shard.num_q_heads;
-      reserve.head_dim = static_cast<int>(config.head_dim);
+      reserve = CudaGraphRunner::ReserveFor(config, model.shard(), options.model,
+                                            options.block_size, table_blocks);
       cuda->Reserve(reserve);
     };
   }

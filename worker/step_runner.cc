@@ -46,14 +46,9 @@ absl::StatusOr<std::unique_ptr<StepRunner>> StepRunner::Create(const ModelFiles&
   if (cuda != nullptr) {
     const ModelConfig& config = files.config();
     load.before_kv = [&](LlamaModel& model) {
-      reserve.max_tokens = options.model.max_batch_tokens;
-      reserve.max_seqs = CudaGraphRunner::Bucket(options.model.max_batch_seqs);
-      reserve.max_blocks_per_seq = std::max(
-          16, CudaGraphRunner::Bucket(static_cast<int>(
-                  (config.max_position_embeddings + options.block_size - 1) / options.block_size)));
-      reserve.block_size = options.block_size;
-      reserve.num_heads = model.shard().num_q_heads;
-      reserve.head_dim = static_cast<int>(config.head_dim);
+      reserve = CudaGraphRunner::ReserveFor(
+          config, model.shard(), options.model, options.block_size,
+          (config.max_position_embeddings + options.block_size - 1) / options.block_size);
       cuda->Reserve(reserve);
     };
   }
