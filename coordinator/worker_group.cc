@@ -78,9 +78,11 @@ void WorkerGroup::Fail(int rank, const std::string& reason) {
     status = failure_;
     callback = on_failure_;
   }
-  cv_.notify_all();
   TP_LOG(ERROR) << status.message();
+  // The callback (health NOT_SERVING, the scheduler refusing work) runs before a step waiting in
+  // Collect wakes: a client whose request fails on this sees the new health state already.
   if (callback) callback(status);
+  cv_.notify_all();
   // The group is unusable: close every stream so the other workers exit too.
   for (auto& s : slots_) {
     std::lock_guard<std::mutex> lock(s->write_mu);
