@@ -155,10 +155,14 @@ absl::Status Main(const std::vector<std::string>& args) {
       TP_ASSIGN_OR_RETURN(auto res, engine->Generate({req}));
       ms.push_back(res[0].step_ms.at(0));
     }
-    const double params = weight_bytes / DTypeSize(engine->ops()->compute_dtype());
+    // The projections of every layer for every token, the lm_head for the one row sampled, and
+    // causal attention (QK^T and PV over n^2 / 2 pairs); the embedding is a lookup.
     const double n = static_cast<double>(prefill_len);
-    const double flops =
-        2.0 * params * n + 2.0 * cfg.num_layers * n * n * cfg.num_heads * cfg.head_dim;
+    const double h = cfg.hidden_size, d = cfg.head_dim;
+    const double layer_params = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d +
+                                cfg.num_heads * d * h + 3.0 * h * cfg.intermediate_size;
+    const double flops = 2.0 * cfg.num_layers * layer_params * n + 2.0 * cfg.vocab_size * h +
+                         2.0 * cfg.num_layers * n * n * cfg.num_heads * d;
     const double t = Median(ms);
     out["prefill"] = {{"tokens", prefill_len},
                       {"ms", t},
