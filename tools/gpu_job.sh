@@ -3,9 +3,12 @@
 # puts them under .carry/gpu/). Runs the gpu-tier tests, makes a random DeepSeek-Coder-6.7B-shaped
 # checkpoint, compares it with transformers bf16, runs the engine benchmark and the HF
 # baselines. Logs and JSON go to $OUT (or ./gpu-out).
-# Usage: bash tools/gpu_job.sh [tests] [ds67] [refs] [bench] [hf] [pp]
+# Usage: bash tools/gpu_job.sh [tests] [ds67] [refs] [bench] [hf] [pp] [kernels] [serve]
 #   (default: tests ds67 bench hf; refs: the transformers references alone, without tpserve's
-#   test; `refs hf` needs no tpserve binary but `tpserve random-model`)
+#   test; `refs hf` needs no tpserve binary but `tpserve random-model`; kernels: the kernel
+#   benchmark tpserve-cuda-bench; serve: tools/serve_check.sh, served vs engine tokens)
+#   BENCH_AB="VAR=value ..." runs the engine benchmark a second time with that environment (the
+#   baseline of an A/B comparison in the same job).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
@@ -29,14 +32,14 @@ if has tests; then
     launcher=()
     # Multi-process GPU tests: several ranks share the one GPU through the MPI communicator.
     [[ $(basename "$t") == model_parallel_* ]] && launcher=(mpirun --allow-run-as-root --oversubscribe -np 2)
-    timeout 600 "${launcher[@]}" "$t" --gtest_color=no >"$out/$(basename "$t").log" 2>&1
+    timeout ${TEST_TIMEOUT:-600} "${launcher[@]}" "$t" --gtest_color=no >"$out/$(basename "$t").log" 2>&1
     rc=$?
     tail -3 "$out/$(basename "$t").log" | tee -a "$out/summary.txt"
     grep -E "worst|near-ties|GB/s|TFLOP" "$out/$(basename "$t").log" | head -20 >>"$out/summary.txt"
     log "rc=$rc"
   done
 fi
-if has ds67 || has refs || has bench || has hf; then
+if has ds67 || has refs || has bench || has hf || has serve; then
   log "random DeepSeek-Coder-6.7B-shaped model"
   /usr/bin/time -v "$stage/bin/tpserve" random-model \
     --config tests/data/deepseek-coder-6.7b-instruct.config.json --out $ds --seed 1 --dtype bf16 \
@@ -72,6 +75,23 @@ if has bench; then
   sync; cat $ds/*.safetensors >/dev/null  # warm page cache for the load-time figure
   timeout 900 "$stage/bin/tpserve-engine-bench" --model $ds --device cuda --json "$out/engine_bench.json" \
     2>&1 | tee "$out/engine_bench.log" | grep -v '^{' | tee -a "$out/summary.txt"
+  if [ -n "${BENCH_AB:-}" ]; then
+    log "tpserve-engine-bench again with $BENCH_AB"
+    env $BENCH_AB timeout 900 "$stage/bin/tpserve-engine-bench" --model $ds --device cuda \
+      --json "$out/engine_bench_ab.json" 2>&1 | tee "$out/engine_bench_ab.log" | grep -v '^{' |
+      tee -a "$out/summary.txt"
+  fi
+fi
+if has kernels && [ -x "$stage/bin/tpserve-cuda-bench" ]; then
+  log "tpserve-cuda-bench"
+  timeout 300 "$stage/bin/tpserve-cuda-bench" >"$out/cuda_bench.log" 2>&1
+  log "rc=$?"
+  sed -n '/==== summary/,$p' "$out/cuda_bench.log" | tee -a "$out/summary.txt"
+fi
+if has serve; then
+  log "tools/serve_check.sh (served with worker CUDA graphs vs engine)"
+  MODEL=$ds OUT="$out/serve_check" timeout 300 bash tools/serve_check.sh 2>&1 | tail -3 |
+    tee -a "$out/summary.txt"
 fi
 if has hf; then
   log "HF transformers baselines"
