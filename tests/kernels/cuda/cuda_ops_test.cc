@@ -258,33 +258,39 @@ TEST_F(CudaOpsTest, RopeKvWriteMatchesCpu) {
   struct Case {
     int hq, hk, d;
   };
-  for (Case c : {Case{8, 2, 128}, Case{4, 4, 64}, Case{32, 32, 128}}) {
-    SCOPED_TRACE(testing::Message() << "heads " << c.hq << "/" << c.hk << " d " << c.d);
-    const int bs = 16, blocks = 300;
-    BatchMeta m = MakeBatch({{29, 4000}, {1, 7}, {1, 0}, {3, 3}}, bs, blocks, rng_);
-    const int T = m.num_tokens, width = (c.hq + 2 * c.hk) * c.d, kvw = c.hk * c.d;
-    RopeConfig rc;
-    rc.theta = 100000.0;
-    auto inv = RopeInvFreq(rc, c.d);
-    auto qkv = RandomBf16(rng_, size_t{1} * T * width);
-    auto kc = RandomBf16(rng_, size_t{1} * blocks * bs * kvw);
-    auto vc = RandomBf16(rng_, size_t{1} * blocks * bs * kvw);
-    std::vector<float> q_want(size_t{1} * T * c.hq * c.d), kc_want = kc, vc_want = vc;
-    SetBatch(m);
-    cpu_->RopeKvWrite(Cpu(qkv, {T, width}), Cpu(inv, {c.d / 2}), c.hq, c.hk, c.d,
-                      Cpu(q_want, {T, c.hq * c.d}), Cpu(kc_want, {blocks, bs, c.hk, c.d}),
-                      Cpu(vc_want, {blocks, bs, c.hk, c.d}));
-    Tensor gkc = Gpu(kc, {blocks, bs, c.hk, c.d}), gvc = Gpu(vc, {blocks, bs, c.hk, c.d});
-    Tensor q_out = GpuOut({T, c.hq * c.d});
-    ops_->RopeKvWrite(Gpu(qkv, {T, width}), GpuF32(inv, {c.d / 2}), c.hq, c.hk, c.d, q_out, gkc,
-                      gvc);
-    EXPECT_LT(RelL2(Host(q_out), q_want), kBf16Tol);
-    EXPECT_LT(RelL2(Host(gkc), kc_want), kBf16Tol);
-    EXPECT_EQ(Host(gvc), vc_want);  // a copy: exact
-    // The rotation is not the identity on the rows written (positions > 0 exist).
-    EXPECT_GT(RelL2(Host(gkc), kc), 1e-3);
-    bufs_.clear();
-  }
+  // A small batch (blocks of 8 heads) and one of >= 256 tokens (a block per token, all heads),
+  // each with a padding sequence.
+  const std::vector<std::vector<std::pair<int, int>>> batches = {
+      {{29, 4000}, {1, 7}, {1, 0}, {3, 3}}, {{300, 4000}, {1, 0}, {7, 7}}};
+  for (const auto& seqs : batches)
+    for (Case c : {Case{8, 2, 128}, Case{4, 4, 64}, Case{32, 32, 128}}) {
+      SCOPED_TRACE(testing::Message() << "heads " << c.hq << "/" << c.hk << " d " << c.d
+                                      << " sequences " << seqs.size());
+      const int bs = 16, blocks = 300;
+      BatchMeta m = MakeBatch(seqs, bs, blocks, rng_);
+      const int T = m.num_tokens, width = (c.hq + 2 * c.hk) * c.d, kvw = c.hk * c.d;
+      RopeConfig rc;
+      rc.theta = 100000.0;
+      auto inv = RopeInvFreq(rc, c.d);
+      auto qkv = RandomBf16(rng_, size_t{1} * T * width);
+      auto kc = RandomBf16(rng_, size_t{1} * blocks * bs * kvw);
+      auto vc = RandomBf16(rng_, size_t{1} * blocks * bs * kvw);
+      std::vector<float> q_want(size_t{1} * T * c.hq * c.d), kc_want = kc, vc_want = vc;
+      SetBatch(m);
+      cpu_->RopeKvWrite(Cpu(qkv, {T, width}), Cpu(inv, {c.d / 2}), c.hq, c.hk, c.d,
+                        Cpu(q_want, {T, c.hq * c.d}), Cpu(kc_want, {blocks, bs, c.hk, c.d}),
+                        Cpu(vc_want, {blocks, bs, c.hk, c.d}));
+      Tensor gkc = Gpu(kc, {blocks, bs, c.hk, c.d}), gvc = Gpu(vc, {blocks, bs, c.hk, c.d});
+      Tensor q_out = GpuOut({T, c.hq * c.d});
+      ops_->RopeKvWrite(Gpu(qkv, {T, width}), GpuF32(inv, {c.d / 2}), c.hq, c.hk, c.d, q_out, gkc,
+                        gvc);
+      EXPECT_LT(RelL2(Host(q_out), q_want), kBf16Tol);
+      EXPECT_LT(RelL2(Host(gkc), kc_want), kBf16Tol);
+      EXPECT_EQ(Host(gvc), vc_want);  // a copy: exact
+      // The rotation is not the identity on the rows written (positions > 0 exist).
+      EXPECT_GT(RelL2(Host(gkc), kc), 1e-3);
+      bufs_.clear();
+    }
 }
 
 // QkvRopeKvWrite: the skinny GEMM with the RoPE/KV-write epilogue (M <= 2) and the unfused
