@@ -27,10 +27,9 @@ struct StepRunnerOptions {
   double gpu_memory_utilization = 0.90;
   ModelOptions model;
   // Replay decode steps as CUDA graphs (CUDA, tp = pp = 1 only), sizing the batch buffers once
-  // before the KV budget as Engine::Create does. Off until it has run on a GPU: the worker
-  // turns it on with TPSERVE_WORKER_CUDA_GRAPHS=1 (tools/serve_check.sh compares the served
-  // tokens with the engine's).
-  bool cuda_graphs = false;
+  // before the KV budget as Engine::Create does. The worker turns it off with
+  // TPSERVE_WORKER_CUDA_GRAPHS=0 (tools/serve_check.sh compares served and engine tokens).
+  bool cuda_graphs = true;
 };
 
 class StepRunner {

@@ -125,7 +125,7 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   so.model.max_batch_tokens = a.max_num_batched_tokens();
   so.model.max_batch_seqs = a.max_num_seqs();
   if (const char* g = std::getenv("TPSERVE_WORKER_CUDA_GRAPHS"))
-    so.cuda_graphs = std::string(g) == "1";
+    so.cuda_graphs = std::string(g) != "0";
   ParallelContext comms{groups.tp_comm.get(), groups.pp_comm.get()};
   TP_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(files, plan, rank, ops, comms, so));
   worker::WorkerMessage report;
