@@ -3,10 +3,11 @@
 # puts them under .carry/gpu/). Runs the gpu-tier tests, makes a random DeepSeek-Coder-6.7B-shaped
 # checkpoint, compares it with transformers bf16, runs the engine benchmark and the HF
 # baselines. Logs and JSON go to $OUT (or ./gpu-out).
-# Usage: bash tools/gpu_job.sh [tests] [ds67] [refs] [bench] [hf] [pp] [kernels] [serve]
+# Usage: bash tools/gpu_job.sh [tests] [ds67] [refs] [bench] [hf] [pp] [kernels] [serve] [trace]
 #   (default: tests ds67 bench hf; refs: the transformers references alone, without tpserve's
 #   test; `refs hf` needs no tpserve binary but `tpserve random-model`; kernels: the kernel
 #   benchmark tpserve-cuda-bench; serve: tools/serve_check.sh, served vs engine tokens)
+#   BENCH_ARGS adds arguments to the engine benchmark (e.g. --profile).
 #   BENCH_AB="VAR=value ..." runs the engine benchmark a second time with that environment (the
 #   baseline of an A/B comparison in the same job).
 set -uo pipefail
@@ -39,7 +40,7 @@ if has tests; then
     log "rc=$rc"
   done
 fi
-if has ds67 || has refs || has bench || has hf || has serve; then
+if has ds67 || has refs || has bench || has hf || has serve || has trace; then
   log "random DeepSeek-Coder-6.7B-shaped model"
   /usr/bin/time -v "$stage/bin/tpserve" random-model \
     --config tests/data/deepseek-coder-6.7b-instruct.config.json --out $ds --seed 1 --dtype bf16 \
@@ -73,13 +74,35 @@ fi
 if has bench; then
   log "tpserve-engine-bench (6.7B shape, batch 1 512+512, prefill 2048, batch 8/32/64 at 1024)"
   sync; cat $ds/*.safetensors >/dev/null  # warm page cache for the load-time figure
-  timeout 900 "$stage/bin/tpserve-engine-bench" --model $ds --device cuda --json "$out/engine_bench.json" \
+  timeout 900 "$stage/bin/tpserve-engine-bench" --model $ds --device cuda ${BENCH_ARGS:-} \
+    --json "$out/engine_bench.json" \
     2>&1 | tee "$out/engine_bench.log" | grep -v '^{' | tee -a "$out/summary.txt"
   if [ -n "${BENCH_AB:-}" ]; then
     log "tpserve-engine-bench again with $BENCH_AB"
     env $BENCH_AB timeout 900 "$stage/bin/tpserve-engine-bench" --model $ds --device cuda \
       --json "$out/engine_bench_ab.json" 2>&1 | tee "$out/engine_bench_ab.log" | grep -v '^{' |
       tee -a "$out/summary.txt"
+  fi
+fi
+if has trace; then
+  # Nsight Systems timeline of batch-1 decode with every CUDA-graph node traced: the time of each
+  # kernel inside the replayed graph (the op profiler can only time eager steps).
+  nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+  if [ -n "$nsys" ]; then
+    log "nsys trace of batch-1 decode ($nsys)"
+    timeout 240 "$nsys" profile --cuda-graph-trace=node --trace=cuda -o /tmp/decode_trace -f true \
+      "$stage/bin/tpserve-engine-bench" --model $ds --device cuda --prompt-len 512 --new-tokens 64 \
+      --prefill-len 512 --batches 1 --context 512 --repeats 1 >"$out/trace_bench.log" 2>&1
+    log "rc=$?"
+    "$nsys" stats --report cuda_gpu_kern_sum --format csv -o /tmp/decode_kern /tmp/decode_trace.nsys-rep \
+      >/dev/null 2>&1
+    "$nsys" stats --report cuda_gpu_trace --format csv -o /tmp/decode_gputrace \
+      /tmp/decode_trace.nsys-rep >/dev/null 2>&1
+    cp /tmp/decode_kern*.csv "$out/" 2>/dev/null
+    xz -T0 -c /tmp/decode_gputrace*.csv >"$out/decode_gputrace.csv.xz" 2>/dev/null
+    head -25 "$out"/decode_kern*.csv | tee -a "$out/summary.txt"
+  else
+    log "no nsys on this machine"
   fi
 fi
 if has kernels && [ -x "$stage/bin/tpserve-cuda-bench" ]; then
@@ -89,9 +112,16 @@ if has kernels && [ -x "$stage/bin/tpserve-cuda-bench" ]; then
   sed -n '/==== summary/,$p' "$out/cuda_bench.log" | tee -a "$out/summary.txt"
 fi
 if has serve; then
-  log "tools/serve_check.sh (served with worker CUDA graphs vs engine)"
-  MODEL=$ds OUT="$out/serve_check" timeout 300 bash tools/serve_check.sh 2>&1 | tail -3 |
-    tee -a "$out/summary.txt"
+  # Served vs engine greedy tokens: the 6.7B shape with and without the workers' decode graphs,
+  # the same with cuBLASLt's timed algorithm choice off (it may pick differently in two
+  # processes, and a random-weight model has many near-ties), and tiny-coder (a trained model).
+  for v in "$ds 1 1" "$ds 0 1" "$ds 1 0" "$PWD/models/tiny-coder 1 1"; do
+    set -- $v
+    log "tools/serve_check.sh MODEL=$1 TPSERVE_WORKER_CUDA_GRAPHS=$2 TPSERVE_CUBLASLT_AUTOTUNE=$3"
+    MODEL=$1 TPSERVE_WORKER_CUDA_GRAPHS=$2 TPSERVE_CUBLASLT_AUTOTUNE=$3 \
+      OUT="$out/serve_check_$(basename $1)_$2_$3" timeout 200 \
+      bash tools/serve_check.sh 2>&1 | tail -3 | tee -a "$out/summary.txt"
+  done
 fi
 if has hf; then
   log "HF transformers baselines"
