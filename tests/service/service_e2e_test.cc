@@ -3,6 +3,7 @@
 // streaming, stop strings, cancellation, overflow, worker death, health, a Python client).
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -349,6 +350,31 @@ TEST_F(ServiceTest, LogprobsAlignWithTokensAndMatchTheEngine) {
     ExpectLogprobs(stream.response, expected->at(0), cases[c].logprobs, kTol, greedy,
                    tokenizer->get(), "stream case " + std::to_string(c));
   }
+  // A repetition penalty changes the sampled tokens, not the reported distribution: the first
+  // token's context is the same with and without it, so its 20 alternatives are too, and the
+  // chosen token's logprob is its raw one (the step runner takes them before the penalty).
+  v1::GenerateRequest raw = IdsRequest(cases[0].prompt, 4);
+  raw.mutable_sampling()->set_logprobs(kMaxLogprobs);
+  v1::GenerateRequest penalized = raw;
+  penalized.mutable_sampling()->set_repetition_penalty(3.0f);
+  const Result raw_r = Unary(*stub_, raw);
+  const Result pen_r = Unary(*stub_, penalized);
+  ASSERT_TRUE(raw_r.status.ok() && pen_r.status.ok()) << pen_r.status.error_message();
+  ASSERT_EQ(pen_r.response.logprobs_size(), 4);
+  const v1::TokenLogprobs& first_raw = raw_r.response.logprobs(0);
+  const v1::TokenLogprobs& first_pen = pen_r.response.logprobs(0);
+  ASSERT_EQ(first_pen.top_logprobs_size(), kMaxLogprobs);
+  int penalized_alternatives = 0;  // the penalty does move these (the prompt's tokens)
+  for (int k = 0; k < kMaxLogprobs; ++k) {
+    const int32_t id = first_raw.top_logprobs(k).token_id();
+    penalized_alternatives += std::count(cases[0].prompt.begin(), cases[0].prompt.end(), id) > 0;
+    EXPECT_EQ(first_pen.top_logprobs(k).token_id(), first_raw.top_logprobs(k).token_id()) << k;
+    EXPECT_NEAR(first_pen.top_logprobs(k).logprob(), first_raw.top_logprobs(k).logprob(), kTol);
+    if (first_raw.top_logprobs(k).token_id() == first_pen.token_id()) {
+      EXPECT_NEAR(first_pen.logprob(), first_raw.top_logprobs(k).logprob(), kTol);
+    }
+  }
+  EXPECT_GT(penalized_alternatives, 0) << "the check needs a prompt token among the top 20";
   // Without the field: no logprobs, the same tokens.
   const Result plain = Unary(*stub_, IdsRequest(cases[0].prompt, 12));
   ASSERT_TRUE(plain.status.ok()) << plain.status.error_message();
