@@ -38,6 +38,28 @@ v1::FinishReason ToProto(Finish reason) {
   }
 }
 
+// The response's logprobs, one per id (ids and logprobs come from the same request state),
+// with each token's own text when there is a tokenizer (Decode is always valid UTF-8).
+void FillLogprobs(const std::vector<int32_t>& ids, const std::vector<TokenLogprobs>& logprobs,
+                  const Tokenizer* tokenizer, v1::GenerateResponse* r) {
+  auto text = [tokenizer](int32_t id) {
+    return tokenizer != nullptr ? tokenizer->Decode({id}, /*skip_special_tokens=*/false)
+                                : std::string();
+  };
+  for (size_t i = 0; i < logprobs.size() && i < ids.size(); ++i) {
+    v1::TokenLogprobs* t = r->add_logprobs();
+    t->set_token_id(ids[i]);
+    t->set_logprob(logprobs[i].logprob);
+    t->set_text(text(ids[i]));
+    for (const TokenLogprob& alt : logprobs[i].top) {
+      v1::TokenLogprob* a = t->add_top_logprobs();
+      a->set_token_id(alt.id);
+      a->set_logprob(alt.logprob);
+      a->set_text(text(alt.id));
+    }
+  }
+}
+
 void FillFinal(const std::string& request_id, const FinalInfo& info, v1::GenerateResponse* r) {
   r->set_request_id(request_id);
   r->set_finished(true);
@@ -53,9 +75,10 @@ void FillFinal(const std::string& request_id, const FinalInfo& info, v1::Generat
 class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public RequestListener {
  public:
   static grpc::ServerUnaryReactor* Start(std::shared_ptr<RequestState> state, Scheduler* scheduler,
+                                         const Tokenizer* tokenizer,
                                          v1::GenerateResponse* response) {
-    auto r =
-        std::shared_ptr<UnaryGenerateReactor>(new UnaryGenerateReactor(state, scheduler, response));
+    auto r = std::shared_ptr<UnaryGenerateReactor>(
+        new UnaryGenerateReactor(state, scheduler, tokenizer, response));
     r->self_ = r;
     state->SetListener(r);
     r->OnRequestUpdate();  // it may already be over
@@ -71,9 +94,11 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public Reque
     if (t.status.ok()) {
       std::string text;
       std::vector<int32_t> ids;
-      state_->Whole(&text, &ids);
+      std::vector<TokenLogprobs> logprobs;
+      state_->Whole(&text, &ids, &logprobs);
       response_->set_text(text);
       response_->mutable_token_ids()->Assign(ids.begin(), ids.end());
+      FillLogprobs(ids, logprobs, tokenizer_, response_);
       FillFinal(state_->params().request_id, t.info, response_);
     }
     lock.unlock();
@@ -97,11 +122,15 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public Reque
 
  private:
   UnaryGenerateReactor(std::shared_ptr<RequestState> state, Scheduler* scheduler,
-                       v1::GenerateResponse* response)
-      : state_(std::move(state)), scheduler_(scheduler), response_(response) {}
+                       const Tokenizer* tokenizer, v1::GenerateResponse* response)
+      : state_(std::move(state)),
+        scheduler_(scheduler),
+        tokenizer_(tokenizer),
+        response_(response) {}
 
   std::shared_ptr<RequestState> state_;
   Scheduler* scheduler_;
+  const Tokenizer* tokenizer_;
   v1::GenerateResponse* response_;
   std::shared_ptr<UnaryGenerateReactor> self_;
   std::mutex mu_;
@@ -113,8 +142,10 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
                                     public RequestListener {
  public:
   static grpc::ServerWriteReactor<v1::GenerateResponse>* Start(std::shared_ptr<RequestState> state,
-                                                               Scheduler* scheduler) {
-    auto r = std::shared_ptr<StreamGenerateReactor>(new StreamGenerateReactor(state, scheduler));
+                                                               Scheduler* scheduler,
+                                                               const Tokenizer* tokenizer) {
+    auto r = std::shared_ptr<StreamGenerateReactor>(
+        new StreamGenerateReactor(state, scheduler, tokenizer));
     r->self_ = r;
     state->SetListener(r);
     r->OnRequestUpdate();
@@ -159,8 +190,9 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
   void OnDone() override { std::shared_ptr<StreamGenerateReactor> self = std::move(self_); }
 
  private:
-  StreamGenerateReactor(std::shared_ptr<RequestState> state, Scheduler* scheduler)
-      : state_(std::move(state)), scheduler_(scheduler) {}
+  StreamGenerateReactor(std::shared_ptr<RequestState> state, Scheduler* scheduler,
+                        const Tokenizer* tokenizer)
+      : state_(std::move(state)), scheduler_(scheduler), tokenizer_(tokenizer) {}
 
   void Pump() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -177,6 +209,7 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
     response_.set_request_id(state_->params().request_id);
     response_.set_text(std::move(t.text));
     response_.mutable_token_ids()->Assign(t.ids.begin(), t.ids.end());
+    FillLogprobs(t.ids, t.logprobs, tokenizer_, &response_);
     writing_ = true;
     if (t.finished) {
       FillFinal(state_->params().request_id, t.info, &response_);
@@ -191,6 +224,7 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
 
   std::shared_ptr<RequestState> state_;
   Scheduler* scheduler_;
+  const Tokenizer* tokenizer_;
   std::shared_ptr<StreamGenerateReactor> self_;
   std::mutex mu_;
   v1::GenerateResponse response_;
@@ -269,6 +303,13 @@ absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest&
                                   s.repetition_penalty(), "; 1 = off)"));
     }
     p.repetition_penalty = s.repetition_penalty();
+  }
+  if (s.has_logprobs()) {
+    if (s.logprobs() < 0 || s.logprobs() > kMaxLogprobs) {
+      return Invalid(absl::StrCat("sampling.logprobs must be in [0, ", kMaxLogprobs, "] (got ",
+                                  s.logprobs(), ")"));
+    }
+    p.logprobs = s.logprobs();
   }
   p.seed = s.has_seed() ? s.seed() : (p.temperature > 0 ? RandomSeed() : 0);
 
@@ -372,7 +413,7 @@ grpc::ServerUnaryReactor* InferenceService::Generate(grpc::CallbackServerContext
     reactor->Finish(ToGrpc(state.status()));
     return reactor;
   }
-  return UnaryGenerateReactor::Start(*state, scheduler_.load(), response);
+  return UnaryGenerateReactor::Start(*state, scheduler_.load(), tokenizer_, response);
 }
 
 namespace {
@@ -387,7 +428,7 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::GenerateStream
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
   auto state = Admit(context, *request);
   if (!state.ok()) return new ErrorWriteReactor(state.status());
-  return StreamGenerateReactor::Start(*state, scheduler_.load());
+  return StreamGenerateReactor::Start(*state, scheduler_.load(), tokenizer_);
 }
 
 grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext* context,

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/logprobs.h"
 
 namespace tpserve {
 
@@ -25,6 +26,7 @@ struct RequestParams {
   int32_t top_k = 0;
   uint64_t seed = 0;
   float repetition_penalty = 1.0f;
+  int32_t logprobs = -1;  // -1: none; N: each token's logprob and the top N alternatives
   int max_new_tokens = 16;
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token_ids;
@@ -63,8 +65,8 @@ class RequestState {
     listener_ = std::move(listener);
   }
 
-  // Scheduler side.
-  void Emit(const std::string& text, int32_t id) {
+  // Scheduler side. `logprobs` (the token's, when the request asked) goes with `id`.
+  void Emit(const std::string& text, int32_t id, const TokenLogprobs* logprobs = nullptr) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       pending_text_ += text;
@@ -72,6 +74,10 @@ class RequestState {
       if (id >= 0) {
         pending_ids_.push_back(id);
         all_ids_.push_back(id);
+        if (logprobs != nullptr) {
+          pending_logprobs_.push_back(*logprobs);
+          all_logprobs_.push_back(*logprobs);
+        }
       }
     }
     Notify();
@@ -91,6 +97,7 @@ class RequestState {
   struct Taken {
     std::string text;
     std::vector<int32_t> ids;
+    std::vector<TokenLogprobs> logprobs;  // aligned with ids when the request asked
     bool finished = false;
     absl::Status status;
     FinalInfo info;
@@ -100,16 +107,19 @@ class RequestState {
     Taken t;
     t.text.swap(pending_text_);
     t.ids.swap(pending_ids_);
+    t.logprobs.swap(pending_logprobs_);
     t.finished = finished_;
     t.status = status_;
     t.info = final_;
     return t;
   }
-  // The whole output so far (unary answers).
-  void Whole(std::string* text, std::vector<int32_t>* ids) {
+  // The whole output so far (unary answers). `logprobs` may be null.
+  void Whole(std::string* text, std::vector<int32_t>* ids,
+             std::vector<TokenLogprobs>* logprobs = nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     *text = full_text_;
     *ids = all_ids_;
+    if (logprobs != nullptr) *logprobs = all_logprobs_;
   }
   bool finished() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -136,6 +146,7 @@ class RequestState {
   std::weak_ptr<RequestListener> listener_;
   std::string pending_text_, full_text_;
   std::vector<int32_t> pending_ids_, all_ids_;
+  std::vector<TokenLogprobs> pending_logprobs_, all_logprobs_;
   bool finished_ = false;
   absl::Status status_;
   FinalInfo final_;

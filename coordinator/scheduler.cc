@@ -2,6 +2,7 @@
 #include "coordinator/scheduler.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -56,7 +57,7 @@ absl::Status StepExecutor::Submit(const worker::StepPlan& plan) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<int32_t>> StepExecutor::Collect(uint64_t step_id) {
+absl::StatusOr<worker::StepResult> StepExecutor::Collect(uint64_t step_id) {
   auto it = submitted_.find(step_id);
   if (it == submitted_.end()) {
     return absl::InternalError(absl::StrCat("step ", step_id, " was never submitted"));
@@ -290,6 +291,7 @@ bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
     sp->set_top_k(p.top_k);
     sp->set_seed(p.seed);
     sp->set_repetition_penalty(p.repetition_penalty);
+    if (p.logprobs >= 0) sp->set_logprobs(p.logprobs);
     s->in_plan = true;
     if (!s->scheduled) {
       s->scheduled = true;
@@ -316,7 +318,8 @@ bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
   return true;
 }
 
-void Scheduler::ApplyToken(Seq& seq, int32_t id, std::vector<uint64_t>& finished_ids) {
+void Scheduler::ApplyToken(Seq& seq, int32_t id, const TokenLogprobs* logprobs,
+                           std::vector<uint64_t>& finished_ids) {
   const RequestParams& p = seq.req->params();
   seq.tokens.push_back(id);
   ++seq.outputs;
@@ -349,7 +352,7 @@ void Scheduler::ApplyToken(Seq& seq, int32_t id, std::vector<uint64_t>& finished
     delta = seq.text.substr(seq.sent, end - seq.sent);
     seq.sent = end;
   }
-  seq.req->Emit(delta, id);
+  seq.req->Emit(delta, id, logprobs);
   if (reason != Finish::kNone) Finish(seq, absl::OkStatus(), reason);
 }
 
@@ -410,16 +413,20 @@ void Scheduler::Loop() {
     }
     Pending p = std::move(pending_.front());
     pending_.pop_front();
-    absl::StatusOr<std::vector<int32_t>> ids = executor_->Collect(p.step_id);
+    absl::StatusOr<worker::StepResult> result = executor_->Collect(p.step_id);
     const Clock::time_point exec_end = Clock::now();
-    if (ids.ok() && ids->size() != p.sampled.size()) {
-      ids = absl::InternalError(absl::StrCat("a step sampled ", ids->size(), " tokens but ",
-                                             p.sampled.size(), " were planned"));
+    const int want_logprobs = static_cast<int>(std::count_if(
+        p.sampled.begin(), p.sampled.end(), [](Seq* s) { return s->req->params().logprobs >= 0; }));
+    if (result.ok() && (result->token_ids_size() != static_cast<int>(p.sampled.size()) ||
+                        result->logprobs_size() != want_logprobs)) {
+      result = absl::InternalError(absl::StrCat(
+          "a step sampled ", result->token_ids_size(), " tokens with ", result->logprobs_size(),
+          " logprobs but ", p.sampled.size(), " tokens with ", want_logprobs, " were planned"));
     }
-    if (!ids.ok()) {
-      TP_LOG(ERROR) << "step " << p.step_id << " failed: " << ids.status();
+    if (!result.ok()) {
+      TP_LOG(ERROR) << "step " << p.step_id << " failed: " << result.status();
       pending_.clear();
-      Fail(ids.status());
+      Fail(result.status());
       continue;
     }
     ++steps_;
@@ -428,8 +435,18 @@ void Scheduler::Loop() {
       seq->in_flight = false;
       step_tokens_ += n;
     }
+    int next_logprobs = 0;
     for (size_t i = 0; i < p.sampled.size(); ++i) {
-      ApplyToken(*p.sampled[i], (*ids)[i], finished_ids_);
+      Seq& seq = *p.sampled[i];
+      std::optional<TokenLogprobs> lp;
+      if (seq.req->params().logprobs >= 0) {
+        const worker::SampledLogprobs& w = result->logprobs(next_logprobs++);
+        lp.emplace();
+        lp->logprob = w.logprob();
+        for (const worker::TokenLogprob& t : w.top())
+          lp->top.push_back({t.token_id(), t.logprob()});
+      }
+      ApplyToken(seq, result->token_ids(static_cast<int>(i)), lp ? &*lp : nullptr, finished_ids_);
     }
     std::erase_if(running_, [](const std::unique_ptr<Seq>& s) { return s->done; });
     execute_seconds_ += Seconds(exec_end - p.submitted);

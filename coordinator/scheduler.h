@@ -26,18 +26,19 @@ namespace tpserve {
 
 class Tokenizer;
 
-// Runs steps on the workers. Execute runs one step and returns the sampled ids (one per sampled
-// sequence, in order). An executor that can overlap steps (a pipeline of pp stages) says so in
-// max_in_flight() and implements Submit/Collect: the scheduler submits up to that many plans
-// over disjoint sequences and collects their results in submission order.
+// Runs steps on the workers. Execute runs one step and returns the sampling rank's result: the
+// sampled ids (one per sampled sequence, in order) and the logprobs of the sampled sequences
+// that ask for them (in order). An executor that can overlap steps (a pipeline of pp stages)
+// says so in max_in_flight() and implements Submit/Collect: the scheduler submits up to that
+// many plans over disjoint sequences and collects their results in submission order.
 class StepExecutor {
  public:
   virtual ~StepExecutor() = default;
-  virtual absl::StatusOr<std::vector<int32_t>> Execute(const worker::StepPlan& plan) = 0;
+  virtual absl::StatusOr<worker::StepResult> Execute(const worker::StepPlan& plan) = 0;
   virtual int max_in_flight() const { return 1; }
   // Defaults: Submit keeps the plan, Collect executes it.
   virtual absl::Status Submit(const worker::StepPlan& plan);
-  virtual absl::StatusOr<std::vector<int32_t>> Collect(uint64_t step_id);
+  virtual absl::StatusOr<worker::StepResult> Collect(uint64_t step_id);
   // Seconds the sampling worker spent in the last collected step (forward + sampling).
   virtual double last_forward_seconds() const { return 0; }
 
@@ -99,7 +100,8 @@ class Scheduler {
   void Preempt(Seq* seq);
   bool BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
                  std::vector<std::pair<Seq*, int>>& chunks);
-  void ApplyToken(Seq& seq, int32_t id, std::vector<uint64_t>& finished_ids);
+  void ApplyToken(Seq& seq, int32_t id, const TokenLogprobs* logprobs,
+                  std::vector<uint64_t>& finished_ids);
   void Finish(Seq& seq, absl::Status status, Finish reason);
   void FailAll(const absl::Status& status);
   void PublishStats();

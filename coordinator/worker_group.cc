@@ -146,7 +146,7 @@ grpc::Status WorkerGroup::Control(
           lock.unlock();
           Fail(rank, absl::StrCat("step ", r.step_id(), ": ", r.error()));
         } else if (rank == sampler_rank_) {
-          results_[r.step_id()].assign(r.token_ids().begin(), r.token_ids().end());
+          results_[r.step_id()] = r;
           forward_seconds_[r.step_id()] = r.forward_seconds();
           lock.unlock();
           cv_.notify_all();
@@ -281,7 +281,7 @@ absl::Status WorkerGroup::Start(std::chrono::seconds register_timeout,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<int32_t>> WorkerGroup::Execute(const worker::StepPlan& plan) {
+absl::StatusOr<worker::StepResult> WorkerGroup::Execute(const worker::StepPlan& plan) {
   TP_RETURN_IF_ERROR(Submit(plan));
   return Collect(plan.step_id());
 }
@@ -307,7 +307,7 @@ absl::Status WorkerGroup::Submit(const worker::StepPlan& plan) {
   return failure_;
 }
 
-absl::StatusOr<std::vector<int32_t>> WorkerGroup::Collect(uint64_t id) {
+absl::StatusOr<worker::StepResult> WorkerGroup::Collect(uint64_t id) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!cv_.wait_for(lock, options_.step_timeout,
                     [&] { return results_.count(id) > 0 || !failure_.ok() || shutdown_; })) {
@@ -318,11 +318,11 @@ absl::StatusOr<std::vector<int32_t>> WorkerGroup::Collect(uint64_t id) {
   }
   if (!failure_.ok()) return failure_;
   if (shutdown_) return absl::UnavailableError("the worker group is shut down");
-  std::vector<int32_t> ids = std::move(results_[id]);
+  worker::StepResult result = std::move(results_[id]);
   results_.erase(id);
   last_forward_seconds_ = forward_seconds_[id];
   forward_seconds_.erase(id);
-  return ids;
+  return result;
 }
 
 void WorkerGroup::Monitor() {

@@ -1,7 +1,8 @@
 // The worker group: the coordinator's side of the control plane (worker.proto). Each worker
 // holds one bidirectional stream: it registers, gets its assignment (model, shard plan, rank,
 // NCCL ids relayed when there is no MPI), reports its KV capacity, then takes the same StepPlan
-// as every other worker; the sampling rank (last stage, tp rank 0) answers with the ids.
+// as every other worker; the sampling rank (last stage, tp rank 0) answers with the ids (and
+// the logprobs requests ask for).
 // Heartbeats go both ways; a closed stream or a silent worker fails the group naming the rank.
 #pragma once
 
@@ -48,10 +49,10 @@ class WorkerGroup final : public worker::WorkerControl::Service, public StepExec
 
   // Waits for every rank to register, sends the assignments and waits for the KV reports.
   absl::Status Start(std::chrono::seconds register_timeout, std::chrono::seconds load_timeout);
-  absl::StatusOr<std::vector<int32_t>> Execute(const worker::StepPlan& plan) override;
+  absl::StatusOr<worker::StepResult> Execute(const worker::StepPlan& plan) override;
   int max_in_flight() const override;
   absl::Status Submit(const worker::StepPlan& plan) override;
-  absl::StatusOr<std::vector<int32_t>> Collect(uint64_t step_id) override;
+  absl::StatusOr<worker::StepResult> Collect(uint64_t step_id) override;
   double last_forward_seconds() const override { return last_forward_seconds_; }
   // Tells every worker to exit and closes the streams.
   void Shutdown(const std::string& reason);
@@ -88,9 +89,9 @@ class WorkerGroup final : public worker::WorkerControl::Service, public StepExec
   int active_streams_ = 0;  // control handlers running
   absl::Status failure_;
   std::function<void(const absl::Status&)> on_failure_;
-  std::map<uint64_t, std::vector<int32_t>> results_;  // step id -> sampled ids
-  std::map<uint64_t, double> forward_seconds_;        // step id -> the sampler's time
-  double last_forward_seconds_ = 0;                   // scheduler thread only
+  std::map<uint64_t, worker::StepResult> results_;  // step id -> the sampler's result
+  std::map<uint64_t, double> forward_seconds_;      // step id -> the sampler's time
+  double last_forward_seconds_ = 0;                 // scheduler thread only
   std::thread monitor_;
 };
 

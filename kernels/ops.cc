@@ -1,10 +1,11 @@
 // Shared pieces of the ops interface: batch metadata helpers, RoPE frequencies, the default
-// (synchronous) weight uploader.
+// (synchronous) weight uploader, the reference log-probabilities of a sampled token.
 #include "kernels/ops.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 
 namespace tpserve {
 namespace {
@@ -48,6 +49,26 @@ int BatchMeta::max_context_len() const {
   int m = 0;
   for (int s = 0; s < num_seqs; ++s) m = std::max(m, context_lens[s]);
   return m;
+}
+
+TokenLogprobs ReferenceLogprobs(const float* row, int64_t vocab, int32_t chosen, int n) {
+  double max_logit = -INFINITY;
+  for (int64_t i = 0; i < vocab; ++i) max_logit = std::max(max_logit, double{row[i]});
+  double sum = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(double{row[i]} - max_logit);
+  const double log_z = max_logit + std::log(sum);
+  TokenLogprobs out;
+  out.logprob = static_cast<float>(double{row[chosen]} - log_z);
+  const int64_t k = std::min<int64_t>(std::max(n, 0), vocab);
+  std::vector<int32_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [row](int32_t a, int32_t b) {
+    return row[a] > row[b] || (row[a] == row[b] && a < b);
+  });
+  for (int64_t i = 0; i < k; ++i) {
+    out.top.push_back({order[i], static_cast<float>(double{row[order[i]]} - log_z)});
+  }
+  return out;
 }
 
 std::vector<float> RopeInvFreq(const RopeConfig& rope, int head_dim) {

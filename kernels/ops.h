@@ -6,9 +6,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/logprobs.h"
 #include "common/model_config.h"
 
 namespace tpserve {
@@ -22,6 +24,9 @@ struct SamplingParams {
   float top_p = 1.0f;  // 1 = off
   uint64_t seed = 0;
   int64_t position = 0;  // position of the token being sampled (the RNG counter)
+  // -1: no log-probabilities. N in [0, kMaxLogprobs]: Sample also returns the chosen token's
+  // log-probability and the top min(N, vocab) alternatives (common/logprobs.h).
+  int32_t logprobs = -1;
 };
 
 // The layout of one step's batch, in host memory. Tokens of all sequences are packed along
@@ -158,8 +163,19 @@ class Ops {
   // (probability desc, id asc), cut to the top_k first, then to the shortest prefix whose
   // probability mass reaches top_p (at least one), renormalized; the token is the first
   // candidate whose cumulative mass exceeds u * total, u = PhiloxUniform(seed, position).
+  // Rows with params.logprobs >= 0 also get, in (*logprobs)[row] (resized to the rows; other
+  // rows stay empty), log-probabilities under log_softmax(logits[:vocab_size]) (the raw
+  // distribution, not the tempered / cut one) computed in fp32 or better: the chosen token's
+  // and the top min(N, vocab_size) tokens by (logprob desc, id asc). `logprobs` may be null
+  // only when no row asks.
   virtual std::vector<int32_t> Sample(const Tensor& logits, int64_t vocab_size,
-                                      const std::vector<SamplingParams>& params) = 0;
+                                      const std::vector<SamplingParams>& params,
+                                      std::vector<std::optional<TokenLogprobs>>* logprobs) = 0;
+  // Sample without log-probabilities (no row may ask for them).
+  std::vector<int32_t> Sample(const Tensor& logits, int64_t vocab_size,
+                              const std::vector<SamplingParams>& params) {
+    return Sample(logits, vocab_size, params, nullptr);
+  }
 };
 
 // A buffer owned through an Ops allocator, freed on destruction.
@@ -198,6 +214,10 @@ class DeviceBuffer {
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
 };
+
+// The reference log-probabilities of one row of logits (double precision): `chosen`'s and the
+// top min(n, vocab) alternatives, as Ops::Sample defines them.
+TokenLogprobs ReferenceLogprobs(const float* row, int64_t vocab, int32_t chosen, int n);
 
 // The CPU reference implementation (fp32 math, OpenBLAS GEMM).
 std::unique_ptr<Ops> MakeCpuOps();

@@ -10,6 +10,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "coordinator/tokenizer/tokenizer.h"
@@ -23,7 +24,9 @@ constexpr char kUsage[] =
     "usage: tpserve run --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]\n"
     "                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--ignore-eos]\n"
     "                   [--device cpu|cuda|auto] [--gpu-memory-utilization F] [--kv-cache-mb MB]\n"
-    "                   [--json]\n"
+    "                   [--logprobs N] [--json]\n"
+    "--logprobs N (0..20): each token's log-probability and the N most likely alternatives\n"
+    "(under the raw distribution, before temperature / top-k / top-p).\n"
     "On a GPU the KV cache takes what --gpu-memory-utilization (default 0.90) of the device's\n"
     "memory leaves after the weights; on the CPU it holds this one request.";
 
@@ -41,14 +44,41 @@ absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
   return ids;
 }
 
+// A token's text as a quoted JSON string ("" without a tokenizer).
+std::string QuotedToken(const Tokenizer* tokenizer, int32_t id) {
+  if (tokenizer == nullptr) return "";
+  return nlohmann::json(tokenizer->Decode({id}, false))
+      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+nlohmann::json LogprobsJson(const GenerateResult& r, const Tokenizer* tokenizer) {
+  nlohmann::json out = nlohmann::json::array();
+  for (size_t i = 0; i < r.logprobs.size() && i < r.output_ids.size(); ++i) {
+    nlohmann::json t;
+    t["token_id"] = r.output_ids[i];
+    if (tokenizer) t["text"] = tokenizer->Decode({r.output_ids[i]}, false);
+    t["logprob"] = r.logprobs[i].logprob;
+    t["top_logprobs"] = nlohmann::json::array();
+    for (const TokenLogprob& alt : r.logprobs[i].top) {
+      nlohmann::json a;
+      a["token_id"] = alt.id;
+      if (tokenizer) a["text"] = tokenizer->Decode({alt.id}, false);
+      a["logprob"] = alt.logprob;
+      t["top_logprobs"].push_back(a);
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::Status RunRunCommand(const std::vector<std::string>& args) {
-  auto parsed =
-      CliArgs::Parse(args,
-                     {"model", "prompt", "prompt-ids", "max-new-tokens", "temperature", "top-p",
-                      "top-k", "seed", "device", "kv-cache-mb", "gpu-memory-utilization"},
-                     {"json", "ignore-eos"});
+  auto parsed = CliArgs::Parse(
+      args,
+      {"model", "prompt", "prompt-ids", "max-new-tokens", "temperature", "top-p", "top-k", "seed",
+       "device", "kv-cache-mb", "gpu-memory-utilization", "logprobs"},
+      {"json", "ignore-eos"});
   if (!parsed.ok()) return Annotate(parsed.status(), kUsage);
   const CliArgs& a = *parsed;
   TP_ASSIGN_OR_RETURN(std::string model_dir, a.Required("model"));
@@ -62,6 +92,7 @@ absl::Status RunRunCommand(const std::vector<std::string>& args) {
   TP_ASSIGN_OR_RETURN(double top_p, a.GetDouble("top-p", 1.0));
   TP_ASSIGN_OR_RETURN(int64_t top_k, a.GetInt("top-k", 0));
   TP_ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
+  TP_ASSIGN_OR_RETURN(int64_t logprobs, a.GetInt("logprobs", -1));
   TP_ASSIGN_OR_RETURN(int64_t kv_mb, a.GetInt("kv-cache-mb", 0));
   TP_ASSIGN_OR_RETURN(double utilization, a.GetDouble("gpu-memory-utilization", 0.90));
   if (kv_mb < 0) return absl::InvalidArgumentError("--kv-cache-mb must be >= 0");
@@ -75,11 +106,16 @@ absl::Status RunRunCommand(const std::vector<std::string>& args) {
   if (temperature < 0) return absl::InvalidArgumentError("--temperature must be >= 0");
   if (!(top_p > 0 && top_p <= 1)) return absl::InvalidArgumentError("--top-p must be in (0, 1]");
   if (top_k < 0) return absl::InvalidArgumentError("--top-k must be >= 0");
+  if (a.Has("logprobs") && (logprobs < 0 || logprobs > kMaxLogprobs)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--logprobs must be in [0, ", kMaxLogprobs, "] (got ", logprobs, ")"));
+  }
   req.max_new_tokens = static_cast<int>(max_new);
   req.sampling.temperature = static_cast<float>(temperature);
   req.sampling.top_p = static_cast<float>(top_p);
   req.sampling.top_k = static_cast<int32_t>(top_k);
   req.sampling.seed = static_cast<uint64_t>(seed);
+  req.sampling.logprobs = static_cast<int32_t>(logprobs);
   req.ignore_eos = a.Flag("ignore-eos");
 
   std::unique_ptr<Tokenizer> tokenizer;
@@ -117,6 +153,7 @@ absl::Status RunRunCommand(const std::vector<std::string>& args) {
     j["prompt_ids"] = req.prompt;
     j["output_ids"] = r.output_ids;
     if (tokenizer) j["text"] = text;
+    if (req.sampling.logprobs >= 0) j["logprobs"] = LogprobsJson(r, tokenizer.get());
     j["finish_reason"] = r.finish_reason;
     j["device"] = ResolveDevice(options.device);
     j["load_seconds"] = load_s;
@@ -133,6 +170,20 @@ absl::Status RunRunCommand(const std::vector<std::string>& args) {
         std::cout << (i ? "," : "") << r.output_ids[i];
       }
       std::cout << std::endl;
+    }
+    if (req.sampling.logprobs >= 0) {
+      // One line per token: id, text, logprob, then the alternatives.
+      std::cout << "logprobs (token: logprob | top " << req.sampling.logprobs << "):\n";
+      for (size_t i = 0; i < r.logprobs.size() && i < r.output_ids.size(); ++i) {
+        const int32_t id = r.output_ids[i];
+        std::cout << absl::StrFormat("%6d %-16s %9.4f |", id, QuotedToken(tokenizer.get(), id),
+                                     r.logprobs[i].logprob);
+        for (const TokenLogprob& alt : r.logprobs[i].top) {
+          std::cout << absl::StrFormat(" %d %s %.4f;", alt.id, QuotedToken(tokenizer.get(), alt.id),
+                                       alt.logprob);
+        }
+        std::cout << "\n";
+      }
     }
     std::fprintf(stderr, "[%zu tokens in %.2f s, %.1f tokens/s on %s; load %.2f s; finish: %s]\n",
                  r.output_ids.size(), gen_s, r.output_ids.size() / gen_s,

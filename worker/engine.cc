@@ -265,6 +265,10 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
       }
     }
     if (r.max_new_tokens < 1) return absl::InvalidArgumentError("max_new_tokens must be >= 1");
+    if (r.sampling.logprobs < -1 || r.sampling.logprobs > kMaxLogprobs) {
+      return absl::InvalidArgumentError(absl::StrCat("logprobs must be in [0, ", kMaxLogprobs,
+                                                     "] (or -1: none); got ", r.sampling.logprobs));
+    }
     const int64_t need = static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens;
     if (need > cfg.max_position_embeddings) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -301,6 +305,7 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
   struct InFlight {
     std::vector<Seq*> sampled;  // sequences whose next token this step produces
     std::vector<int32_t> ids;   // filled on the last stage at once, elsewhere on Finish
+    std::vector<std::optional<TokenLogprobs>> logprobs;  // last stage: rows that asked
     std::chrono::steady_clock::time_point start;
     int num_tokens = 0;
   };
@@ -326,6 +331,7 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
       s.result.step_tokens.push_back(f.num_tokens);
       s.tokens.push_back(id);
       s.result.output_ids.push_back(id);
+      if (i < f.logprobs.size() && f.logprobs[i]) s.result.logprobs.push_back(*f.logprobs[i]);
       const bool is_eos = !s.req->ignore_eos && std::find(eos.begin(), eos.end(), id) != eos.end();
       const bool is_stop = std::find(s.req->stop_token_ids.begin(), s.req->stop_token_ids.end(),
                                      id) != s.req->stop_token_ids.end();
@@ -406,12 +412,14 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
 #endif
       if (last_stage && !f.sampled.empty()) {
         std::vector<SamplingParams> params;
+        bool any_logprobs = false;
         for (Seq* s : f.sampled) {
           SamplingParams p = s->req->sampling;
           p.position = static_cast<int64_t>(s->tokens.size());
+          any_logprobs |= p.logprobs >= 0;
           params.push_back(p);
         }
-        f.ids = ops_->Sample(logits, cfg.vocab_size, params);
+        f.ids = ops_->Sample(logits, cfg.vocab_size, params, any_logprobs ? &f.logprobs : nullptr);
         if (std::any_of(f.sampled.begin(), f.sampled.end(),
                         [](Seq* s) { return s->req->record_logits; })) {
           TP_ASSIGN_OR_RETURN(auto host, LogitsToHost(logits));

@@ -49,7 +49,7 @@ struct EngineOptions {
 struct GenerateRequest {
   std::vector<int32_t> prompt;
   int max_new_tokens = 16;
-  SamplingParams sampling;  // position is filled in per token
+  SamplingParams sampling;  // position is filled in per token; logprobs >= 0 asks for them
   bool ignore_eos = false;
   std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
   bool record_logits = false;           // keep the logits of every sampled step (tests)
@@ -57,7 +57,10 @@ struct GenerateRequest {
 
 struct GenerateResult {
   std::vector<int32_t> output_ids;
-  std::string finish_reason;                    // "length" or "stop"
+  std::string finish_reason;  // "length" or "stop"
+  // With sampling.logprobs >= 0 (on the last stage's ranks): one per output id, the token's
+  // log-probability under the raw distribution and the top sampling.logprobs alternatives.
+  std::vector<TokenLogprobs> logprobs;
   std::vector<std::vector<float>> step_logits;  // [steps][vocab] when record_logits
   // Wall time (ms) of each engine step that sampled a token of this sequence, sampling
   // included; the first is the prefill (time to first token when alone).

@@ -106,12 +106,23 @@ absl::StatusOr<BatchMeta> StepRunner::MakeBatch(const worker::StepPlan& plan, in
 }
 
 absl::Status StepRunner::ApplyRepetitionPenalty(const Tensor& logits, int row, float penalty,
-                                                const std::vector<int32_t>& history) {
+                                                const std::vector<int32_t>& history, int64_t vocab,
+                                                std::vector<float>* raw) {
   const int64_t width = logits.dim(1);
   const size_t elem = DTypeSize(logits.dtype);
   char* base = static_cast<char*>(logits.data) + static_cast<size_t>(row) * width * elem;
   std::vector<char> host(width * elem);
   ops_->CopyToHost(host.data(), base, host.size());
+  if (raw != nullptr) {
+    raw->resize(std::min(vocab, width));
+    for (size_t i = 0; i < raw->size(); ++i) {
+      if (logits.dtype == DType::kF32) {
+        (*raw)[i] = reinterpret_cast<const float*>(host.data())[i];
+      } else if (logits.dtype == DType::kBF16) {
+        (*raw)[i] = Bf16ToF32(reinterpret_cast<const uint16_t*>(host.data())[i]);
+      }
+    }
+  }
   std::unordered_set<int32_t> seen(history.begin(), history.end());
   for (int32_t id : seen) {
     if (id < 0 || id >= width) continue;
@@ -134,7 +145,7 @@ absl::Status StepRunner::ApplyRepetitionPenalty(const Tensor& logits, int row, f
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<int32_t>> StepRunner::Run(const worker::StepPlan& plan) {
+absl::StatusOr<worker::StepResult> StepRunner::Run(const worker::StepPlan& plan) {
   TP_ASSIGN_OR_RETURN(BatchMeta meta, MakeBatch(plan, cache_->block_size(), cache_->num_blocks()));
   if (meta.num_tokens > options_.model.max_batch_tokens ||
       static_cast<int>(meta.logits_rows.size()) > options_.model.max_batch_seqs) {
@@ -166,28 +177,67 @@ absl::StatusOr<std::vector<int32_t>> StepRunner::Run(const worker::StepPlan& pla
 #else
   TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
 #endif
-  std::vector<int32_t> ids;
-  if (!sampler_ || meta.logits_rows.empty()) return ids;
+  worker::StepResult result;
+  if (!sampler_ || meta.logits_rows.empty()) return result;
+  const int64_t vocab = model_->config().vocab_size;
   std::vector<SamplingParams> params;
+  // Rows with a repetition penalty that want logprobs: their logits before the penalty, whose
+  // log-probabilities are computed here (the raw distribution, as for every other row).
+  std::map<int, std::vector<float>> raw_rows;
+  bool any_logprobs = false;
   int row = 0;
   for (const worker::SeqStep& s : plan.seqs()) {
     if (!s.sample()) continue;
     const worker::Sampling& sp = s.sampling();
-    if (sp.repetition_penalty() > 0 && sp.repetition_penalty() != 1.0f) {
-      TP_RETURN_IF_ERROR(
-          ApplyRepetitionPenalty(logits, row, sp.repetition_penalty(), history_[s.seq_id()]));
-    }
     SamplingParams p;
     p.temperature = sp.temperature();
     p.top_k = sp.top_k();
     p.top_p = sp.top_p() > 0 ? sp.top_p() : 1.0f;
     p.seed = sp.seed();
     p.position = s.start_pos() + s.token_ids_size();
+    if (sp.has_logprobs()) {
+      if (sp.logprobs() < 0 || sp.logprobs() > kMaxLogprobs) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("step ", plan.step_id(), ": sequence ", s.seq_id(), " asks for ",
+                         sp.logprobs(), " logprobs; the range is [0, ", kMaxLogprobs, "]"));
+      }
+      p.logprobs = sp.logprobs();
+      any_logprobs = true;
+    }
+    if (sp.repetition_penalty() > 0 && sp.repetition_penalty() != 1.0f) {
+      std::vector<float>* raw = p.logprobs >= 0 ? &raw_rows[row] : nullptr;
+      TP_RETURN_IF_ERROR(ApplyRepetitionPenalty(logits, row, sp.repetition_penalty(),
+                                                history_[s.seq_id()], vocab, raw));
+      if (raw != nullptr) p.logprobs = -1;  // computed below from the raw row
+    }
     params.push_back(p);
     ++row;
   }
-  ids = ops_->Sample(logits, model_->config().vocab_size, params);
-  return ids;
+  std::vector<std::optional<TokenLogprobs>> logprobs;
+  const std::vector<int32_t> ids =
+      ops_->Sample(logits, vocab, params, any_logprobs ? &logprobs : nullptr);
+  result.mutable_token_ids()->Assign(ids.begin(), ids.end());
+  if (!any_logprobs) return result;
+  row = 0;
+  for (const worker::SeqStep& s : plan.seqs()) {
+    if (!s.sample()) continue;
+    const int r = row++;
+    if (!s.sampling().has_logprobs()) continue;
+    auto raw = raw_rows.find(r);
+    const TokenLogprobs lp =
+        raw != raw_rows.end()
+            ? ReferenceLogprobs(raw->second.data(), static_cast<int64_t>(raw->second.size()),
+                                ids[r], s.sampling().logprobs())
+            : *logprobs[r];
+    worker::SampledLogprobs* out = result.add_logprobs();
+    out->set_logprob(lp.logprob);
+    for (const TokenLogprob& t : lp.top) {
+      worker::TokenLogprob* e = out->add_top();
+      e->set_token_id(t.id);
+      e->set_logprob(t.logprob);
+    }
+  }
+  return result;
 }
 
 }  // namespace tpserve

@@ -41,9 +41,10 @@ class StepRunner {
                                                             const StepRunnerOptions& options);
   ~StepRunner();
 
-  // Runs one step. Returns the sampled ids (one per sampled sequence, in plan order) on the
-  // sampling rank; an empty vector on the others.
-  absl::StatusOr<std::vector<int32_t>> Run(const worker::StepPlan& plan);
+  // Runs one step. On the sampling rank the result holds the sampled ids (one per sampled
+  // sequence, in plan order) and the log-probabilities of the sequences that ask for them; on
+  // the others it is empty. Only token_ids and logprobs are filled.
+  absl::StatusOr<worker::StepResult> Run(const worker::StepPlan& plan);
 
   bool is_sampler() const { return sampler_; }
   int num_blocks() const { return cache_->num_blocks(); }
@@ -55,8 +56,11 @@ class StepRunner {
 
  private:
   StepRunner() = default;
+  // Divides / multiplies the logits of `history`'s tokens in row `row`. When `raw` is not null
+  // it receives the row's first `vocab` logits as they were before (f32).
   absl::Status ApplyRepetitionPenalty(const Tensor& logits, int row, float penalty,
-                                      const std::vector<int32_t>& history);
+                                      const std::vector<int32_t>& history, int64_t vocab,
+                                      std::vector<float>* raw);
 
   Ops* ops_ = nullptr;
   StepRunnerOptions options_;

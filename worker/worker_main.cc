@@ -147,20 +147,20 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
     }
     if (!msg.has_step()) continue;
     const auto s0 = std::chrono::steady_clock::now();
-    absl::StatusOr<std::vector<int32_t>> ids = runner->Run(msg.step());
+    absl::StatusOr<worker::StepResult> result = runner->Run(msg.step());
     worker::WorkerMessage out;
     worker::StepResult* r = out.mutable_step_result();
+    if (result.ok()) *r = std::move(*result);  // the sampled ids and logprobs
     r->set_step_id(msg.step().step_id());
     r->set_rank(rank);
     r->set_forward_seconds(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count());
-    if (!ids.ok()) {
-      r->set_error(std::string(ids.status().message()));
+    if (!result.ok()) {
+      r->set_error(std::string(result.status().message()));
       client.Send(out);
-      return ids.status();
+      return result.status();
     }
     if (runner->is_sampler()) {
-      r->mutable_token_ids()->Assign(ids->begin(), ids->end());
       if (!client.Send(out)) break;
     }
   }

@@ -232,14 +232,24 @@ class CpuOps final : public Ops {
                     in.ptr<float>() + (s * rows + r) * width, width * sizeof(float));
   }
 
+  using Ops::Sample;
   std::vector<int32_t> Sample(const Tensor& logits, int64_t vocab_size,
-                              const std::vector<SamplingParams>& params) override {
+                              const std::vector<SamplingParams>& params,
+                              std::vector<std::optional<TokenLogprobs>>* logprobs) override {
     CheckF32(logits, "sample logits");
     const int64_t width = logits.dim(-1);
     TP_CHECK(static_cast<int64_t>(params.size()) == Rows(logits) && vocab_size <= width);
     std::vector<int32_t> ids(params.size());
+    if (logprobs != nullptr) logprobs->assign(params.size(), std::nullopt);
     for (size_t r = 0; r < params.size(); ++r) {
-      ids[r] = SampleRow(logits.ptr<float>() + r * width, vocab_size, params[r]);
+      const float* row = logits.ptr<float>() + r * width;
+      ids[r] = SampleRow(row, vocab_size, params[r]);
+      const int n = params[r].logprobs;
+      if (n < 0) continue;
+      TP_CHECK(n <= kMaxLogprobs && logprobs != nullptr)
+          << "Sample: row " << r << " asks for " << n << " logprobs (at most " << kMaxLogprobs
+          << ", and only with an output vector)";
+      (*logprobs)[r] = ReferenceLogprobs(row, vocab_size, ids[r], n);
     }
     return ids;
   }

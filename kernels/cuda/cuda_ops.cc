@@ -545,10 +545,11 @@ void CudaOps::InterleaveShards(const Tensor& in, Tensor out) {
 }
 
 std::vector<int32_t> CudaOps::Sample(const Tensor& logits, int64_t vocab_size,
-                                     const std::vector<SamplingParams>& params) {
+                                     const std::vector<SamplingParams>& params,
+                                     std::vector<std::optional<TokenLogprobs>>* logprobs) {
   OpScope scope(
       this, "Sample", [&] { return Dims(logits); }, double(logits.bytes()));
-  return sampler_->Sample(logits, vocab_size, params, stream_);
+  return sampler_->Sample(logits, vocab_size, params, logprobs, stream_);
 }
 
 std::unique_ptr<Ops> MakeCudaOps(int device) { return std::make_unique<CudaOps>(device); }

@@ -88,8 +88,10 @@ class CudaOps final : public Ops {
   void Add(const Tensor& a, const Tensor& b, Tensor out) override;
   void GatherLogitRows(const Tensor& in, Tensor out) override;
   void InterleaveShards(const Tensor& in, Tensor out) override;
+  using Ops::Sample;
   std::vector<int32_t> Sample(const Tensor& logits, int64_t vocab_size,
-                              const std::vector<SamplingParams>& params) override;
+                              const std::vector<SamplingParams>& params,
+                              std::vector<std::optional<TokenLogprobs>>* logprobs) override;
 
   cudaStream_t stream() const { return stream_; }
   int device_index() const { return device_; }

@@ -126,7 +126,9 @@ struct DeviceSampleParams {
   float temperature;
   int32_t top_k;
   float top_p;
-  float u;  // PhiloxUniform(seed, position), drawn on the host
+  float u;               // PhiloxUniform(seed, position), drawn on the host
+  int32_t logprobs;      // -1: none; else how many alternatives (<= kMaxLogprobs)
+  int32_t logprob_slot;  // index of this row's entry among the rows that want logprobs
 };
 
 }  // namespace tpserve::cuda

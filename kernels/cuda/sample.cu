@@ -1,9 +1,12 @@
 // GPU sampling (see sample.h). Per row: argmax (greedy), or probabilities e_i = exp(x_i - max x)
 // with x = logits / temperature, packed as 64-bit keys (probability bits, then ~id) so that one
 // segmented radix sort orders candidates by (probability desc, id asc) with no ties; then a
-// block scan in double precision applies top-k, top-p and the Philox draw.
+// block scan in double precision applies top-k, top-p and the Philox draw. Rows that ask for
+// log-probabilities then get, one block each, an fp32 logsumexp over the vocabulary and the top
+// N (a sorted list of N per thread, merged by N block arg-max rounds over the list heads).
 #include "kernels/cuda/sample.h"
 
+#include <climits>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_segmented_radix_sort.cuh>
@@ -74,6 +77,91 @@ __global__ void __launch_bounds__(kThreads)
     float e = expf(LoadLogit(l + i) / p.temperature - xmax);
     keys[base + i] = (static_cast<uint64_t>(__float_as_uint(e)) << 32) |
                      static_cast<uint64_t>(0xFFFFFFFFu - static_cast<uint32_t>(i));
+  }
+}
+
+constexpr int kLogprobThreads = 256;
+
+struct FloatMaxOp {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// One row's log-probabilities as they cross to the host.
+struct DeviceLogprobs {
+  float chosen;  // of the sampled id
+  int32_t count;
+  int32_t ids[kMaxLogprobs];
+  float logprobs[kMaxLogprobs];
+};
+
+// One block per row; rows that did not ask return at once. Runs after the ids are chosen.
+template <typename T>
+__global__ void __launch_bounds__(kLogprobThreads)
+    LogprobKernel(const T* __restrict__ logits, int64_t row_stride, int vocab,
+                  const DeviceSampleParams* __restrict__ params, const int32_t* __restrict__ ids,
+                  DeviceLogprobs* __restrict__ out) {
+  const int row = blockIdx.x;
+  const DeviceSampleParams p = params[row];
+  if (p.logprobs < 0) return;
+  const T* l = logits + row * row_stride;
+  const int n = min(p.logprobs, min(vocab, kMaxLogprobs));
+  // Pass 1: the maximum, and this thread's n best by (value desc, id asc), sorted. A thread
+  // visits ids in ascending order, so an equal value never displaces an earlier one.
+  float top_v[kMaxLogprobs];
+  int top_i[kMaxLogprobs];
+  int have = 0;
+  float local_max = -INFINITY;
+  for (int i = threadIdx.x; i < vocab; i += kLogprobThreads) {
+    const float v = LoadLogit(l + i);
+    local_max = fmaxf(local_max, v);
+    if (n > 0 && (have < n || v > top_v[n - 1])) {
+      int j = have < n ? have++ : n - 1;
+      for (; j > 0 && v > top_v[j - 1]; --j) {
+        top_v[j] = top_v[j - 1];
+        top_i[j] = top_i[j - 1];
+      }
+      top_v[j] = v;
+      top_i[j] = i;
+    }
+  }
+  using FloatReduce = cub::BlockReduce<float, kLogprobThreads>;
+  using ArgReduce = cub::BlockReduce<ArgMax, kLogprobThreads>;
+  __shared__ union {
+    typename FloatReduce::TempStorage f;
+    typename ArgReduce::TempStorage a;
+  } tmp;
+  __shared__ float max_s, log_sum_s;
+  __shared__ ArgMax win_s;
+  float m = FloatReduce(tmp.f).Reduce(local_max, FloatMaxOp());
+  if (threadIdx.x == 0) max_s = m;
+  __syncthreads();
+  m = max_s;
+  // Pass 2: sum of exp(x - max), so that logprob(x) = x - max - log(sum).
+  float sum = 0.0f;
+  for (int i = threadIdx.x; i < vocab; i += kLogprobThreads) sum += expf(LoadLogit(l + i) - m);
+  sum = FloatReduce(tmp.f).Sum(sum);
+  if (threadIdx.x == 0) log_sum_s = logf(sum);
+  __syncthreads();
+  const float log_sum = log_sum_s;
+  DeviceLogprobs& o = out[p.logprob_slot];
+  // Merge: n rounds, each taking the best of the threads' list heads.
+  int next = 0;
+  for (int k = 0; k < n; ++k) {
+    ArgMax mine = next < have ? ArgMax{top_v[next], top_i[next]} : ArgMax{-INFINITY, INT_MAX};
+    ArgMax best = ArgReduce(tmp.a).Reduce(mine, ArgMaxOp());
+    if (threadIdx.x == 0) win_s = best;
+    __syncthreads();
+    best = win_s;
+    if (next < have && top_i[next] == best.i) ++next;
+    if (threadIdx.x == 0) {
+      o.ids[k] = best.i;
+      o.logprobs[k] = (best.v - m) - log_sum;
+    }
+    __syncthreads();  // win_s and tmp are reused
+  }
+  if (threadIdx.x == 0) {
+    o.chosen = (LoadLogit(l + ids[row]) - m) - log_sum;
+    o.count = n;
   }
 }
 
@@ -161,6 +249,8 @@ GpuSampler::~GpuSampler() {
   cudaFree(sort_temp_);
   cudaFreeHost(params_host_);
   cudaFreeHost(ids_host_);
+  cudaFree(logprobs_dev_);
+  cudaFreeHost(logprobs_host_);
 }
 
 void GpuSampler::ReserveRows(int rows) {
@@ -172,12 +262,16 @@ void GpuSampler::ReserveRows(int rows) {
   cudaFree(seg_end_);
   cudaFreeHost(params_host_);
   cudaFreeHost(ids_host_);
+  cudaFree(logprobs_dev_);
+  cudaFreeHost(logprobs_host_);
   TP_CUDA_CHECK(cudaMalloc(&params_dev_, cap * sizeof(DeviceSampleParams)));
   TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ids_dev_), cap * sizeof(int32_t)));
   TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&seg_begin_), cap * sizeof(int32_t)));
   TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&seg_end_), cap * sizeof(int32_t)));
   TP_CUDA_CHECK(cudaMallocHost(&params_host_, cap * sizeof(DeviceSampleParams)));
   TP_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&ids_host_), cap * sizeof(int32_t)));
+  TP_CUDA_CHECK(cudaMalloc(&logprobs_dev_, cap * sizeof(DeviceLogprobs)));
+  TP_CUDA_CHECK(cudaMallocHost(&logprobs_host_, cap * sizeof(DeviceLogprobs)));
   cap_rows_ = cap;
 }
 
@@ -202,6 +296,7 @@ void GpuSampler::ReserveSort(int64_t elems, int segments) {
 
 std::vector<int32_t> GpuSampler::Sample(const Tensor& logits, int64_t vocab_size,
                                         const std::vector<SamplingParams>& params,
+                                        std::vector<std::optional<TokenLogprobs>>* logprobs,
                                         cudaStream_t stream) {
   const int rows = static_cast<int>(params.size());
   TP_CHECK(logits.device == Device::kCuda &&
@@ -210,18 +305,24 @@ std::vector<int32_t> GpuSampler::Sample(const Tensor& logits, int64_t vocab_size
            vocab_size < kMaxSortElems)
       << "Sample: logits " << logits.ShapeString() << " (f32 or bf16 [rows, V] on the GPU), "
       << rows << " params, vocab_size " << vocab_size;
+  if (logprobs != nullptr) logprobs->assign(rows, std::nullopt);
   if (rows == 0) return {};
   const int vocab = static_cast<int>(vocab_size);
   ReserveRows(rows);
   auto* hp = static_cast<DeviceSampleParams*>(params_host_);
   bool any_sampled = false;
+  int logprob_rows = 0;
   for (int r = 0; r < rows; ++r) {
     const SamplingParams& p = params[r];
-    TP_CHECK(p.top_k >= 0 && p.top_p > 0.0f && p.top_p <= 1.0f && p.temperature >= 0.0f)
+    TP_CHECK(p.top_k >= 0 && p.top_p > 0.0f && p.top_p <= 1.0f && p.temperature >= 0.0f &&
+             p.logprobs >= -1 && p.logprobs <= kMaxLogprobs &&
+             (p.logprobs < 0 || logprobs != nullptr))
         << "Sample: row " << r << " has temperature " << p.temperature << ", top_k " << p.top_k
-        << ", top_p " << p.top_p;
-    hp[r] = {p.temperature, p.top_k, p.top_p,
-             PhiloxUniform(p.seed, static_cast<uint64_t>(p.position))};
+        << ", top_p " << p.top_p << ", logprobs " << p.logprobs << " (at most " << kMaxLogprobs
+        << ", and only with an output vector)";
+    hp[r] = {p.temperature, p.top_k,
+             p.top_p,       PhiloxUniform(p.seed, static_cast<uint64_t>(p.position)),
+             p.logprobs,    p.logprobs >= 0 ? logprob_rows++ : -1};
     any_sampled |= p.temperature > 0.0f;
   }
   TP_CUDA_CHECK(cudaMemcpyAsync(params_dev_, params_host_, rows * sizeof(DeviceSampleParams),
@@ -250,9 +351,34 @@ std::vector<int32_t> GpuSampler::Sample(const Tensor& logits, int64_t vocab_size
     ChooseKernel<<<n, kThreads, 0, stream>>>(keys_out_, vocab, row0, dp, ids_dev_);
     TP_CUDA_CHECK_LAUNCH();
   }
+  auto* lp_dev = static_cast<DeviceLogprobs*>(logprobs_dev_);
+  if (logprob_rows > 0) {
+    if (logits.dtype == DType::kF32) {
+      LogprobKernel<<<rows, kLogprobThreads, 0, stream>>>(logits.ptr<const float>(), logits.dim(1),
+                                                          vocab, dp, ids_dev_, lp_dev);
+    } else {
+      LogprobKernel<<<rows, kLogprobThreads, 0, stream>>>(
+          logits.ptr<const __nv_bfloat16>(), logits.dim(1), vocab, dp, ids_dev_, lp_dev);
+    }
+    TP_CUDA_CHECK_LAUNCH();
+    TP_CUDA_CHECK(cudaMemcpyAsync(logprobs_host_, lp_dev, logprob_rows * sizeof(DeviceLogprobs),
+                                  cudaMemcpyDeviceToHost, stream));
+  }
   TP_CUDA_CHECK(
       cudaMemcpyAsync(ids_host_, ids_dev_, rows * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   TP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (logprob_rows > 0) {
+    const auto* lp_host = static_cast<const DeviceLogprobs*>(logprobs_host_);
+    for (int r = 0; r < rows; ++r) {
+      const DeviceSampleParams& p = hp[r];
+      if (p.logprob_slot < 0) continue;
+      const DeviceLogprobs& d = lp_host[p.logprob_slot];
+      TokenLogprobs t;
+      t.logprob = d.chosen;
+      for (int k = 0; k < d.count; ++k) t.top.push_back({d.ids[k], d.logprobs[k]});
+      (*logprobs)[r] = std::move(t);
+    }
+  }
   return std::vector<int32_t>(ids_host_, ids_host_ + rows);
 }
 

@@ -1,10 +1,13 @@
 // Token sampling on the GPU with the rule of kernels/ops.h (greedy, temperature, top-k, top-p,
-// Philox draw). Only the ids cross to the host; Sample is the one op that synchronizes.
+// Philox draw), and the requested log-probabilities (a logsumexp and the top N per row that asks,
+// on the GPU). Only the ids and those small arrays cross to the host; Sample is the one op that
+// synchronizes, once.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "common/dtype.h"
@@ -20,7 +23,9 @@ class GpuSampler {
   GpuSampler& operator=(const GpuSampler&) = delete;
 
   std::vector<int32_t> Sample(const Tensor& logits, int64_t vocab_size,
-                              const std::vector<SamplingParams>& params, cudaStream_t stream);
+                              const std::vector<SamplingParams>& params,
+                              std::vector<std::optional<TokenLogprobs>>* logprobs,
+                              cudaStream_t stream);
 
  private:
   void ReserveRows(int rows);
@@ -36,8 +41,10 @@ class GpuSampler {
   int32_t* ids_dev_ = nullptr;    // [rows]
   void* sort_temp_ = nullptr;
   size_t sort_temp_bytes_ = 0;
-  void* params_host_ = nullptr;  // pinned
-  int32_t* ids_host_ = nullptr;  // pinned
+  void* params_host_ = nullptr;    // pinned
+  int32_t* ids_host_ = nullptr;    // pinned
+  void* logprobs_dev_ = nullptr;   // [rows] DeviceLogprobs, packed: rows that asked only
+  void* logprobs_host_ = nullptr;  // pinned
 };
 
 }  // namespace tpserve::cuda

@@ -398,5 +398,108 @@ TEST_F(CpuOpsTest, SamplingRules) {
   EXPECT_EQ(in_top5, draws);
 }
 
+// log_softmax of row[0, vocab) in double precision (optionally of row / temperature).
+std::vector<double> LogSoftmax(const float* row, int vocab, double temperature = 1.0) {
+  double m = -INFINITY;
+  for (int i = 0; i < vocab; ++i) m = std::max(m, row[i] / temperature);
+  double sum = 0;
+  for (int i = 0; i < vocab; ++i) sum += std::exp(row[i] / temperature - m);
+  std::vector<double> out(vocab);
+  for (int i = 0; i < vocab; ++i) out[i] = row[i] / temperature - m - std::log(sum);
+  return out;
+}
+
+// The top n ids of `lp` by (logprob desc, id asc).
+std::vector<int32_t> TopIds(const std::vector<double>& lp, int n) {
+  std::vector<int32_t> order(lp.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return lp[a] > lp[b]; });
+  order.resize(std::min<size_t>(n, order.size()));
+  return order;
+}
+
+TEST_F(CpuOpsTest, SampleLogprobsAreTheRawLogSoftmaxOfTheChosenToken) {
+  const int vocab = 37, width = 41, rows = 7;
+  auto logits = RandomVec(rng_, rows * width, 3.0f);
+  for (int r = 0; r < rows; ++r) {
+    for (int c = vocab; c < width; ++c) logits[r * width + c] = 50.0f;  // padding never counts
+  }
+  // Row 5 has ties: ids 4, 9 and 30 share the maximum, 2 and 11 the next value.
+  float* tied = &logits[5 * width];
+  for (int c = 0; c < vocab; ++c) tied[c] = -1.0f - 0.01f * c;
+  tied[30] = tied[9] = tied[4] = 2.5f;
+  tied[11] = tied[2] = 1.0f;
+  std::vector<SamplingParams> params(rows);
+  params[0].logprobs = 5;  // greedy
+  // Row 1: greedy, no logprobs.
+  params[2].temperature = 0.7f, params[2].seed = 3, params[2].position = 11;
+  params[2].logprobs = 3;
+  params[3].temperature = 1.3f, params[3].top_k = 4, params[3].seed = 5, params[3].position = 2;
+  params[3].logprobs = 0;
+  params[4].temperature = 0.9f, params[4].top_p = 0.5f, params[4].seed = 8, params[4].position = 7;
+  params[4].logprobs = kMaxLogprobs;
+  params[5].logprobs = 6;                                                     // greedy over ties
+  params[6].temperature = 2.0f, params[6].seed = 1, params[6].position = 40;  // sampled, none
+  Tensor t = View(logits, {rows, width});
+  std::vector<std::optional<TokenLogprobs>> lps;
+  const std::vector<int32_t> ids = ops_->Sample(t, vocab, params, &lps);
+  ASSERT_EQ(lps.size(), size_t{rows});
+
+  // Asking for logprobs never changes the tokens.
+  std::vector<SamplingParams> plain = params;
+  for (SamplingParams& p : plain) p.logprobs = -1;
+  EXPECT_EQ(ops_->Sample(t, vocab, plain), ids);
+  EXPECT_FALSE(lps[1].has_value());
+  EXPECT_FALSE(lps[6].has_value());
+
+  for (int r = 0; r < rows; ++r) {
+    if (params[r].logprobs < 0) continue;
+    SCOPED_TRACE(::testing::Message() << "row " << r);
+    ASSERT_TRUE(lps[r].has_value());
+    ASSERT_GE(ids[r], 0);
+    ASSERT_LT(ids[r], vocab);
+    const std::vector<double> want = LogSoftmax(&logits[r * width], vocab);
+    EXPECT_NEAR(lps[r]->logprob, want[ids[r]], 1e-5);
+    const std::vector<int32_t> top = TopIds(want, params[r].logprobs);
+    ASSERT_EQ(lps[r]->top.size(), top.size());
+    for (size_t k = 0; k < top.size(); ++k) {
+      EXPECT_EQ(lps[r]->top[k].id, top[k]) << "rank " << k;
+      EXPECT_NEAR(lps[r]->top[k].logprob, want[top[k]], 1e-5) << "rank " << k;
+    }
+    if (params[r].temperature == 0 && !top.empty()) {
+      EXPECT_EQ(lps[r]->top[0].id, ids[r]);
+    }
+  }
+  EXPECT_TRUE(lps[3]->top.empty());  // N = 0: the chosen token's logprob only
+  // Ties: id ascending among equal logprobs; greedy takes the lowest id of the maximum.
+  EXPECT_EQ(ids[5], 4);
+  std::vector<int32_t> tied_ids;
+  for (const TokenLogprob& a : lps[5]->top) tied_ids.push_back(a.id);
+  EXPECT_EQ(tied_ids, (std::vector<int32_t>{4, 9, 30, 2, 11, 0}));
+  EXPECT_EQ(lps[5]->top[0].logprob, lps[5]->top[2].logprob);
+  // The sampled rows report the raw distribution, not the tempered one (which differs).
+  const std::vector<double> tempered = LogSoftmax(&logits[2 * width], vocab, 0.7);
+  EXPECT_GT(std::abs(tempered[ids[2]] - lps[2]->logprob), 1e-3);
+  // The top-k row's token is among its 4 best.
+  const std::vector<int32_t> top4 = TopIds(LogSoftmax(&logits[3 * width], vocab), 4);
+  EXPECT_NE(std::find(top4.begin(), top4.end(), ids[3]), top4.end());
+}
+
+TEST_F(CpuOpsTest, SampleLogprobsOfMoreAlternativesThanTheVocabulary) {
+  std::vector<float> logits = {0.5f, -1.0f, 2.0f, 9.0f};  // vocab 3, one padded column
+  SamplingParams p;
+  p.logprobs = kMaxLogprobs;
+  std::vector<std::optional<TokenLogprobs>> lps;
+  EXPECT_EQ(ops_->Sample(View(logits, {1, 4}), 3, {p}, &lps)[0], 2);
+  ASSERT_TRUE(lps[0].has_value());
+  ASSERT_EQ(lps[0]->top.size(), 3u);
+  double mass = 0;
+  for (const TokenLogprob& a : lps[0]->top) mass += std::exp(double(a.logprob));
+  EXPECT_NEAR(mass, 1.0, 1e-6);
+  EXPECT_EQ(lps[0]->top[0].id, 2);
+  EXPECT_EQ(lps[0]->top[1].id, 0);
+  EXPECT_EQ(lps[0]->top[2].id, 1);
+}
+
 }  // namespace
 }  // namespace tpserve

@@ -54,7 +54,9 @@ class FakeOps : public Ops {
   void Add(const Tensor&, const Tensor&, Tensor) override { Unused(); }
   void GatherLogitRows(const Tensor&, Tensor) override { Unused(); }
   void InterleaveShards(const Tensor&, Tensor) override { Unused(); }
-  std::vector<int32_t> Sample(const Tensor&, int64_t, const std::vector<SamplingParams>&) override {
+  using Ops::Sample;
+  std::vector<int32_t> Sample(const Tensor&, int64_t, const std::vector<SamplingParams>&,
+                              std::vector<std::optional<TokenLogprobs>>*) override {
     Unused();
     return {};
   }

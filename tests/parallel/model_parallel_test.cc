@@ -4,9 +4,12 @@
 // seeded sampling; a batch of different lengths with chunked prefill) equal one rank's, on
 // tiny-coder and on random models with awkward shapes: odd vocab (padding), fewer KV heads than
 // tp (replication), layers not divisible by pp, a manual device map, tied embeddings, biases.
+// Requested logprobs (sampled on the gathered vocab shards) come back on the last stage and
+// equal one rank's within what the logits' tolerance allows.
 // Rank 0 computes the single-rank reference once per model and broadcasts it.
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -127,16 +130,19 @@ Workload MakeWorkload(const std::string& model, int64_t vocab) {
     return r;
   };
   w.requests = {greedy(5, 1), greedy(17, 2), greedy(33, 3)};
+  w.requests[1].sampling.logprobs = 5;
   GenerateRequest sampled = greedy(12, 4);
   sampled.sampling.temperature = 1.0f;
   sampled.sampling.top_p = 0.95f;
   sampled.sampling.seed = 1234;
+  sampled.sampling.logprobs = 3;
   w.requests.push_back(sampled);
   GenerateRequest top_k = greedy(9, 5);
   top_k.sampling.temperature = 0.7f;
   top_k.sampling.top_k = 20;
   top_k.sampling.seed = 99;
   top_k.max_new_tokens = steps / 2;  // finishes before the others
+  top_k.sampling.logprobs = 0;
   w.requests.push_back(top_k);
   // Sampled until a stop token (any of the lowest sixth of the vocabulary): this sequence ends
   // early with "stop" on every rank while the others go on.
@@ -147,6 +153,7 @@ Workload MakeWorkload(const std::string& model, int64_t vocab) {
   w.requests.push_back(stop);
   GenerateRequest long_prompt = greedy(90, 6);
   long_prompt.max_new_tokens = 6;
+  long_prompt.sampling.logprobs = kMaxLogprobs;
   w.long_requests.push_back(long_prompt);
   return w;
 }
@@ -297,6 +304,7 @@ TEST_P(ModelParallelTest, MatchesOneRank) {
   for (GenerateResult& r : *more) results->push_back(std::move(r));
 
   double worst_prompt = 0, worst_step = 0;
+  int logprob_requests = 0;
   if (last_stage) {
     ASSERT_EQ(prompt_logits->size(), ref->prompt_logits.size());
     for (size_t i = 0; i < ref->prompt_logits.size(); ++i) {
@@ -320,6 +328,7 @@ TEST_P(ModelParallelTest, MatchesOneRank) {
     EXPECT_EQ(got.finish_reason, want.finish_reason) << "request " << r;
     if (!last_stage) {
       EXPECT_TRUE(got.step_logits.empty());
+      EXPECT_TRUE(got.logprobs.empty()) << "only the last stage returns logprobs";
       continue;
     }
     ASSERT_EQ(got.step_logits.size(), want.step_logits.size()) << "request " << r;
@@ -330,6 +339,36 @@ TEST_P(ModelParallelTest, MatchesOneRank) {
       EXPECT_LE(l2, kMaxRelErr) << "request " << r << " step " << s;
       EXPECT_LE(mx, kMaxRelErr) << "request " << r << " step " << s;
     }
+    ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << "request " << r;
+    if (!want.logprobs.empty()) {
+      ASSERT_EQ(want.logprobs.size(), want.output_ids.size()) << "request " << r;
+      ++logprob_requests;
+    }
+    for (size_t s = 0; s < want.logprobs.size(); ++s) {
+      // A logprob moves by at most the logits' error twice (the logit and the logsumexp):
+      // 2 * kMaxRelErr * max|logit|.
+      double max_logit = 0;
+      for (float x : want.step_logits[s]) max_logit = std::max(max_logit, std::fabs(double(x)));
+      const double tol = 2 * kMaxRelErr * max_logit + 1e-6;
+      const TokenLogprobs& g = got.logprobs[s];
+      const TokenLogprobs& e = want.logprobs[s];
+      EXPECT_NEAR(g.logprob, e.logprob, tol) << "request " << r << " step " << s;
+      ASSERT_EQ(g.top.size(), e.top.size()) << "request " << r << " step " << s;
+      for (size_t k = 0; k < e.top.size(); ++k) {
+        EXPECT_NEAR(g.top[k].logprob, e.top[k].logprob, tol) << "request " << r << " rank " << k;
+        // Ids may swap only between alternatives closer than the tolerance.
+        if (g.top[k].id != e.top[k].id) {
+          EXPECT_TRUE((k > 0 && std::fabs(e.top[k].logprob - e.top[k - 1].logprob) <= 2 * tol) ||
+                      (k + 1 < e.top.size() &&
+                       std::fabs(e.top[k].logprob - e.top[k + 1].logprob) <= 2 * tol))
+              << "request " << r << " step " << s << " rank " << k << ": id " << g.top[k].id
+              << " instead of " << e.top[k].id << " without a near tie";
+        }
+      }
+    }
+  }
+  if (last_stage) {
+    EXPECT_EQ(logprob_requests, 4) << "the workload's requests with logprobs";
   }
   if (last_stage && shard.tp_rank == 0) {
     printf(

@@ -38,10 +38,10 @@ inline bool WriteModelDir(const ModelConfig& config, const std::string& dir, uin
 
 struct Reference {
   std::vector<std::vector<float>> prompt_logits;  // [prompt tokens][vocab]
-  std::vector<GenerateResult> results;            // ids, finish reason and step logits
+  std::vector<GenerateResult> results;            // ids, finish reason, step logits, logprobs
 };
 
-// floats: the logits rows; ints: the counts, ids and finish reasons.
+// floats: the logits rows and logprobs; ints: the counts, ids and finish reasons.
 inline void Pack(const Reference& ref, std::vector<float>& f, std::vector<int32_t>& n) {
   n.push_back(static_cast<int32_t>(ref.prompt_logits.size()));
   for (const auto& row : ref.prompt_logits) f.insert(f.end(), row.begin(), row.end());
@@ -52,6 +52,15 @@ inline void Pack(const Reference& ref, std::vector<float>& f, std::vector<int32_
     n.insert(n.end(), r.output_ids.begin(), r.output_ids.end());
     n.push_back(static_cast<int32_t>(r.step_logits.size()));
     for (const auto& row : r.step_logits) f.insert(f.end(), row.begin(), row.end());
+    n.push_back(static_cast<int32_t>(r.logprobs.size()));
+    for (const TokenLogprobs& t : r.logprobs) {
+      f.push_back(t.logprob);
+      n.push_back(static_cast<int32_t>(t.top.size()));
+      for (const TokenLogprob& a : t.top) {
+        n.push_back(a.id);
+        f.push_back(a.logprob);
+      }
+    }
   }
 }
 
@@ -76,6 +85,15 @@ inline Reference Unpack(const std::vector<float>& f, const std::vector<int32_t>&
     r.output_ids.assign(n.begin() + ni, n.begin() + ni + ids);
     ni += ids;
     r.step_logits = rows(n.at(ni++));
+    r.logprobs.resize(n.at(ni++));
+    for (TokenLogprobs& t : r.logprobs) {
+      t.logprob = f.at(fi++);
+      t.top.resize(n.at(ni++));
+      for (TokenLogprob& a : t.top) {
+        a.id = n.at(ni++);
+        a.logprob = f.at(fi++);
+      }
+    }
     ref.results.push_back(std::move(r));
   }
   TP_CHECK(fi == f.size() && ni == n.size()) << "reference blob of unexpected size";

@@ -77,6 +77,32 @@ def main():
         assert text == unary.text, (text, unary.text)
         assert ids == list(unary.token_ids), (ids, list(unary.token_ids))
 
+        # logprobs = 3: one entry per token, aligned, 3 alternatives each, unary and streaming.
+        lp_req = pb.GenerateRequest()
+        lp_req.CopyFrom(req)
+        lp_req.sampling.logprobs = 3
+        lp = stub.Generate(lp_req, timeout=60)
+        assert list(lp.token_ids) == list(unary.token_ids), lp
+        assert len(lp.logprobs) == len(lp.token_ids), len(lp.logprobs)
+        for tok_id, entry in zip(lp.token_ids, lp.logprobs):
+            assert entry.token_id == tok_id and entry.logprob <= 0, entry
+            assert len(entry.top_logprobs) == 3, entry
+            assert entry.top_logprobs[0].token_id == tok_id, entry  # greedy: the top-1
+        streamed = []
+        for msg in stub.GenerateStream(lp_req, timeout=60):
+            assert len(msg.logprobs) == len(msg.token_ids), msg
+            streamed.extend(msg.logprobs)
+        assert [e.token_id for e in streamed] == list(lp.token_ids), streamed
+        for n in (21, -1):
+            bad_lp = pb.GenerateRequest(text="x")
+            bad_lp.sampling.logprobs = n
+            try:
+                stub.Generate(bad_lp, timeout=10)
+                raise AssertionError("logprobs = %d was accepted" % n)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.code()
+                assert "sampling.logprobs" in e.details(), e.details()
+
         bad = pb.GenerateRequest(text="x")
         bad.sampling.top_p = 2.0
         try:

@@ -18,14 +18,15 @@ namespace {
 
 constexpr int kVocab = 50;
 
-// Next token = hash of the whole context, mod kVocab. Checks every plan: tokens continue the
-// sequence, slots are in the sequence's own blocks, no block is shared by two live sequences.
+// Next token = hash of the whole context, mod kVocab, and so are the logprobs of sequences that
+// ask for them. Checks every plan: tokens continue the sequence, slots are in the sequence's own
+// blocks, no block is shared by two live sequences.
 class FakeExecutor : public StepExecutor {
  public:
   explicit FakeExecutor(int num_blocks, int block_size)
       : num_blocks_(num_blocks), block_size_(block_size) {}
 
-  absl::StatusOr<std::vector<int32_t>> Execute(const worker::StepPlan& plan) override {
+  absl::StatusOr<worker::StepResult> Execute(const worker::StepPlan& plan) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (fail_) return absl::UnavailableError("worker rank 1 failed: killed by the test");
     for (uint64_t id : plan.finished_seq_ids()) {
@@ -33,7 +34,7 @@ class FakeExecutor : public StepExecutor {
       owner_blocks_.erase(id);
     }
     int tokens = 0;
-    std::vector<int32_t> out;
+    worker::StepResult out;
     std::map<int32_t, uint64_t> owner;
     for (const worker::SeqStep& s : plan.seqs()) {
       std::vector<int32_t>& h = history_[s.seq_id()];
@@ -51,7 +52,16 @@ class FakeExecutor : public StepExecutor {
       if (s.sample()) {
         uint64_t x = 1469598103934665603ull;
         for (int32_t t : h) x = (x ^ static_cast<uint64_t>(t)) * 1099511628211ull;
-        out.push_back(static_cast<int32_t>(3 + x % (kVocab - 3)));
+        out.add_token_ids(static_cast<int32_t>(3 + x % (kVocab - 3)));
+        if (s.sampling().has_logprobs()) {
+          worker::SampledLogprobs* lp = out.add_logprobs();
+          lp->set_logprob(-static_cast<float>(x % 1000) / 100.0f);
+          for (int k = 0; k < s.sampling().logprobs(); ++k) {
+            worker::TokenLogprob* alt = lp->add_top();
+            alt->set_token_id(static_cast<int32_t>((x >> 10) % kVocab + k) % kVocab);
+            alt->set_logprob(-static_cast<float>(k) - static_cast<float>(x % 7) / 8.0f);
+          }
+        }
       }
     }
     max_tokens_ = std::max(max_tokens_, tokens);
@@ -97,7 +107,7 @@ class PipelinedFakeExecutor : public FakeExecutor {
     }
     return StepExecutor::Submit(plan);
   }
-  absl::StatusOr<std::vector<int32_t>> Collect(uint64_t step_id) override {
+  absl::StatusOr<worker::StepResult> Collect(uint64_t step_id) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
       EXPECT_EQ(in_flight_.begin()->first, step_id) << "results collected out of order";
@@ -117,8 +127,10 @@ class PipelinedFakeExecutor : public FakeExecutor {
   int max_in_flight_seen_ = 0;
 };
 
-std::shared_ptr<RequestState> MakeRequest(int prompt_len, int max_new, int salt) {
+std::shared_ptr<RequestState> MakeRequest(int prompt_len, int max_new, int salt,
+                                          int logprobs = -1) {
   RequestParams p;
+  p.logprobs = logprobs;
   for (int i = 0; i < prompt_len; ++i) p.prompt.push_back(3 + (i * 7 + salt) % (kVocab - 3));
   p.max_new_tokens = max_new;
   p.ignore_eos = true;
@@ -142,6 +154,28 @@ std::vector<int32_t> Output(RequestState& r) {
   std::vector<int32_t> ids;
   r.Whole(&text, &ids);
   return ids;
+}
+
+// The logprobs of the whole output, flattened: per token its logprob, then (id, logprob) pairs.
+std::vector<float> OutputLogprobs(RequestState& r) {
+  std::string text;
+  std::vector<int32_t> ids;
+  std::vector<TokenLogprobs> logprobs;
+  r.Whole(&text, &ids, &logprobs);
+  std::vector<float> flat;
+  for (const TokenLogprobs& t : logprobs) {
+    flat.push_back(t.logprob);
+    for (const TokenLogprob& a : t.top) {
+      flat.push_back(static_cast<float>(a.id));
+      flat.push_back(a.logprob);
+    }
+  }
+  EXPECT_EQ(logprobs.size(), r.params().logprobs >= 0 ? ids.size() : 0u)
+      << "one logprobs entry per output token";
+  for (const TokenLogprobs& t : logprobs) {
+    EXPECT_EQ(static_cast<int>(t.top.size()), r.params().logprobs);
+  }
+  return flat;
 }
 
 SchedulerOptions Options(int blocks, int seqs, int tokens) {
@@ -169,15 +203,18 @@ TEST(BlockManagerTest, GrowsReleasesAndRefusesWithoutPartialChange) {
   EXPECT_EQ(m.free_blocks(), 5);
 }
 
-// Request i of the batching tests: prompt and output lengths vary with i.
+// Request i of the batching tests: prompt and output lengths vary with i; two in three ask for
+// logprobs (0 to 3 alternatives).
 std::shared_ptr<RequestState> BatchTestRequest(int i) {
-  return MakeRequest(5 + i * 3, 10 + i % 7, i);
+  return MakeRequest(5 + i * 3, 10 + i % 7, i, i % 3 == 0 ? -1 : i % 4);
 }
 
 // Runs requests 0..n-1 together on `s` (not yet started) and expects each to end by length with
-// exactly the tokens it gets alone on an unconstrained scheduler.
+// exactly the tokens (and logprobs, neither lost nor duplicated by preemption) it gets alone on
+// an unconstrained scheduler.
 void ExpectSoloResults(Scheduler& s, int n) {
   std::vector<std::vector<int32_t>> solo;
+  std::vector<std::vector<float>> solo_logprobs;
   for (int i = 0; i < n; ++i) {
     FakeExecutor ex(1000, 4);
     Scheduler alone(Options(1000, 1, 1000), nullptr, &ex);
@@ -186,6 +223,7 @@ void ExpectSoloResults(Scheduler& s, int n) {
     ASSERT_TRUE(alone.Submit(r).ok());
     ASSERT_TRUE(WaitFinished({r}, 10));
     solo.push_back(Output(*r));
+    solo_logprobs.push_back(OutputLogprobs(*r));
     ASSERT_EQ(static_cast<int>(solo.back().size()), 10 + i % 7);
   }
   s.Start();
@@ -199,6 +237,9 @@ void ExpectSoloResults(Scheduler& s, int n) {
     RequestState::Taken t = reqs[i]->Take();
     EXPECT_TRUE(t.status.ok()) << t.status;
     EXPECT_EQ(Output(*reqs[i]), solo[i]) << "request " << i;
+    EXPECT_EQ(OutputLogprobs(*reqs[i]), solo_logprobs[i]) << "request " << i;
+    EXPECT_EQ(t.logprobs.size(), reqs[i]->params().logprobs >= 0 ? t.ids.size() : 0u)
+        << "request " << i;
     EXPECT_EQ(t.info.reason, Finish::kLength) << "request " << i;
   }
 }
@@ -304,6 +345,23 @@ TEST(ValidateTest, DefaultsAndLimits) {
   auto q = ValidateGenerateRequest(req, nullptr, limits);
   EXPECT_EQ(q.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(q.status().message().find("80"), absl::string_view::npos) << q.status();
+  // sampling.logprobs: [0, 20]; out of range names the field and the limit.
+  for (int n : {0, 7, kMaxLogprobs}) {
+    req.mutable_sampling()->set_logprobs(n);
+    req.mutable_stopping()->set_max_new_tokens(5);
+    auto ok = ValidateGenerateRequest(req, nullptr, limits);
+    ASSERT_TRUE(ok.ok()) << ok.status();
+    EXPECT_EQ(ok->logprobs, n);
+  }
+  for (int n : {-1, kMaxLogprobs + 1, 1000}) {
+    req.mutable_sampling()->set_logprobs(n);
+    auto bad = ValidateGenerateRequest(req, nullptr, limits);
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << n;
+    EXPECT_NE(bad.status().message().find("sampling.logprobs"), absl::string_view::npos);
+    EXPECT_NE(bad.status().message().find("20"), absl::string_view::npos) << bad.status();
+  }
+  req.mutable_sampling()->clear_logprobs();
+  EXPECT_EQ(ValidateGenerateRequest(req, nullptr, limits)->logprobs, -1);
   v1::GenerateRequest text;
   text.set_text("hello");
   auto t = ValidateGenerateRequest(text, nullptr, limits);

@@ -3,6 +3,7 @@
 // streaming, stop strings, cancellation, overflow, worker death, health, a Python client).
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -29,6 +30,7 @@ struct Result {
   grpc::Status status;
   v1::GenerateResponse response;  // unary answer, or the stream folded into one
   int messages = 0;
+  int misaligned = 0;  // stream messages whose logprobs do not match their token_ids one-to-one
 };
 
 void SetDeadline(grpc::ClientContext& ctx, double seconds) {
@@ -53,15 +55,24 @@ Result Stream(v1::Inference::Stub& stub, const v1::GenerateRequest& req, double 
   v1::GenerateResponse msg;
   std::string text;
   std::vector<int32_t> ids;
+  google::protobuf::RepeatedPtrField<v1::TokenLogprobs> logprobs;
+  const bool asked = req.sampling().has_logprobs();
   while (reader->Read(&msg)) {
     ++r.messages;
     text += msg.text();
     ids.insert(ids.end(), msg.token_ids().begin(), msg.token_ids().end());
+    bool aligned = msg.logprobs_size() == (asked ? msg.token_ids_size() : 0);
+    for (int i = 0; aligned && i < msg.logprobs_size(); ++i) {
+      aligned = msg.logprobs(i).token_id() == msg.token_ids(i);
+    }
+    r.misaligned += !aligned;
+    logprobs.MergeFrom(msg.logprobs());
     if (msg.finished()) r.response = msg;
   }
   r.status = reader->Finish();
   r.response.set_text(text);
   r.response.mutable_token_ids()->Assign(ids.begin(), ids.end());
+  *r.response.mutable_logprobs() = logprobs;
   return r;
 }
 
@@ -255,6 +266,125 @@ TEST_F(ServiceTest, StreamConcatenationEqualsUnary) {
   EXPECT_GT(stream.messages, 1);
 }
 
+// Checks `r`'s logprobs against the engine's for the same request (ids exactly, logprobs within
+// `tol`: the service's TP workers sum partial products in another order) and their shape: one
+// entry per token, `n` alternatives each, ordered, the greedy token first.
+void ExpectLogprobs(const v1::GenerateResponse& r, const GenerateResult& engine, int n, double tol,
+                    bool greedy, const Tokenizer* tokenizer, const std::string& what) {
+  ASSERT_EQ(r.logprobs_size(), r.token_ids_size()) << what;
+  ASSERT_EQ(engine.logprobs.size(), engine.output_ids.size()) << what;
+  ASSERT_EQ(Ids(r), engine.output_ids) << what;
+  for (int i = 0; i < r.logprobs_size(); ++i) {
+    const v1::TokenLogprobs& t = r.logprobs(i);
+    const TokenLogprobs& e = engine.logprobs[i];
+    EXPECT_EQ(t.token_id(), r.token_ids(i)) << what << " token " << i;
+    EXPECT_LE(t.logprob(), 0.0f);
+    EXPECT_NEAR(t.logprob(), e.logprob, tol) << what << " token " << i;
+    if (tokenizer != nullptr) {
+      EXPECT_EQ(t.text(), tokenizer->Decode({t.token_id()}, false));
+    }
+    ASSERT_EQ(t.top_logprobs_size(), n) << what << " token " << i;
+    for (int k = 0; k < n; ++k) {
+      const v1::TokenLogprob& a = t.top_logprobs(k);
+      EXPECT_EQ(a.token_id(), e.top[k].id) << what << " token " << i << " rank " << k;
+      EXPECT_NEAR(a.logprob(), e.top[k].logprob, tol) << what << " token " << i << " rank " << k;
+      if (k > 0) {
+        EXPECT_GE(t.top_logprobs(k - 1).logprob(), a.logprob());
+      }
+      if (tokenizer != nullptr) {
+        EXPECT_EQ(a.text(), tokenizer->Decode({a.token_id()}, false));
+      }
+    }
+    if (greedy && n > 0) {
+      EXPECT_EQ(t.top_logprobs(0).token_id(), t.token_id()) << what << " token " << i;
+      EXPECT_EQ(t.top_logprobs(0).logprob(), t.logprob()) << what << " token " << i;
+    }
+  }
+}
+
+// logprobs = 3 through the 2 TP workers: every token, unary and streaming, carries exactly 3
+// alternatives, aligned with token_ids, equal to the in-process engine's.
+TEST_F(ServiceTest, LogprobsAlignWithTokensAndMatchTheEngine) {
+  EngineOptions options;
+  options.device = "cpu";
+  auto engine = Engine::Create(*model_dir_, options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto tokenizer = Tokenizer::Load(*model_dir_);
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  constexpr double kTol = 1e-4;  // fp32 logits of two TP shards vs one rank
+  struct Case {
+    std::vector<int32_t> prompt;
+    float temperature;
+    int top_k;
+    int logprobs;
+  };
+  const std::vector<Case> cases = {{PromptIds(21, 5), 0.0f, 0, 3},
+                                   {PromptIds(8, 6), 0.9f, 15, 3},
+                                   {PromptIds(13, 7), 0.0f, 0, 0},
+                                   {PromptIds(30, 8), 0.7f, 0, kMaxLogprobs}};
+  for (size_t c = 0; c < cases.size(); ++c) {
+    GenerateRequest ereq;
+    ereq.prompt = cases[c].prompt;
+    ereq.max_new_tokens = 12;
+    ereq.ignore_eos = true;
+    ereq.sampling.temperature = cases[c].temperature;
+    ereq.sampling.top_k = cases[c].top_k;
+    ereq.sampling.seed = 40 + c;
+    ereq.sampling.logprobs = cases[c].logprobs;
+    auto expected = (*engine)->Generate({ereq});
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    v1::GenerateRequest req = IdsRequest(cases[c].prompt, 12);
+    req.mutable_sampling()->set_temperature(cases[c].temperature);
+    req.mutable_sampling()->set_top_k(cases[c].top_k);
+    req.mutable_sampling()->set_seed(40 + c);
+    req.mutable_sampling()->set_logprobs(cases[c].logprobs);
+    const Result unary = Unary(*stub_, req);
+    const Result stream = Stream(*stub_, req);
+    ASSERT_TRUE(unary.status.ok()) << unary.status.error_message();
+    ASSERT_TRUE(stream.status.ok()) << stream.status.error_message();
+    EXPECT_GT(stream.messages, 1);
+    EXPECT_EQ(stream.misaligned, 0) << "case " << c;
+    const bool greedy = cases[c].temperature == 0.0f;
+    ExpectLogprobs(unary.response, expected->at(0), cases[c].logprobs, kTol, greedy,
+                   tokenizer->get(), "unary case " + std::to_string(c));
+    ExpectLogprobs(stream.response, expected->at(0), cases[c].logprobs, kTol, greedy,
+                   tokenizer->get(), "stream case " + std::to_string(c));
+  }
+  // A repetition penalty changes the sampled tokens, not the reported distribution: the first
+  // token's context is the same with and without it, so its 20 alternatives are too, and the
+  // chosen token's logprob is its raw one (the step runner takes them before the penalty).
+  v1::GenerateRequest raw = IdsRequest(cases[0].prompt, 4);
+  raw.mutable_sampling()->set_logprobs(kMaxLogprobs);
+  v1::GenerateRequest penalized = raw;
+  penalized.mutable_sampling()->set_repetition_penalty(3.0f);
+  const Result raw_r = Unary(*stub_, raw);
+  const Result pen_r = Unary(*stub_, penalized);
+  ASSERT_TRUE(raw_r.status.ok() && pen_r.status.ok()) << pen_r.status.error_message();
+  ASSERT_EQ(pen_r.response.logprobs_size(), 4);
+  const v1::TokenLogprobs& first_raw = raw_r.response.logprobs(0);
+  const v1::TokenLogprobs& first_pen = pen_r.response.logprobs(0);
+  ASSERT_EQ(first_pen.top_logprobs_size(), kMaxLogprobs);
+  int penalized_alternatives = 0;  // the penalty does move these (the prompt's tokens)
+  for (int k = 0; k < kMaxLogprobs; ++k) {
+    const int32_t id = first_raw.top_logprobs(k).token_id();
+    penalized_alternatives += std::count(cases[0].prompt.begin(), cases[0].prompt.end(), id) > 0;
+    EXPECT_EQ(first_pen.top_logprobs(k).token_id(), first_raw.top_logprobs(k).token_id()) << k;
+    EXPECT_NEAR(first_pen.top_logprobs(k).logprob(), first_raw.top_logprobs(k).logprob(), kTol);
+    if (first_raw.top_logprobs(k).token_id() == first_pen.token_id()) {
+      EXPECT_NEAR(first_pen.logprob(), first_raw.top_logprobs(k).logprob(), kTol);
+    }
+  }
+  EXPECT_GT(penalized_alternatives, 0) << "the check needs a prompt token among the top 20";
+  // Without the field: no logprobs, the same tokens.
+  const Result plain = Unary(*stub_, IdsRequest(cases[0].prompt, 12));
+  ASSERT_TRUE(plain.status.ok()) << plain.status.error_message();
+  EXPECT_EQ(plain.response.logprobs_size(), 0);
+  const Result plain_stream = Stream(*stub_, IdsRequest(cases[0].prompt, 12));
+  EXPECT_EQ(plain_stream.response.logprobs_size(), 0);
+  EXPECT_EQ(plain_stream.misaligned, 0);
+  EXPECT_TRUE(WaitAllBlocksFree(*stub_, 5));
+}
+
 TEST_F(ServiceTest, StopStringsAndStopIdsCutWhereTheyShould) {
   v1::GenerateRequest req = TextRequest("class Node:\n", 40);
   Result full = Unary(*stub_, req);
@@ -357,6 +487,11 @@ TEST_F(ServiceTest, EveryBadFieldIsInvalidArgumentNamingIt) {
   {
     v1::GenerateRequest r = TextRequest("", 4);
     cases.push_back({r, {"prompt.text"}});
+  }
+  for (int n : {21, -1}) {
+    v1::GenerateRequest r = IdsRequest({5}, 4);
+    r.mutable_sampling()->set_logprobs(n);
+    cases.push_back({r, {"sampling.logprobs", "20", std::to_string(n)}});
   }
   for (size_t i = 0; i < cases.size(); ++i) {
     for (bool streaming : {false, true}) {
@@ -507,25 +642,28 @@ TEST(ServiceOverflowTest, FullQueueIsResourceExhaustedAndServiceKeepsServing) {
 }
 
 // Pipeline parallelism (2 stages, two steps in flight over disjoint sequences) and a single
-// worker (no mpirun) give the engine's tokens too.
+// worker (no mpirun) give the engine's tokens too, and its logprobs.
 TEST(ServiceLayoutTest, PipelineAndSingleWorkerMatchTheEngine) {
   const std::string model = service_test::ServiceModelDir();
   EngineOptions options;
   options.device = "cpu";
   auto engine = Engine::Create(model, options);
   ASSERT_TRUE(engine.ok()) << engine.status();
-  std::vector<std::vector<int32_t>> expected;
+  std::vector<GenerateResult> expected;
   const std::vector<std::vector<int32_t>> prompts = {PromptIds(9, 21),  PromptIds(70, 22),
                                                      PromptIds(33, 23), PromptIds(5, 24),
                                                      PromptIds(17, 25), PromptIds(50, 26)};
-  for (const auto& p : prompts) {
+  // Even prompts ask for logprobs: they come from the last stage through the control plane.
+  auto logprobs_of = [](size_t i) { return i % 2 == 0 ? static_cast<int>(2 + i) : -1; };
+  for (size_t i = 0; i < prompts.size(); ++i) {
     GenerateRequest req;
-    req.prompt = p;
+    req.prompt = prompts[i];
     req.max_new_tokens = 12;
     req.ignore_eos = true;
+    req.sampling.logprobs = logprobs_of(i);
     auto r = (*engine)->Generate({req});
     ASSERT_TRUE(r.ok()) << r.status();
-    expected.push_back(r->at(0).output_ids);
+    expected.push_back(r->at(0));
   }
   for (const std::vector<std::string>& layout : {std::vector<std::string>{"--tp", "1", "--pp", "2"},
                                                  std::vector<std::string>{"--workers", "1"}}) {
@@ -539,13 +677,23 @@ TEST(ServiceLayoutTest, PipelineAndSingleWorkerMatchTheEngine) {
     for (size_t i = 0; i < prompts.size(); ++i) {
       threads.emplace_back([&, i] {
         auto s = v1::Inference::NewStub(server->Channel());
-        results[i] = Stream(*s, IdsRequest(prompts[i], 12));
+        v1::GenerateRequest req = IdsRequest(prompts[i], 12);
+        if (logprobs_of(i) >= 0) req.mutable_sampling()->set_logprobs(logprobs_of(i));
+        results[i] = Stream(*s, req);
       });
     }
     for (auto& t : threads) t.join();
     for (size_t i = 0; i < prompts.size(); ++i) {
       ASSERT_TRUE(results[i].status.ok()) << results[i].status.error_message();
-      EXPECT_EQ(Ids(results[i].response), expected[i]) << layout[0] << " prompt " << i;
+      EXPECT_EQ(Ids(results[i].response), expected[i].output_ids) << layout[0] << " prompt " << i;
+      EXPECT_EQ(results[i].misaligned, 0) << layout[0] << " prompt " << i;
+      if (logprobs_of(i) >= 0) {
+        // fp32 on both sides; batches differ (the engine ran each prompt alone).
+        ExpectLogprobs(results[i].response, expected[i], logprobs_of(i), 1e-4, true, nullptr,
+                       layout[0] + " prompt " + std::to_string(i));
+      } else {
+        EXPECT_EQ(results[i].response.logprobs_size(), 0);
+      }
     }
     const int status = server->Stop();
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << server->Log();

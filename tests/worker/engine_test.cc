@@ -1,5 +1,6 @@
 // The CPU engine on a small random model: batching, chunked prefill and the KV cache layout do
 // not change the results.
+#include <algorithm>
 #include <cmath>
 
 #include <gtest/gtest.h>
@@ -140,6 +141,73 @@ TEST_F(EngineTest, StopsAtEos) {
   EXPECT_EQ((*stopped)[0].finish_reason, "stop");
   EXPECT_LE(ids.size(), 3u);
   EXPECT_EQ(ids.back(), (*first)[0].output_ids[2]);
+}
+
+// log_softmax of one row of logits, in double precision.
+std::vector<double> LogSoftmax(const std::vector<float>& row) {
+  double m = -INFINITY, sum = 0;
+  for (float x : row) m = std::max(m, double(x));
+  for (float x : row) sum += std::exp(double(x) - m);
+  std::vector<double> out;
+  for (float x : row) out.push_back(double(x) - m - std::log(sum));
+  return out;
+}
+
+TEST_F(EngineTest, LogprobsAreTheLogSoftmaxOfTheForwardLogits) {
+  GenerateRequest greedy = Greedy(Prompt(11, 2), 7);
+  greedy.sampling.logprobs = 5;
+  GenerateRequest sampled = Greedy(Prompt(6, 3), 8);
+  sampled.sampling.temperature = 0.8f;
+  sampled.sampling.top_k = 20;
+  sampled.sampling.seed = 17;
+  sampled.sampling.logprobs = 3;
+  GenerateRequest none = Greedy(Prompt(9, 4), 5);
+  auto together = MakeEngine()->Generate({greedy, sampled, none});
+  ASSERT_TRUE(together.ok()) << together.status();
+  const std::vector<GenerateRequest> reqs = {greedy, sampled};
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "request " << i);
+    const GenerateResult& r = (*together)[i];
+    ASSERT_EQ(r.logprobs.size(), r.output_ids.size());
+    ASSERT_EQ(r.step_logits.size(), r.output_ids.size());
+    for (size_t s = 0; s < r.output_ids.size(); ++s) {
+      const std::vector<double> want = LogSoftmax(r.step_logits[s]);
+      const int32_t id = r.output_ids[s];
+      EXPECT_NEAR(r.logprobs[s].logprob, want[id], 1e-5) << "step " << s;
+      ASSERT_EQ(r.logprobs[s].top.size(), static_cast<size_t>(reqs[i].sampling.logprobs));
+      for (size_t k = 0; k < r.logprobs[s].top.size(); ++k) {
+        const TokenLogprob& alt = r.logprobs[s].top[k];
+        EXPECT_NEAR(alt.logprob, want[alt.id], 1e-5) << "step " << s << " rank " << k;
+        if (k > 0) {
+          const TokenLogprob& prev = r.logprobs[s].top[k - 1];
+          EXPECT_TRUE(prev.logprob > alt.logprob ||
+                      (prev.logprob == alt.logprob && prev.id < alt.id));
+        }
+      }
+      // Nothing outside the alternatives beats the last of them.
+      const double last = r.logprobs[s].top.back().logprob;
+      int better = 0;
+      for (double x : want) better += x > last + 1e-6;
+      EXPECT_LT(better, static_cast<int>(r.logprobs[s].top.size())) << "step " << s;
+      if (i == 0) {
+        EXPECT_EQ(r.logprobs[s].top[0].id, id) << "greedy picks the top-1, step " << s;
+      }
+    }
+  }
+  EXPECT_TRUE((*together)[2].logprobs.empty());
+  // Asking for logprobs changes no token.
+  GenerateRequest plain = sampled;
+  plain.sampling.logprobs = -1;
+  auto alone = MakeEngine()->Generate({plain});
+  ASSERT_TRUE(alone.ok());
+  EXPECT_EQ((*alone)[0].output_ids, (*together)[1].output_ids);
+  EXPECT_TRUE((*alone)[0].logprobs.empty());
+  // Out of range is refused.
+  GenerateRequest bad = greedy;
+  bad.sampling.logprobs = kMaxLogprobs + 1;
+  auto refused = MakeEngine()->Generate({bad});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("logprobs"), absl::string_view::npos);
 }
 
 }  // namespace

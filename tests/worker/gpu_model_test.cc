@@ -205,6 +205,7 @@ TEST(GpuModelTest, RandomModelMatchesCpuEngine) {
       reqs[r].max_new_tokens = 12;
       reqs[r].ignore_eos = true;
       reqs[r].record_logits = true;
+      reqs[r].sampling.logprobs = r == 0 ? 5 : kMaxLogprobs;
     }
     auto gen = (*gpu)->Generate(reqs);
     ASSERT_TRUE(gen.ok()) << gen.status();
@@ -219,6 +220,20 @@ TEST(GpuModelTest, RandomModelMatchesCpuEngine) {
         compare(res.step_logits[i], (*forced)[reqs[r].prompt.size() - 1 + i],
                 "batch " + std::to_string(batch) + " seq " + std::to_string(r) + " step " +
                     std::to_string(i));
+      }
+      // The GPU sampler's logprobs (fp32 logsumexp on the device) against the double-precision
+      // reference over the very logits it saw (recorded from bf16): 1e-4 absolute, ids exact.
+      ASSERT_EQ(res.logprobs.size(), res.output_ids.size());
+      for (size_t i = 0; i < res.logprobs.size(); ++i) {
+        const TokenLogprobs want = ReferenceLogprobs(res.step_logits[i].data(), vocab,
+                                                     res.output_ids[i], reqs[r].sampling.logprobs);
+        EXPECT_NEAR(res.logprobs[i].logprob, want.logprob, 1e-4) << "step " << i;
+        ASSERT_EQ(res.logprobs[i].top.size(), want.top.size());
+        for (size_t k = 0; k < want.top.size(); ++k) {
+          EXPECT_EQ(res.logprobs[i].top[k].id, want.top[k].id) << "step " << i << " rank " << k;
+          EXPECT_NEAR(res.logprobs[i].top[k].logprob, want.top[k].logprob, 1e-4);
+        }
+        EXPECT_EQ(res.logprobs[i].top[0].id, res.output_ids[i]) << "greedy, step " << i;
       }
     }
   }

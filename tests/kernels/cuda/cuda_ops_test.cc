@@ -888,5 +888,77 @@ TEST_F(CudaOpsTest, SampleLargeVocabTopKTopP) {
   EXPECT_LE(mismatch * 20, draws);
 }
 
+// Log-probabilities: the GPU's fp32 logsumexp and top N against the double-precision reference
+// (ReferenceLogprobs, what the CPU op returns) for the id the GPU chose. Tolerance: 1e-4
+// absolute on every logprob (fp32 sums over up to 50k exponentials). The alternatives' ids must
+// match exactly: both sides order the same logit values by (value desc, id asc), ties included
+// (bf16-representable logits repeat often; one row is constant).
+TEST_F(CudaOpsTest, SampleLogprobsMatchReference) {
+  constexpr double kLogprobTol = 1e-4;
+  struct Shape {
+    int rows, vocab, width;
+  };
+  const Shape shapes[] = {{9, 7, 7},         {9, 151, 160},     {9, 1000, 1040}, {9, 32000, 32000},
+                          {9, 32256, 32256}, {9, 50257, 50304}, {130, 517, 517}};
+  const int asks[] = {-1, 0, 1, 5, kMaxLogprobs, 3, -1, kMaxLogprobs, 2};
+  const float temps[] = {0.0f, 0.8f, 0.0f, 1.2f, 0.7f, 0.0f, 1.0f, 1.0f, 0.5f};
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE(::testing::Message()
+                 << s.rows << " rows, vocab " << s.vocab << ", width " << s.width);
+    std::vector<float> logits = RandomBf16(rng_, static_cast<size_t>(s.rows) * s.width, 4.0f);
+    for (int r = 0; r < s.rows; ++r) {
+      for (int c = s.vocab; c < s.width; ++c) logits[r * s.width + c] = 100.0f;  // padding
+    }
+    for (int c = 0; c < s.vocab; ++c) logits[8 * s.width + c] = 0.5f;  // a constant row
+    std::vector<SamplingParams> params(s.rows), plain;
+    for (int r = 0; r < s.rows; ++r) {
+      SamplingParams& p = params[r];
+      p.temperature = temps[r % 9];
+      p.top_k = r % 9 == 3 ? 10 : 0;
+      p.top_p = r % 9 == 4 || r % 9 == 7 ? 0.9f : 1.0f;
+      p.seed = 77 + r;
+      p.position = 5 + 3 * r;
+      p.logprobs = asks[r % 9];
+    }
+    plain = params;
+    for (SamplingParams& p : plain) p.logprobs = -1;
+    const Tensor cpu_logits = Cpu(logits, {s.rows, s.width});
+    const std::vector<int32_t> cpu_ids = cpu_->Sample(cpu_logits, s.vocab, plain);
+    for (DType dt : {DType::kF32, DType::kBF16}) {
+      SCOPED_TRACE(dt == DType::kF32 ? "f32 logits" : "bf16 logits");
+      const Tensor g =
+          dt == DType::kF32 ? GpuF32(logits, {s.rows, s.width}) : Gpu(logits, {s.rows, s.width});
+      std::vector<std::optional<TokenLogprobs>> lps;
+      const std::vector<int32_t> ids = ops_->Sample(g, s.vocab, params, &lps);
+      ASSERT_EQ(lps.size(), static_cast<size_t>(s.rows));
+      EXPECT_EQ(ops_->Sample(g, s.vocab, plain), ids) << "asking for logprobs changed tokens";
+      for (int r = 0; r < s.rows; ++r) {
+        const SamplingParams& p = params[r];
+        if (p.temperature == 0.0f) {
+          EXPECT_EQ(ids[r], cpu_ids[r]) << "greedy row " << r;
+        }
+        if (p.logprobs < 0) {
+          EXPECT_FALSE(lps[r].has_value()) << "row " << r << " did not ask";
+          continue;
+        }
+        ASSERT_TRUE(lps[r].has_value()) << "row " << r;
+        ASSERT_TRUE(ids[r] >= 0 && ids[r] < s.vocab) << "row " << r;
+        const TokenLogprobs want = ReferenceLogprobs(&logits[static_cast<size_t>(r) * s.width],
+                                                     s.vocab, ids[r], p.logprobs);
+        EXPECT_NEAR(lps[r]->logprob, want.logprob, kLogprobTol) << "row " << r;
+        ASSERT_EQ(lps[r]->top.size(), want.top.size()) << "row " << r;
+        for (size_t k = 0; k < want.top.size(); ++k) {
+          EXPECT_EQ(lps[r]->top[k].id, want.top[k].id) << "row " << r << " rank " << k;
+          EXPECT_NEAR(lps[r]->top[k].logprob, want.top[k].logprob, kLogprobTol)
+              << "row " << r << " rank " << k;
+        }
+        if (p.temperature == 0.0f && !want.top.empty()) {
+          EXPECT_EQ(lps[r]->top[0].id, ids[r]);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tpserve
