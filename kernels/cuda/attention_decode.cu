@@ -26,6 +26,56 @@ __device__ void WriteZeroRows(int64_t q_row, int num_heads, int head0,
   }
 }
 
+// Sums acc (this thread's 8 columns of o for each head, over its token lane's keys) over the
+// block's token lanes into o_s in a fixed order: lanes of a warp by shuffles, then the four
+// warps pairwise through o_s and `spare`, a dead kG x kD buffer. Float atomics here added in
+// arrival order, so one step could give different bits from run to run, and greedy decoding
+// of a model with near-ties different tokens.
+template <int kD, int kG>
+__device__ __forceinline__ void SumTokenLanes(float (&acc)[kG][8], float (*o_s)[kD],
+                                              float (*spare)[kD]) {
+  static_assert(kThreads == 128, "four warps");
+  constexpr int kLanesPerToken = kD / 8;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, chunk = tid % kLanesPerToken;
+#pragma unroll
+  for (int o = kLanesPerToken; o < 32; o <<= 1) {
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+    }
+  }
+  const bool holder = lane < kLanesPerToken;  // one lane per column chunk holds the warp's sum
+  auto store = [&](float(*buf)[kD]) {
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) buf[g][chunk * 8 + e] = acc[g][e];
+    }
+  };
+  auto add = [&](float(*buf)[kD]) {
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[g][e] += buf[g][chunk * 8 + e];
+    }
+  };
+  __syncthreads();
+  if (holder && warp == 2) store(spare);
+  if (holder && warp == 3) store(o_s);
+  __syncthreads();
+  if (holder && warp == 0) add(spare);
+  if (holder && warp == 1) add(o_s);
+  __syncthreads();
+  if (holder && warp == 1) store(spare);
+  __syncthreads();
+  if (holder && warp == 0) {
+    add(spare);
+    store(o_s);
+  }
+  __syncthreads();
+}
+
 // The end of every split: o_s holds sum_t p_t v_t (p relative to m_s), l_s the sum of p.
 // A context of one partition is normalized and written directly. Otherwise the partial goes to
 // the workspace record [seq][head][split]; the block that arrives last at its (sequence, head
@@ -256,12 +306,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-#pragma unroll
-  for (int g = 0; g < kG; ++g) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) atomicAdd(&o_s[g][chunk * 8 + e], acc[g][e]);
-  }
-  __syncthreads();
+  SumTokenLanes<kD, kG>(acc, o_s, q_s);  // q_s is dead: q is in registers
   FinishSplit<kD, kG>(o_s, m_s, l_s, used, split, num_splits, seq, group, num_heads, q_row,
                       counters, records, out);
 }
@@ -434,12 +479,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();  // s_s is rewritten by the next sub-tile
   }
-#pragma unroll
-  for (int g = 0; g < kG; ++g) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) atomicAdd(&o_s[g][chunk * 8 + e], acc[g][e]);
-  }
-  __syncthreads();
+  SumTokenLanes<kD, kG>(acc, o_s, q_s);  // q_s is dead: q is in registers
   FinishSplit<kD, kG>(o_s, m_s, l_s, used, split, num_splits, seq, group, num_heads, q_row,
                       counters, records, out);
 }
