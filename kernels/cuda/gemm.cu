@@ -25,7 +25,7 @@ LtGemm::LtGemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   TP_CUBLAS_CHECK(cublasLtCreate(&handle_));
   TP_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
   const char* env = std::getenv("TPSERVE_CUBLASLT_AUTOTUNE");
-  autotune_ = !(env != nullptr && std::string(env) == "0");
+  autotune_ = env != nullptr && std::string(env) == "1";
 }
 
 LtGemm::~LtGemm() {
