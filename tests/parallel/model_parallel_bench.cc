@@ -165,6 +165,9 @@ int Main(int argc, char** argv) {
       measured_steps > 0 ? static_cast<double>(measured_calls) / measured_steps : 0.0);
   fflush(stdout);
   engine->reset();
+  // The communicators free their MPI communicators: before MPI_Finalize, not at scope exit.
+  groups->tp_comm.reset();
+  groups->pp_comm.reset();
   MPI_Finalize();
   return 0;
 }
