@@ -73,6 +73,84 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// The prefill-sized path (kAllHeadsMinTokens tokens or more, head_dim % 16 == 0): a block per
+// token; a thread takes the 16-byte chunks (c, c + D/16) of a head, the two halves RoPE pairs,
+// and keeps up to kItems such items' loads in flight before it rotates and stores any.
+constexpr int kItems = 4;
+
+__global__ void __launch_bounds__(kWarps * 32)
+    RopeKvWriteWideKernel(const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ inv_freq,
+                          const int32_t* __restrict__ positions,
+                          const int32_t* __restrict__ slot_mapping, int num_q_heads,
+                          int num_kv_heads, int head_dim, int64_t num_slots,
+                          __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_cache,
+                          __nv_bfloat16* __restrict__ v_cache) {
+  __shared__ float cos_s[kMaxHalf], sin_s[kMaxHalf];
+  PdlLaunchDependents();
+  const int t = blockIdx.x;
+  const int half = head_dim / 2;
+  const float pos = static_cast<float>(positions[t]);
+  const int64_t slot = slot_mapping[t];
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    float s, c;
+    sincosf(pos * inv_freq[i], &s, &c);
+    cos_s[i] = c;
+    sin_s[i] = s;
+  }
+  __syncthreads();
+  PdlWait();  // qkv is the previous kernel's output
+
+  const int pairs = head_dim / 16;  // chunk pairs per head
+  const bool has_slot = slot >= 0 && slot < num_slots;
+  const int heads = has_slot ? num_q_heads + 2 * num_kv_heads : num_q_heads;  // padding: q only
+  const int items = heads * pairs;
+  const __nv_bfloat16* row =
+      qkv + static_cast<int64_t>(t) * (num_q_heads + 2 * num_kv_heads) * head_dim;
+  for (int first = threadIdx.x; first < items; first += kItems * blockDim.x) {
+    uint4 a[kItems], b[kItems];
+#pragma unroll
+    for (int u = 0; u < kItems; ++u) {
+      const int i = first + u * blockDim.x;
+      if (i < items) {
+        const __nv_bfloat16* src = row + (i / pairs) * head_dim + (i % pairs) * 8;
+        a[u] = *reinterpret_cast<const uint4*>(src);
+        b[u] = *reinterpret_cast<const uint4*>(src + half);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kItems; ++u) {
+      const int i = first + u * blockDim.x;
+      if (i >= items) continue;
+      const int head = i / pairs, c = i % pairs;
+      __nv_bfloat16* dst;
+      if (head < num_q_heads) {
+        dst = q_out + (static_cast<int64_t>(t) * num_q_heads + head) * head_dim;
+      } else {
+        const int kv = head - num_q_heads;
+        dst = kv < num_kv_heads ? k_cache + (slot * num_kv_heads + kv) * head_dim
+                                : v_cache + (slot * num_kv_heads + kv - num_kv_heads) * head_dim;
+      }
+      dst += c * 8;
+      if (head < num_q_heads + num_kv_heads) {  // q and k rotate; v is a copy
+        float fa[8], fb[8], ra[8], rb[8];
+        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&a[u]), fa);
+        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&b[u]), fb);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float cs = cos_s[c * 8 + e], sn = sin_s[c * 8 + e];
+          ra[e] = fa[e] * cs - fb[e] * sn;
+          rb[e] = fb[e] * cs + fa[e] * sn;
+        }
+        *reinterpret_cast<Bf16x8*>(dst) = FloatToBf16x8(ra);
+        *reinterpret_cast<Bf16x8*>(dst + half) = FloatToBf16x8(rb);
+      } else {
+        *reinterpret_cast<uint4*>(dst) = a[u];
+        *reinterpret_cast<uint4*>(dst + half) = b[u];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void LaunchRopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
@@ -96,6 +174,16 @@ void LaunchRopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_head
       << ", heads " << num_q_heads << "/" << num_kv_heads << ", head_dim " << head_dim
       << " (a multiple of 4), tokens " << b.num_tokens << ", block_size " << b.block_size;
   if (b.num_tokens == 0) return;
+  if (b.num_tokens >= kAllHeadsMinTokens && head_dim % 16 == 0 && IsAligned16(q_out.data) &&
+      IsAligned16(k_cache.data) && IsAligned16(v_cache.data)) {
+    LaunchPdl(RopeKvWriteWideKernel, dim3(b.num_tokens), dim3(kWarps * 32), 0, stream,
+              qkv.ptr<const __nv_bfloat16>(), inv_freq.ptr<const float>(), b.positions,
+              b.slot_mapping, num_q_heads, num_kv_heads, head_dim, k_cache.dim(0) * k_cache.dim(1),
+              q_out.ptr<__nv_bfloat16>(), k_cache.ptr<__nv_bfloat16>(),
+              v_cache.ptr<__nv_bfloat16>());
+    TP_CUDA_CHECK_LAUNCH();
+    return;
+  }
   const int heads = num_q_heads + 2 * num_kv_heads;
   const int heads_per_block = b.num_tokens >= kAllHeadsMinTokens ? heads : kWarps;
   dim3 grid(b.num_tokens, CeilDiv(heads, heads_per_block));

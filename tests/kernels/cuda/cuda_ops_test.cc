@@ -263,7 +263,7 @@ TEST_F(CudaOpsTest, RopeKvWriteMatchesCpu) {
   const std::vector<std::vector<std::pair<int, int>>> batches = {
       {{29, 4000}, {1, 7}, {1, 0}, {3, 3}}, {{300, 4000}, {1, 0}, {7, 7}}};
   for (const auto& seqs : batches)
-    for (Case c : {Case{8, 2, 128}, Case{4, 4, 64}, Case{32, 32, 128}}) {
+    for (Case c : {Case{8, 2, 128}, Case{4, 4, 64}, Case{32, 32, 128}, Case{6, 2, 32}}) {
       SCOPED_TRACE(testing::Message() << "heads " << c.hq << "/" << c.hk << " d " << c.d
                                       << " sequences " << seqs.size());
       const int bs = 16, blocks = 300;
