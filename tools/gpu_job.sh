@@ -8,8 +8,8 @@
 #   test; `refs hf` needs no tpserve binary but `tpserve random-model`; kernels: the kernel
 #   benchmark tpserve-cuda-bench; serve: tools/serve_check.sh, served vs engine tokens)
 #   BENCH_ARGS adds arguments to the engine benchmark (e.g. --profile).
-#   BENCH_AB="VAR=value ..." runs the engine benchmark a second time with that environment (the
-#   baseline of an A/B comparison in the same job).
+#   BENCH_AB="VAR=value ...[;VAR=value ...]" runs the engine benchmark again with each of those
+#   environments (baselines of an A/B comparison in the same job), with BENCH_AB_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}
@@ -74,15 +74,22 @@ fi
 if has bench; then
   log "tpserve-engine-bench (6.7B shape, batch 1 512+512, prefill 2048, batch 8/32/64 at 1024)"
   sync; cat $ds/*.safetensors >/dev/null  # warm page cache for the load-time figure
+  # SM clock, power and throttle reasons every 50 ms while the benchmarks run (sustained prefill
+  # GEMMs run against the board's power limit).
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+    --format=csv -lms 50 >"$out/gpu_clocks.csv" 2>&1 &
+  smi_pid=$!
   timeout 900 "$stage/bin/tpserve-engine-bench" --model $ds --device cuda ${BENCH_ARGS:-} \
     --json "$out/engine_bench.json" \
     2>&1 | tee "$out/engine_bench.log" | grep -v '^{' | tee -a "$out/summary.txt"
-  if [ -n "${BENCH_AB:-}" ]; then
-    log "tpserve-engine-bench again with $BENCH_AB"
-    env $BENCH_AB timeout 900 "$stage/bin/tpserve-engine-bench" --model $ds --device cuda \
-      --json "$out/engine_bench_ab.json" 2>&1 | tee "$out/engine_bench_ab.log" | grep -v '^{' |
-      tee -a "$out/summary.txt"
-  fi
+  IFS=';' read -ra abs <<<"${BENCH_AB:-}"
+  for i in "${!abs[@]}"; do
+    log "tpserve-engine-bench again with ${abs[$i]}"
+    env ${abs[$i]} timeout 900 "$stage/bin/tpserve-engine-bench" --model $ds --device cuda \
+      ${BENCH_AB_ARGS:-} --json "$out/engine_bench_ab$i.json" 2>&1 |
+      tee "$out/engine_bench_ab$i.log" | grep -v '^{' | tee -a "$out/summary.txt"
+  done
+  kill $smi_pid 2>/dev/null
 fi
 if has trace; then
   # Nsight Systems timeline of batch-1 decode with every CUDA-graph node traced: the time of each

@@ -88,6 +88,27 @@ HwLimits MeasureHwLimits() {
       },
       3, 10);
   limits.gemm_flops_per_s = 2.0 * n * double(n) * n / (gemm_ms * 1e-3);
+  // Sustained: ~1 s of GEMMs, the last third timed as one interval.
+  {
+    const int total = std::max(30, static_cast<int>(1000.0 / gemm_ms));
+    const int timed = total / 3;
+    cudaEvent_t e0, e1;
+    TP_CUDA_CHECK(cudaEventCreate(&e0));
+    TP_CUDA_CHECK(cudaEventCreate(&e1));
+    for (int i = 0; i < total; ++i) {
+      if (i == total - timed) TP_CUDA_CHECK(cudaEventRecord(e0));
+      TP_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a,
+                                   CUDA_R_16BF, n, b, CUDA_R_16BF, n, &beta, c, CUDA_R_16BF, n,
+                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+    TP_CUDA_CHECK(cudaEventRecord(e1));
+    TP_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    TP_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    limits.gemm_sustained_flops_per_s = 2.0 * n * double(n) * n * timed / (ms * 1e-3);
+    TP_CUDA_CHECK(cudaEventDestroy(e0));
+    TP_CUDA_CHECK(cudaEventDestroy(e1));
+  }
   TP_CUBLAS_CHECK(cublasDestroy(handle));
   TP_CUDA_CHECK(cudaFree(a));
   TP_CUDA_CHECK(cudaFree(b));

@@ -8,7 +8,10 @@ namespace tpserve {
 
 struct HwLimits {
   double copy_bytes_per_s = 0;  // counting bytes read plus bytes written
-  double gemm_flops_per_s = 0;  // bf16 in, fp32 accumulate, M = N = K = gemm_size
+  double gemm_flops_per_s = 0;  // bf16 in, fp32 accumulate, M = N = K = gemm_size (a burst)
+  // The same GEMM after about a second of back-to-back GEMMs: the rate the board sustains under
+  // its power limit (the H200 drops its SM clock under the 700 W cap within ~0.2 s).
+  double gemm_sustained_flops_per_s = 0;
   int gemm_size = 0;
   int64_t total_memory = 0;
 };
