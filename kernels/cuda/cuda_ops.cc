@@ -8,6 +8,7 @@
 #include <cstring>
 #include <string>
 
+#include "absl/strings/str_split.h"
 #include "common/check.h"
 #include "common/logging.h"
 #include "kernels/cuda/gemm.h"
@@ -143,6 +144,17 @@ CudaOps::CudaOps(int device) : device_(device) {
   if (profile != nullptr && std::string(profile) == "1") set_op_profiling(true);
   const char* fused = std::getenv("TPSERVE_FUSED_SKINNY");
   if (fused != nullptr && std::string(fused) == "0") fused_skinny_ = false;
+  const char* ablate = std::getenv("TPSERVE_ABLATE_OPS");
+  if (ablate != nullptr && *ablate != '\0') {
+    for (absl::string_view op : absl::StrSplit(ablate, ',', absl::SkipEmpty())) {
+      TP_CHECK(op == "AttentionDecode" || op == "AddRmsNorm" || op == "Gemm.square")
+          << "TPSERVE_ABLATE_OPS: unknown op '" << op
+          << "' (AttentionDecode, AddRmsNorm, Gemm.square)";
+      ablated_.insert(std::string(op));
+    }
+    TP_LOG(WARNING) << "TPSERVE_ABLATE_OPS=" << ablate
+                    << ": these ops are skipped, every result is wrong (benchmarking only)";
+  }
 }
 
 CudaOps::~CudaOps() {
@@ -253,9 +265,9 @@ void CudaOps::Reserve(const CudaReserve& r) {
   GrowSection(sections_[kContextLens], r.max_seqs * sizeof(int32_t));
   GrowSection(sections_[kBlockTables],
               size_t{1} * r.max_seqs * r.max_blocks_per_seq * sizeof(int32_t));
-  // Prefill tiles: at most one per sequence plus one per kPrefillTileM tokens.
+  // Prefill tiles: at most one per sequence plus one per kPrefillTileMinM tokens.
   GrowSection(sections_[kPrefillWork],
-              (r.max_seqs + r.max_tokens / cuda::kPrefillTileM + 1) * sizeof(int2));
+              (r.max_seqs + r.max_tokens / cuda::kPrefillTileMinM + 1) * sizeof(int2));
   if (r.num_heads > 0) {
     reserve_heads_ = r.num_heads;
     reserve_kv_heads_ = r.num_kv_heads > 0 ? r.num_kv_heads : r.num_heads;
@@ -285,6 +297,7 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   TP_CHECK(S == 0 || (m.query_start[0] == 0 && m.query_start[S] == T))
       << "SetBatch: query_start must run from 0 to num_tokens " << T;
   int max_q = 0, max_ctx = 0;
+  const int tile_m = cuda::PrefillTileM();
   std::vector<int2> work;
   for (int s = 0; s < S; ++s) {
     int qlen = m.query_start[s + 1] - m.query_start[s];
@@ -295,12 +308,12 @@ void CudaOps::SetBatch(const BatchMeta& m) {
         << " (capacity " << m.max_blocks_per_seq * m.block_size << ")";
     max_q = std::max(max_q, qlen);
     max_ctx = std::max(max_ctx, ctx);
-    for (int q0 = 0; q0 < qlen; q0 += cuda::kPrefillTileM) work.push_back({s, q0});
+    for (int q0 = 0; q0 < qlen; q0 += tile_m) work.push_back({s, q0});
   }
   // Heaviest prefill tiles (most keys) first, so the tail of the grid is short.
   auto keys_of = [&](const int2& w) {
     int qlen = m.query_start[w.x + 1] - m.query_start[w.x];
-    return m.context_lens[w.x] - qlen + std::min(w.y + cuda::kPrefillTileM, qlen);
+    return m.context_lens[w.x] - qlen + std::min(w.y + tile_m, qlen);
   };
   std::stable_sort(work.begin(), work.end(),
                    [&](const int2& a, const int2& b) { return keys_of(a) > keys_of(b); });
@@ -390,6 +403,7 @@ void CudaOps::RmsNorm(const Tensor& x, const Tensor& weight, float eps, Tensor o
 
 void CudaOps::AddRmsNorm(Tensor residual, const Tensor& x, const Tensor& weight, float eps,
                          Tensor out) {
+  if (Ablated("AddRmsNorm")) return;
   OpScope scope(
       this, "AddRmsNorm", [&] { return Dims(x); }, 4.0 * x.bytes());
   cuda::LaunchAddRmsNorm(residual, x, weight, eps, out, stream_);
@@ -401,6 +415,7 @@ void CudaOps::set_skinny_max_m(int m) {
 }
 
 void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) {
+  if (!ablated_.empty() && w.dim(0) == w.dim(1) && Ablated("Gemm.square")) return;
   int64_t k = x.dim(-1);
   int64_t m = k == 0 ? 0 : x.numel() / k;
   const bool skinny = m > 0 && m <= skinny_max_m_ && k % 8 == 0 &&
@@ -502,6 +517,7 @@ void CudaOps::AttentionPrefill(const Tensor& q, const Tensor& k_cache, const Ten
 void CudaOps::AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                               int num_heads, int num_kv_heads, int head_dim, float scale,
                               Tensor out) {
+  if (Ablated("AttentionDecode")) return;
   GrowDecodeWorkspace(*batch_, num_heads, num_kv_heads, head_dim);
   // KV bytes when every sequence has the longest context (as in the benchmarks).
   const double kv_bytes = 2.0 * batch_->num_seqs * batch_->max_context_len * num_kv_heads *

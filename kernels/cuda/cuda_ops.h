@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <vector>
 
 #include "kernels/cuda/op_profiler.h"
@@ -114,6 +115,11 @@ class CudaOps final : public Ops {
   // TPSERVE_FUSED_SKINNY=0 turns them off (A/B measurements).
   void set_fused_skinny(bool on) { fused_skinny_ = on; }
   bool fused_skinny() const { return fused_skinny_; }
+  // Ablation, for benchmarks only: TPSERVE_ABLATE_OPS=AttentionDecode,AddRmsNorm,Gemm.square
+  // (any of them) makes those ops return without launching anything (Gemm.square: GEMMs with a
+  // square weight, in LLaMA shapes the attention output projection), so that the step time
+  // without them can be measured inside the CUDA graph. Every result is wrong; a warning says so.
+  bool Ablated(const std::string& op) const { return ablated_.count(op) > 0; }
 
   // Op profiler (op_profiler.h): while on, every op launched outside stream capture is timed
   // with a pair of CUDA events. Also switched on by TPSERVE_OP_PROFILE=1.
@@ -148,6 +154,7 @@ class CudaOps final : public Ops {
   // (e.g. gate_up 94.7% / 91.5% vs 85% of copy bandwidth); from M = 4 cuBLASLt is faster.
   int skinny_max_m_ = 2;
   bool fused_skinny_ = true;
+  std::set<std::string> ablated_;
   uint64_t generation_ = 0;
   // Batch buffers on the device and their pinned staging (two, used alternately).
   enum {

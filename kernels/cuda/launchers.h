@@ -10,8 +10,11 @@
 
 namespace tpserve::cuda {
 
-// Query rows per prefill-attention tile (one CUDA block per tile and head).
-inline constexpr int kPrefillTileM = 64;
+// Query rows per prefill-attention tile (one CUDA block per tile and head): 128 (8 warps), or 64
+// (4 warps) with TPSERVE_PREFILL_TILE=64 (read once). SetBatch cuts the work list with it.
+int PrefillTileM();
+// The smallest tile PrefillTileM() returns (sizes the work list's reservation).
+inline constexpr int kPrefillTileMinM = 64;
 
 // The current batch as the kernels read it: device arrays (filled on the ops' stream by
 // SetBatch) and host copies of the scalar sizes, which fix the grids.

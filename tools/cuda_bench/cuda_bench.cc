@@ -2,7 +2,8 @@
 // ceiling for decode), skinny GEMM vs cuBLASLt at decode sizes for the DeepSeek-Coder-6.7B
 // shapes, prefill attention TFLOP/s and decode attention GB/s. Times are medians of CUDA-event
 // timed repetitions after warm-up; weights rotate over copies larger than the L2 cache.
-//   tpserve-cuda-bench [--m1]   (--m1: only the batch-1 decode kernels, a short run)
+//   tpserve-cuda-bench [--m1 | --attention]   (--m1: only the batch-1 decode kernels, a short
+//   run; --attention: copy bandwidth and the attention kernels)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -79,7 +80,7 @@ std::string Fmt(const char* f, double a, double b = 0) {
   return buf;
 }
 
-int Main(bool m1_only) {
+int Main(bool m1_only, bool attention_only) {
   if (CudaDeviceCount() == 0) {
     std::printf("no CUDA device\n");
     return 0;
@@ -117,6 +118,7 @@ int Main(bool m1_only) {
   void* ybuf = ops.Alloc(size_t{16} * 32256 * 2);
   FillRandom(xbuf, 16 * 11008 * 2 * 2, 1.0f);
   for (const Shape& sh : shapes) {
+    if (attention_only) break;
     size_t wbytes = size_t{2} * sh.n * sh.k;
     int copies = static_cast<int>(std::max<size_t>(2, (size_t{1} << 30) / wbytes + 1));
     void* w = ops.Alloc(wbytes * copies);
@@ -157,7 +159,7 @@ int Main(bool m1_only) {
   // 3. cuBLAS bf16 peak and a prefill-sized GEMM.
   for (auto [m, n, k] : {std::tuple{4096, 4096, 4096}, std::tuple{2048, 12288, 4096},
                          std::tuple{2048, 4096, 11008}}) {
-    if (m1_only) break;
+    if (m1_only || attention_only) break;
     void* a = ops.Alloc(size_t{2} * m * k);
     void* b = ops.Alloc(size_t{2} * n * k);
     void* c = ops.Alloc(size_t{2} * m * n);
@@ -250,5 +252,6 @@ int Main(bool m1_only) {
 }  // namespace tpserve
 
 int main(int argc, char** argv) {
-  return tpserve::Main(argc > 1 && std::string(argv[1]) == "--m1");
+  const std::string mode = argc > 1 ? argv[1] : "";
+  return tpserve::Main(mode == "--m1", mode == "--attention");
 }

@@ -195,6 +195,32 @@ TEST_F(CudaOpsTest, RmsNormAndAddRmsNorm) {
   }
 }
 
+// TPSERVE_ABLATE_OPS (benchmarks only): the named ops launch nothing, the others still run.
+TEST_F(CudaOpsTest, AblatedOpsLaunchNothing) {
+  ASSERT_EQ(setenv("TPSERVE_ABLATE_OPS", "AddRmsNorm,Gemm.square", 1), 0);
+  std::unique_ptr<Ops> ablated = MakeCudaOps(0);
+  unsetenv("TPSERVE_ABLATE_OPS");
+  auto* cuda = static_cast<CudaOps*>(ablated.get());
+  EXPECT_TRUE(cuda->Ablated("AddRmsNorm"));
+  EXPECT_TRUE(cuda->Ablated("Gemm.square"));
+  EXPECT_FALSE(cuda->Ablated("AttentionDecode"));
+  EXPECT_FALSE(gpu_->Ablated("AddRmsNorm"));
+  const int rows = 3, hidden = 64;
+  auto x = RandomBf16(rng_, rows * hidden), w = RandomBf16(rng_, hidden);
+  auto sq = RandomBf16(rng_, hidden * hidden), rect = RandomBf16(rng_, 2 * hidden * hidden);
+  Tensor gx = Gpu(x, {rows, hidden}), gw = Gpu(w, {hidden}), res = Gpu(x, {rows, hidden});
+  Tensor out = GpuOut({rows, hidden});
+  ablated->AddRmsNorm(res, gx, gw, 1e-5f, out);
+  ablated->Gemm(gx, Gpu(sq, {hidden, hidden}), nullptr, out);
+  ablated->Synchronize();
+  for (float v : Host(out)) ASSERT_TRUE(std::isnan(v)) << "an ablated op wrote its output";
+  EXPECT_EQ(Host(res), Host(gx));  // the residual was not updated either
+  Tensor out2 = GpuOut({rows, 2 * hidden});
+  ablated->Gemm(gx, Gpu(rect, {2 * hidden, hidden}), nullptr, out2);  // not square: runs
+  ablated->Synchronize();
+  for (float v : Host(out2)) ASSERT_TRUE(std::isfinite(v));
+}
+
 TEST_F(CudaOpsTest, GemmSkinnyAllConfigsAndCublasLt) {
   struct Shape {
     int m, n, k;
