@@ -151,23 +151,6 @@ class Ops {
     SiluMul(gate_up, act);
     Gemm(act, w, nullptr, y);
   }
-  // A projection that feeds the residual stream, then the next RMSNorm: Gemm(x, w, bias, y),
-  // then AddRmsNorm(residual, y, gamma, eps, normed). A backend may fuse them (the CUDA one does
-  // for decode-sized M: the GEMM's last block to finish normalizes); residual and normed come
-  // out as the two calls would leave them, y holds the projection.
-  virtual void GemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
-                              Tensor residual, const Tensor& gamma, float eps, Tensor normed) {
-    Gemm(x, w, bias, y);
-    AddRmsNorm(residual, y, gamma, eps, normed);
-  }
-  // The same after the MLP's down projection: SiluMulGemm(gate_up, w, act, y), then
-  // AddRmsNorm(residual, y, gamma, eps, normed).
-  virtual void SiluMulGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, Tensor act, Tensor y,
-                                     Tensor residual, const Tensor& gamma, float eps,
-                                     Tensor normed) {
-    SiluMulGemm(gate_up, w, act, y);
-    AddRmsNorm(residual, y, gamma, eps, normed);
-  }
   // out = a + b (elementwise, same shape).
   virtual void Add(const Tensor& a, const Tensor& b, Tensor out) = 0;
   // out[i] = in[rows[i]] for the batch's logits_rows.

@@ -439,18 +439,11 @@ absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
     TP_RETURN_IF_ERROR(comms_.pp->Recv(residual, shard_.stage - 1));
   }
 
-  // Without tensor parallelism nothing stands between a projection into the residual stream and
-  // the next RMSNorm: they go to the backend as one op (fused on CUDA for decode batches). On
-  // the last stage the last layer's MLP also takes the final norm (of every row; the logit rows
-  // are gathered after it).
-  const bool fuse_norms = plan_.tp == 1;
-  const bool fuse_final = fuse_norms && shard_.last_stage;
-  bool input_normed = false;  // the previous layer's down projection already normalized
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
     if (l == 0) {
       ops_->RmsNorm(residual, layer.input_norm, eps, normed);
-    } else if (!input_normed) {
+    } else {
       ops_->AddRmsNorm(residual, proj, layer.input_norm, eps, normed);  // proj = previous MLP
     }
     // One GEMM for q, k and v (their weights are consecutive rows of one buffer), RoPE and the
@@ -468,41 +461,22 @@ absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
       ops_->AttentionPrefill(q, cache.k(static_cast<int>(l)), cache.v(static_cast<int>(l)), nq, nkv,
                              static_cast<int>(d), scale, attn);
     }
-    const Tensor* o_bias = layer.has_o_bias ? &layer.bo : nullptr;
-    if (fuse_norms) {
-      ops_->GemmAddRmsNorm(attn, layer.wo, o_bias, proj, residual, layer.post_norm, eps, normed);
-    } else {
-      ops_->Gemm(attn, layer.wo, o_bias, proj);
-      TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
-      ops_->AddRmsNorm(residual, proj, layer.post_norm, eps, normed);
-    }
+    ops_->Gemm(attn, layer.wo, layer.has_o_bias ? &layer.bo : nullptr, proj);
+    if (plan_.tp > 1) TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
+    ops_->AddRmsNorm(residual, proj, layer.post_norm, eps, normed);
     ops_->Gemm(normed, layer.w_gate_up, nullptr, gate_up);
-    const bool last_layer = l + 1 == layers_.size();
-    input_normed = fuse_norms && (!last_layer || fuse_final);
-    if (input_normed) {
-      const Tensor& gamma = last_layer ? final_norm_ : layers_[l + 1].input_norm;
-      ops_->SiluMulGemmAddRmsNorm(gate_up, layer.w_down, mlp_act, proj, residual, gamma, eps,
-                                  normed);
-    } else {
-      ops_->SiluMulGemm(gate_up, layer.w_down, mlp_act, proj);
-      if (plan_.tp > 1) TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
-    }
+    ops_->SiluMulGemm(gate_up, layer.w_down, mlp_act, proj);
+    if (plan_.tp > 1) TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
   }
-  // The last layer's MLP output joins the residual stream here unless the final norm took it.
-  const bool final_done = !layers_.empty() && input_normed;
-  if (!layers_.empty() && !final_done) ops_->Add(residual, proj, residual);
+  if (!layers_.empty()) ops_->Add(residual, proj, residual);
 
   if (!shard_.last_stage) {
     TP_RETURN_IF_ERROR(comms_.pp->Send(residual, shard_.stage + 1));
     return Tensor();
   }
   Tensor last = Act(kLastRows, rows, h), last_normed = Act(kLastNormed, rows, h);
-  if (final_done) {
-    ops_->GatherLogitRows(normed, last_normed);
-  } else {
-    ops_->GatherLogitRows(residual, last);
-    ops_->RmsNorm(last, final_norm_, eps, last_normed);
-  }
+  ops_->GatherLogitRows(residual, last);
+  ops_->RmsNorm(last, final_norm_, eps, last_normed);
   Tensor local = Act(kLogitsLocal, rows, shard_.vocab_shard);
   ops_->Gemm(last_normed, lm_head_, nullptr, local);
   if (plan_.tp == 1) return local;

@@ -144,10 +144,6 @@ CudaOps::CudaOps(int device) : device_(device) {
   if (profile != nullptr && std::string(profile) == "1") set_op_profiling(true);
   const char* fused = std::getenv("TPSERVE_FUSED_SKINNY");
   if (fused != nullptr && std::string(fused) == "0") fused_skinny_ = false;
-  const char* fused_norm = std::getenv("TPSERVE_FUSED_NORM");
-  if (fused_norm != nullptr && std::string(fused_norm) == "0") fused_norm_ = false;
-  TP_CUDA_CHECK(cudaMalloc(&addnorm_counter_, sizeof(int)));
-  TP_CUDA_CHECK(cudaMemset(addnorm_counter_, 0, sizeof(int)));
   const char* ablate = std::getenv("TPSERVE_ABLATE_OPS");
   if (ablate != nullptr && *ablate != '\0') {
     for (absl::string_view op : absl::StrSplit(ablate, ',', absl::SkipEmpty())) {
@@ -171,7 +167,6 @@ CudaOps::~CudaOps() {
   for (auto& e : staging_done_) cudaEventDestroy(e);
   cudaFree(decode_ws_);
   cudaFree(decode_counters_);
-  cudaFree(addnorm_counter_);
   cudaStreamDestroy(stream_);
 }
 
@@ -459,49 +454,6 @@ void CudaOps::SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Te
   }
   SiluMul(gate_up, act);
   Gemm(act, w, nullptr, y);
-}
-
-namespace {
-
-bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
-}  // namespace
-
-void CudaOps::GemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
-                             Tensor residual, const Tensor& gamma, float eps, Tensor normed) {
-  const int64_t k = x.dim(-1), n = w.dim(0);
-  const int64_t m = k == 0 ? 0 : x.numel() / k;
-  if (fused_norm_ && ablated_.empty() && m > 0 &&
-      m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) && k % 8 == 0 && n % 8 == 0 &&
-      n <= 16384 && Aligned16(x.data) && Aligned16(w.data) && Aligned16(residual.data) &&
-      Aligned16(normed.data) && Aligned16(gamma.data)) {
-    OpScope scope(
-        this, "GemmAddRmsNorm.skinny", [&] { return GemmShape(m, n, k); },
-        double(w.bytes()) + double(x.bytes()) + 4.0 * double(y.bytes()));
-    cuda::LaunchSkinnyGemmAddRmsNorm(x, w, bias, y, residual, gamma, eps, normed, addnorm_counter_,
-                                     stream_);
-    return;
-  }
-  Ops::GemmAddRmsNorm(x, w, bias, y, residual, gamma, eps, normed);
-}
-
-void CudaOps::SiluMulGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, Tensor act, Tensor y,
-                                    Tensor residual, const Tensor& gamma, float eps,
-                                    Tensor normed) {
-  const int64_t k = w.dim(-1), n = w.dim(0);
-  const int64_t m = k == 0 ? 0 : gate_up.numel() / (2 * k);
-  if (fused_norm_ && fused_skinny_ && ablated_.empty() && m > 0 &&
-      m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) && k % 8 == 0 && n % 8 == 0 &&
-      n <= 16384 && Aligned16(gate_up.data) && Aligned16(w.data) && Aligned16(residual.data) &&
-      Aligned16(normed.data) && Aligned16(gamma.data)) {
-    OpScope scope(
-        this, "SiluMulGemmAddRmsNorm.skinny", [&] { return GemmShape(m, n, k); },
-        double(w.bytes()) + double(gate_up.bytes()) + 4.0 * double(y.bytes()));
-    cuda::LaunchSkinnySwiGluGemmAddRmsNorm(gate_up, w, y, residual, gamma, eps, normed,
-                                           addnorm_counter_, stream_);
-    return;
-  }
-  Ops::SiluMulGemmAddRmsNorm(gate_up, w, act, y, residual, gamma, eps, normed);
 }
 
 void CudaOps::SiluMulGemmSkinny(const Tensor& gate_up, const Tensor& w, Tensor y, int config) {

@@ -86,11 +86,6 @@ class CudaOps final : public Ops {
   void SiluMul(const Tensor& gate_up, Tensor out) override;
   // M <= 2 (and skinny_max_m): one skinny GEMM reading gate_up; otherwise SiluMul + Gemm.
   void SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Tensor y) override;
-  void GemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
-                      Tensor residual, const Tensor& gamma, float eps, Tensor normed) override;
-  void SiluMulGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, Tensor act, Tensor y,
-                             Tensor residual, const Tensor& gamma, float eps,
-                             Tensor normed) override;
   void Add(const Tensor& a, const Tensor& b, Tensor out) override;
   void GatherLogitRows(const Tensor& in, Tensor out) override;
   void InterleaveShards(const Tensor& in, Tensor out) override;
@@ -120,9 +115,6 @@ class CudaOps final : public Ops {
   // TPSERVE_FUSED_SKINNY=0 turns them off (A/B measurements).
   void set_fused_skinny(bool on) { fused_skinny_ = on; }
   bool fused_skinny() const { return fused_skinny_; }
-  // The residual-add + RMSNorm epilogue of the decode projections (GemmAddRmsNorm,
-  // SiluMulGemmAddRmsNorm at M <= 2); on by default, TPSERVE_FUSED_NORM=0 turns it off.
-  void set_fused_norm(bool on) { fused_norm_ = on; }
   // Ablation, for benchmarks only: TPSERVE_ABLATE_OPS=AttentionDecode,AddRmsNorm,Gemm.square
   // (any of them) makes those ops return without launching anything (Gemm.square: GEMMs with a
   // square weight, in LLaMA shapes the attention output projection), so that the step time
@@ -162,8 +154,6 @@ class CudaOps final : public Ops {
   // (e.g. gate_up 94.7% / 91.5% vs 85% of copy bandwidth); from M = 4 cuBLASLt is faster.
   int skinny_max_m_ = 2;
   bool fused_skinny_ = true;
-  bool fused_norm_ = true;
-  int* addnorm_counter_ = nullptr;  // the fused norm's arrival counter (zero between launches)
   std::set<std::string> ablated_;
   uint64_t generation_ = 0;
   // Batch buffers on the device and their pinned staging (two, used alternately).

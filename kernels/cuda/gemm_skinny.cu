@@ -11,7 +11,6 @@
 // q_out or the K cache (v unrotated into the V cache).
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
-#include "kernels/cuda/rms_norm.cuh"
 
 namespace tpserve::cuda {
 namespace {
@@ -121,23 +120,11 @@ __device__ __forceinline__ void StoreRopeKvPair(const RopeKvArgs& p, int m, int 
   dst[i + half] = __float2bfloat16(b);
 }
 
-// The residual-add + RMSNorm epilogue's arguments (see Ops::GemmAddRmsNorm).
-struct AddNormArgs {
-  __nv_bfloat16* residual = nullptr;  // [M, N]: += y (as AddRmsNorm rounds it)
-  const __nv_bfloat16* gamma = nullptr;
-  float eps = 0.0f;
-  __nv_bfloat16* normed = nullptr;  // [M, N]
-  int* counter = nullptr;           // zero between launches; the last block resets it
-};
-
-// The norm epilogue's registers would cost the M = 1 plain kernel (37 registers) one of its six
-// blocks per SM: it is held to six.
-template <int kMT, int kR, int kU, bool kSwiGlu, bool kRopeKv = false, bool kAddNorm = false>
-__global__ void __launch_bounds__(kWarps * 32, kAddNorm && !kSwiGlu && kMT == 1 ? 6 : 1)
+template <int kMT, int kR, int kU, bool kSwiGlu, bool kRopeKv = false>
+__global__ void __launch_bounds__(kWarps * 32)
     SkinnyGemmKernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                      const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ y, int M,
-                     int N, int K, RopeKvArgs rope, AddNormArgs addnorm) {
-  static_assert(!kAddNorm || kWarps * 32 == kNormThreads, "the norm epilogue needs 256 threads");
+                     int N, int K, RopeKvArgs rope) {
   static_assert(!kRopeKv || kR == 2, "the RoPE/KV epilogue takes one row pair per block");
   constexpr int kV = kMT * kR;
   __shared__ float partial[kWarps][kV];
@@ -230,34 +217,8 @@ __global__ void __launch_bounds__(kWarps * 32, kAddNorm && !kSwiGlu && kMT == 1 
 #pragma unroll
       for (int i = 0; i < kWarps; ++i) s += partial[i][idx];
       if (bias != nullptr) s += __bfloat162float(bias[n]);
-      const int64_t at = static_cast<int64_t>(m) * N + n;
-      const __nv_bfloat16 yb = __float2bfloat16(s);
-      y[at] = yb;
-      if constexpr (kAddNorm) {  // as AddRmsNorm: the bf16 delta added in fp32, rounded
-        addnorm.residual[at] =
-            __float2bfloat16(__bfloat162float(addnorm.residual[at]) + __bfloat162float(yb));
-      }
+      y[static_cast<int64_t>(m) * N + n] = __float2bfloat16(s);
     }
-  }
-  if constexpr (kAddNorm) {
-    // The last block to finish normalizes the rows (threadfence reduction): every block makes
-    // its residual writes visible, then counts itself in.
-    __shared__ bool is_last;
-    __shared__ float scratch[32];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0)
-      is_last = atomicAdd(addnorm.counter, 1) == static_cast<int>(gridDim.x) - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    const int vecs = N / 8;
-    for (int m = 0; m < M; ++m) {
-      NormalizeRowFromL2(reinterpret_cast<const Bf16x8*>(addnorm.residual) + int64_t{m} * vecs,
-                         reinterpret_cast<const Bf16x8*>(addnorm.gamma), addnorm.eps, vecs,
-                         reinterpret_cast<Bf16x8*>(addnorm.normed) + int64_t{m} * vecs, scratch);
-    }
-    if (threadIdx.x == 0) *addnorm.counter = 0;
   }
 }
 
@@ -272,7 +233,7 @@ template <int kMT, int kR, int kU, bool kSwiGlu>
 void LaunchTyped(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* bias,
                  __nv_bfloat16* y, int M, int N, int K, cudaStream_t stream) {
   LaunchPdl(SkinnyGemmKernel<kMT, kR, kU, kSwiGlu>, dim3(CeilDiv(N, kR)), dim3(kWarps * 32), 0,
-            stream, x, w, bias, y, M, N, K, RopeKvArgs{}, AddNormArgs{});
+            stream, x, w, bias, y, M, N, K, RopeKvArgs{});
 }
 
 template <int kMT, bool kSwiGlu>
@@ -368,101 +329,6 @@ void LaunchSkinnySwiGluGemm(const Tensor& gate_up, const Tensor& w, Tensor y, cu
   TP_CUDA_CHECK_LAUNCH();
 }
 
-namespace {
-
-void CheckAddNorm(const char* op, const Tensor& y, const Tensor& residual, const Tensor& gamma,
-                  const Tensor& normed, int64_t M, int64_t N) {
-  TP_CHECK_CUDA_TENSOR(residual, DType::kBF16);
-  TP_CHECK_CUDA_TENSOR(gamma, DType::kBF16);
-  TP_CHECK_CUDA_TENSOR(normed, DType::kBF16);
-  TP_CHECK(residual.numel() == M * N && normed.numel() == M * N && gamma.numel() == N &&
-           N % 8 == 0 && N <= int64_t{kNormThreads} * 8 * kNormMaxVecs && M <= kSkinnyFusedMaxM &&
-           IsAligned16(residual.data) && IsAligned16(normed.data) && IsAligned16(gamma.data))
-      << op << ": y " << y.ShapeString() << ", residual " << residual.ShapeString() << ", gamma "
-      << gamma.ShapeString() << ", normed " << normed.ShapeString()
-      << " (needs M <= " << kSkinnyFusedMaxM
-      << ", N % 8 == 0, N <= " << kNormThreads * 8 * kNormMaxVecs << ")";
-}
-
-template <int kMT, int kR, int kU, bool kSwiGlu>
-void LaunchAddNorm(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* bias,
-                   __nv_bfloat16* y, int M, int N, int K, const AddNormArgs& a,
-                   cudaStream_t stream) {
-  LaunchPdl(SkinnyGemmKernel<kMT, kR, kU, kSwiGlu, false, true>, dim3(CeilDiv(N, kR)),
-            dim3(kWarps * 32), 0, stream, x, w, bias, y, M, N, K, RopeKvArgs{}, a);
-}
-
-AddNormArgs MakeAddNormArgs(Tensor residual, const Tensor& gamma, float eps, Tensor normed,
-                            int* counter) {
-  AddNormArgs a;
-  a.residual = residual.ptr<__nv_bfloat16>();
-  a.gamma = gamma.ptr<const __nv_bfloat16>();
-  a.eps = eps;
-  a.normed = normed.ptr<__nv_bfloat16>();
-  a.counter = counter;
-  return a;
-}
-
-}  // namespace
-
-void LaunchSkinnyGemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
-                                Tensor residual, const Tensor& gamma, float eps, Tensor normed,
-                                int* counter, cudaStream_t stream) {
-  TP_CHECK_CUDA_TENSOR(x, DType::kBF16);
-  TP_CHECK_CUDA_TENSOR(w, DType::kBF16);
-  TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
-  const int64_t K = x.dim(-1), M = x.numel() / std::max<int64_t>(K, 1), N = w.dim(0);
-  TP_CHECK(w.ndim == 2 && w.dim(1) == K && y.numel() == M * N && K % 8 == 0 &&
-           IsAligned16(x.data) && IsAligned16(w.data) && counter != nullptr)
-      << "SkinnyGemmAddRmsNorm: x " << x.ShapeString() << ", w " << w.ShapeString();
-  CheckAddNorm("SkinnyGemmAddRmsNorm", y, residual, gamma, normed, M, N);
-  if (bias != nullptr) {
-    TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
-    TP_CHECK(bias->numel() == N) << "SkinnyGemmAddRmsNorm: bias " << bias->ShapeString();
-  }
-  if (M == 0 || N == 0) return;
-  const AddNormArgs a = MakeAddNormArgs(residual, gamma, eps, normed, counter);
-  const auto* xp = x.ptr<const __nv_bfloat16>();
-  const auto* wp = w.ptr<const __nv_bfloat16>();
-  const auto* bp = bias ? bias->ptr<const __nv_bfloat16>() : nullptr;
-  // The automatic configurations of the plain kernel (AutoConfig).
-  if (M == 1) {
-    LaunchAddNorm<1, 2, 2, false>(xp, wp, bp, y.ptr<__nv_bfloat16>(), 1, int(N), int(K), a, stream);
-  } else {
-    LaunchAddNorm<2, 4, 2, false>(xp, wp, bp, y.ptr<__nv_bfloat16>(), int(M), int(N), int(K), a,
-                                  stream);
-  }
-  TP_CUDA_CHECK_LAUNCH();
-}
-
-void LaunchSkinnySwiGluGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, Tensor y,
-                                      Tensor residual, const Tensor& gamma, float eps,
-                                      Tensor normed, int* counter, cudaStream_t stream) {
-  TP_CHECK_CUDA_TENSOR(gate_up, DType::kBF16);
-  TP_CHECK_CUDA_TENSOR(w, DType::kBF16);
-  TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
-  const int64_t K = w.dim(-1), M = gate_up.numel() / std::max<int64_t>(2 * K, 1), N = w.dim(0);
-  TP_CHECK(w.ndim == 2 && gate_up.dim(-1) == 2 * K && gate_up.numel() == M * 2 * K &&
-           y.numel() == M * N && K % 8 == 0 && IsAligned16(gate_up.data) && IsAligned16(w.data) &&
-           counter != nullptr)
-      << "SkinnySwiGluGemmAddRmsNorm: gate_up " << gate_up.ShapeString() << ", w "
-      << w.ShapeString();
-  CheckAddNorm("SkinnySwiGluGemmAddRmsNorm", y, residual, gamma, normed, M, N);
-  if (M == 0 || N == 0) return;
-  const AddNormArgs a = MakeAddNormArgs(residual, gamma, eps, normed, counter);
-  const auto* xp = gate_up.ptr<const __nv_bfloat16>();
-  const auto* wp = w.ptr<const __nv_bfloat16>();
-  // The automatic configurations of the SwiGLU kernel (AutoSwiGluConfig).
-  if (M == 1) {
-    LaunchAddNorm<1, 8, 1, true>(xp, wp, nullptr, y.ptr<__nv_bfloat16>(), 1, int(N), int(K), a,
-                                 stream);
-  } else {
-    LaunchAddNorm<2, 4, 2, true>(xp, wp, nullptr, y.ptr<__nv_bfloat16>(), int(M), int(N), int(K), a,
-                                 stream);
-  }
-  TP_CUDA_CHECK_LAUNCH();
-}
-
 void LaunchSkinnyQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
                                 const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
                                 int head_dim, const DeviceBatch& b, Tensor q_out, Tensor k_cache,
@@ -507,7 +373,7 @@ void LaunchSkinnyQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tens
   LaunchPdl(kernel, dim3(static_cast<unsigned>(N / 2)), dim3(kWarps * 32), 0, stream,
             x.ptr<const __nv_bfloat16>(), w_qkv.ptr<const __nv_bfloat16>(),
             bias ? bias->ptr<const __nv_bfloat16>() : nullptr, static_cast<__nv_bfloat16*>(nullptr),
-            static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), rope, AddNormArgs{});
+            static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), rope);
   TP_CUDA_CHECK_LAUNCH();
 }
 

@@ -117,15 +117,6 @@ inline constexpr int kSkinnyFusedMaxM = 2;
 // projection reading SiluMul's result without storing it.
 void LaunchSkinnySwiGluGemm(const Tensor& gate_up, const Tensor& w, Tensor y, cudaStream_t stream,
                             int config = 0);
-// Ops::GemmAddRmsNorm / SiluMulGemmAddRmsNorm for M <= kSkinnyFusedMaxM: the skinny GEMM (or
-// its SwiGLU variant) adds its output to the residual; the last block to finish normalizes the
-// rows into `normed`. `counter` is a device int that is zero between launches.
-void LaunchSkinnyGemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
-                                Tensor residual, const Tensor& gamma, float eps, Tensor normed,
-                                int* counter, cudaStream_t stream);
-void LaunchSkinnySwiGluGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, Tensor y,
-                                      Tensor residual, const Tensor& gamma, float eps,
-                                      Tensor normed, int* counter, cudaStream_t stream);
 // Ops::QkvRopeKvWrite for M = b.num_tokens <= 2: the skinny GEMM of x by the fused q/k/v weight
 // [(Hq + 2 Hk) * D, K] with RopeKvWrite as its epilogue (the projection itself is not stored).
 void LaunchSkinnyQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,

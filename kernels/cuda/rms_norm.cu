@@ -4,13 +4,13 @@
 // prefetching its weights) start while these run.
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
-#include "kernels/cuda/rms_norm.cuh"
 
 namespace tpserve::cuda {
 namespace {
 
-constexpr int kThreads = kNormThreads;
-constexpr int kMaxVecs = kNormMaxVecs;  // hidden <= 256 * 8 * kMaxVecs
+// Each thread keeps up to kMaxVecs vectors of 8 in registers (hidden <= 256 * 8 * kMaxVecs).
+constexpr int kThreads = 256;
+constexpr int kMaxVecs = 8;
 
 template <bool kAdd>
 __global__ void __launch_bounds__(kThreads)
@@ -38,14 +38,22 @@ __global__ void __launch_bounds__(kThreads)
         residual[base + i] = a;
       }
       Bf16x8ToFloat(a, v[j]);
-      ss = SumSquares8(v[j], ss);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += v[j][e] * v[j][e];
     }
   }
-  const float rstd = NormScale(BlockSum(ss, scratch), hidden, eps);
+  ss = BlockSum(ss, scratch);
+  float rstd = rsqrtf(ss / hidden + eps);
 #pragma unroll
   for (int j = 0; j < kMaxVecs; ++j) {
     int i = threadIdx.x + j * kThreads;
-    if (i < vecs) out[base + i] = ScaleBf16x8(v[j], rstd, weight[i]);
+    if (i < vecs) {
+      float w[8];
+      Bf16x8ToFloat(weight[i], w);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[j][e] = v[j][e] * rstd * w[e];
+      out[base + i] = FloatToBf16x8(v[j]);
+    }
   }
 }
 
