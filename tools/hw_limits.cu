@@ -80,13 +80,12 @@ HwLimits MeasureHwLimits() {
   cublasHandle_t handle;
   TP_CUBLAS_CHECK(cublasCreate(&handle));
   const float alpha = 1.0f, beta = 0.0f;
-  const double gemm_ms = MedianMs(
-      [&] {
-        TP_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a,
-                                     CUDA_R_16BF, n, b, CUDA_R_16BF, n, &beta, c, CUDA_R_16BF, n,
-                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-      },
-      3, 10);
+  auto gemm = [&] {
+    TP_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF,
+                                 n, b, CUDA_R_16BF, n, &beta, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT));
+  };
+  const double gemm_ms = MedianMs(gemm, 3, 10);
   limits.gemm_flops_per_s = 2.0 * n * double(n) * n / (gemm_ms * 1e-3);
   // Sustained: ~1 s of GEMMs, the last third timed as one interval.
   {
@@ -97,9 +96,7 @@ HwLimits MeasureHwLimits() {
     TP_CUDA_CHECK(cudaEventCreate(&e1));
     for (int i = 0; i < total; ++i) {
       if (i == total - timed) TP_CUDA_CHECK(cudaEventRecord(e0));
-      TP_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a,
-                                   CUDA_R_16BF, n, b, CUDA_R_16BF, n, &beta, c, CUDA_R_16BF, n,
-                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      gemm();
     }
     TP_CUDA_CHECK(cudaEventRecord(e1));
     TP_CUDA_CHECK(cudaEventSynchronize(e1));

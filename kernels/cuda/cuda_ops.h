@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <memory>
 #include <set>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/cuda/op_profiler.h"
@@ -119,7 +121,9 @@ class CudaOps final : public Ops {
   // (any of them) makes those ops return without launching anything (Gemm.square: GEMMs with a
   // square weight, in LLaMA shapes the attention output projection), so that the step time
   // without them can be measured inside the CUDA graph. Every result is wrong; a warning says so.
-  bool Ablated(const std::string& op) const { return ablated_.count(op) > 0; }
+  bool Ablated(std::string_view op) const {
+    return !ablated_.empty() && ablated_.find(op) != ablated_.end();
+  }
 
   // Op profiler (op_profiler.h): while on, every op launched outside stream capture is timed
   // with a pair of CUDA events. Also switched on by TPSERVE_OP_PROFILE=1.
@@ -154,7 +158,7 @@ class CudaOps final : public Ops {
   // (e.g. gate_up 94.7% / 91.5% vs 85% of copy bandwidth); from M = 4 cuBLASLt is faster.
   int skinny_max_m_ = 2;
   bool fused_skinny_ = true;
-  std::set<std::string> ablated_;
+  std::set<std::string, std::less<>> ablated_;  // TPSERVE_ABLATE_OPS
   uint64_t generation_ = 0;
   // Batch buffers on the device and their pinned staging (two, used alternately).
   enum {

@@ -67,6 +67,19 @@ __device__ __forceinline__ float BlockSum(float v, float* scratch /* [32] shared
   return WarpSum(v);
 }
 
+// cos and sin of position * inv_freq[i] for i < half into shared memory (a block per token, as
+// the RoPE kernels run), then a barrier.
+__device__ __forceinline__ void FillRopeTable(float pos, const float* __restrict__ inv_freq,
+                                              int half, float* cos_s, float* sin_s) {
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    float s, c;
+    sincosf(pos * inv_freq[i], &s, &c);
+    cos_s[i] = c;
+    sin_s[i] = s;
+  }
+  __syncthreads();
+}
+
 // Programmatic dependent launch (Hopper): a kernel launched with LaunchPdl may start while the
 // previous kernel in the stream is still running. Everything before PdlWait() must read only
 // data that no kernel of the current forward writes (weights, the batch arrays uploaded by

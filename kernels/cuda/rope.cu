@@ -16,13 +16,7 @@ __global__ void RopeKernel(__nv_bfloat16* __restrict__ q, __nv_bfloat16* __restr
   int t = blockIdx.x;
   int half = head_dim / 2;
   float pos = static_cast<float>(positions[t]);
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    float s, c;
-    sincosf(pos * inv_freq[i], &s, &c);
-    cos_s[i] = c;
-    sin_s[i] = s;
-  }
-  __syncthreads();
+  FillRopeTable(pos, inv_freq, half, cos_s, sin_s);
   int total = (num_q_heads + num_k_heads) * half;
   for (int p = threadIdx.x; p < total; p += blockDim.x) {
     int head = p / half, i = p % half;

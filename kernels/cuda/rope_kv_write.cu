@@ -31,13 +31,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   // Positions and slots come from SetBatch: safe to read before the wait.
   const float pos = static_cast<float>(positions[t]);
   const int64_t slot = slot_mapping[t];
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    float s, c;
-    sincosf(pos * inv_freq[i], &s, &c);
-    cos_s[i] = c;
-    sin_s[i] = s;
-  }
-  __syncthreads();
+  FillRopeTable(pos, inv_freq, half, cos_s, sin_s);
   PdlWait();  // qkv is the previous kernel's output
 
   const int heads = num_q_heads + 2 * num_kv_heads;
@@ -91,13 +85,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int half = head_dim / 2;
   const float pos = static_cast<float>(positions[t]);
   const int64_t slot = slot_mapping[t];
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    float s, c;
-    sincosf(pos * inv_freq[i], &s, &c);
-    cos_s[i] = c;
-    sin_s[i] = s;
-  }
-  __syncthreads();
+  FillRopeTable(pos, inv_freq, half, cos_s, sin_s);
   PdlWait();  // qkv is the previous kernel's output
 
   const int pairs = head_dim / 16;  // chunk pairs per head
