@@ -7,6 +7,8 @@
 #include <cstring>
 #include <numeric>
 
+#include "common/check.h"
+
 namespace tpserve {
 namespace {
 
@@ -38,6 +40,36 @@ class SyncUploader final : public DeviceUploader {
 }  // namespace
 
 std::unique_ptr<DeviceUploader> Ops::MakeUploader() { return std::make_unique<SyncUploader>(this); }
+
+void Ops::QkvRopeKvWrite(const Tensor& x, const RowScale& x_scale, const Tensor& w_qkv,
+                         const Tensor* bias, const Tensor& inv_freq, int num_q_heads,
+                         int num_kv_heads, int head_dim, Tensor qkv, Tensor q_out, Tensor k_cache,
+                         Tensor v_cache) {
+  TP_CHECK(x_scale.empty()) << "QkvRopeKvWrite: this backend defers no norms";
+  Gemm(x, w_qkv, bias, qkv);
+  RopeKvWrite(qkv, inv_freq, num_q_heads, num_kv_heads, head_dim, q_out, k_cache, v_cache);
+}
+
+RowScale Ops::GemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                             Tensor residual, const Tensor& gamma, float eps, Tensor normed) {
+  Gemm(x, w, bias, y);
+  AddRmsNorm(residual, y, gamma, eps, normed);
+  return RowScale();
+}
+
+RowScale Ops::SiluMulGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, Tensor act, Tensor y,
+                                    Tensor residual, const Tensor& gamma, float eps,
+                                    Tensor normed) {
+  SiluMulGemm(gate_up, w, act, y);
+  AddRmsNorm(residual, y, gamma, eps, normed);
+  return RowScale();
+}
+
+void Ops::GemmScaledRows(const Tensor& x, const RowScale& x_scale, const Tensor& w,
+                         const Tensor* bias, Tensor y) {
+  TP_CHECK(x_scale.empty()) << "GemmScaledRows: this backend defers no norms";
+  Gemm(x, w, bias, y);
+}
 
 int BatchMeta::max_query_len() const {
   int m = 0;

@@ -70,6 +70,16 @@ class DeviceUploader {
   virtual Stats stats() const = 0;
 };
 
+// A deferred RMSNorm (Ops::GemmAddRmsNorm): the rows of the norm's output still have to be
+// multiplied by rsqrt(sum_of_squares / dim + eps). `record` is the backend's device record of
+// the rows' sums of squares, valid until the next SetBatch. Empty: nothing is pending.
+struct RowScale {
+  const void* record = nullptr;
+  int64_t dim = 0;
+  float eps = 0.0f;
+  bool empty() const { return record == nullptr; }
+};
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -124,13 +134,12 @@ class Ops {
   // The attention input of a layer: Gemm(x, w_qkv, bias, qkv), then RopeKvWrite(qkv, ...), the
   // default. `qkv` [T, (Hq + 2 Hk) * D] is scratch a backend that fuses the two may leave
   // unwritten (CUDA at small T: the skinny GEMM rotates and stores in its epilogue).
-  virtual void QkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
-                              const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
-                              int head_dim, Tensor qkv, Tensor q_out, Tensor k_cache,
-                              Tensor v_cache) {
-    Gemm(x, w_qkv, bias, qkv);
-    RopeKvWrite(qkv, inv_freq, num_q_heads, num_kv_heads, head_dim, q_out, k_cache, v_cache);
-  }
+  // `x_scale`: x is the output of a deferred norm (GemmAddRmsNorm), its rows still to be scaled;
+  // only a backend that returns non-empty RowScales accepts a non-empty one.
+  virtual void QkvRopeKvWrite(const Tensor& x, const RowScale& x_scale, const Tensor& w_qkv,
+                              const Tensor* bias, const Tensor& inv_freq, int num_q_heads,
+                              int num_kv_heads, int head_dim, Tensor qkv, Tensor q_out,
+                              Tensor k_cache, Tensor v_cache);
   // Causal attention of q [T, Hq * D] over the paged cache, which already holds this step's
   // keys and values; query token i of a sequence sees cache positions
   // [0, context_len - query_len + i]. GQA: q head h reads KV head h / (Hq / Hk).
@@ -151,6 +160,20 @@ class Ops {
     SiluMul(gate_up, act);
     Gemm(act, w, nullptr, y);
   }
+  // The residual stream between two projections: Gemm(x, w, bias, y) (or, in the SiluMul form,
+  // SiluMulGemm(gate_up, w, act, y)), then AddRmsNorm(residual, y, gamma, eps, normed). A backend
+  // may defer the norm's last step, the row scale rsqrt(mean(residual^2) + eps), to the op that
+  // reads `normed` (no norm kernel between the two projections; CUDA does at M <= 2): `normed`
+  // then holds residual * gamma and the returned RowScale must be passed with it to the next
+  // GemmScaledRows or QkvRopeKvWrite. The default runs the two ops and returns an empty one.
+  virtual RowScale GemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                                  Tensor residual, const Tensor& gamma, float eps, Tensor normed);
+  virtual RowScale SiluMulGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, Tensor act,
+                                         Tensor y, Tensor residual, const Tensor& gamma, float eps,
+                                         Tensor normed);
+  // Gemm(x, w, bias, y) of x whose rows are first scaled by x_scale (see GemmAddRmsNorm).
+  virtual void GemmScaledRows(const Tensor& x, const RowScale& x_scale, const Tensor& w,
+                              const Tensor* bias, Tensor y);
   // out = a + b (elementwise, same shape).
   virtual void Add(const Tensor& a, const Tensor& b, Tensor out) = 0;
   // out[i] = in[rows[i]] for the batch's logits_rows.

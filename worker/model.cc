@@ -439,11 +439,17 @@ absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
     TP_RETURN_IF_ERROR(comms_.pp->Recv(residual, shard_.stage - 1));
   }
 
+  // Without tensor parallelism nothing stands between a projection into the residual stream and
+  // the next RMSNorm: they go to the backend as one op, which may defer the norm's row scale to
+  // the projection that reads `normed` (`pending`; CUDA does for decode batches). The last
+  // layer's MLP output joins the residual after the loop, as with tensor parallelism.
+  const bool fuse_norms = plan_.tp == 1;
+  RowScale pending;
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
     if (l == 0) {
       ops_->RmsNorm(residual, layer.input_norm, eps, normed);
-    } else {
+    } else if (!fuse_norms) {
       ops_->AddRmsNorm(residual, proj, layer.input_norm, eps, normed);  // proj = previous MLP
     }
     // One GEMM for q, k and v (their weights are consecutive rows of one buffer), RoPE and the
@@ -451,9 +457,10 @@ absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
     const Tensor wqkv = ConsecutiveRows(layer.wq, layer.wk, layer.wv);
     const Tensor bqkv =
         layer.has_qkv_bias ? ConsecutiveRows(layer.bq, layer.bk, layer.bv) : Tensor();
-    ops_->QkvRopeKvWrite(normed, wqkv, layer.has_qkv_bias ? &bqkv : nullptr, inv_freq_, nq, nkv,
-                         static_cast<int>(d), qkv, q, cache.k(static_cast<int>(l)),
+    ops_->QkvRopeKvWrite(normed, pending, wqkv, layer.has_qkv_bias ? &bqkv : nullptr, inv_freq_, nq,
+                         nkv, static_cast<int>(d), qkv, q, cache.k(static_cast<int>(l)),
                          cache.v(static_cast<int>(l)));
+    pending = RowScale();
     if (meta.all_decode()) {
       ops_->AttentionDecode(q, cache.k(static_cast<int>(l)), cache.v(static_cast<int>(l)), nq, nkv,
                             static_cast<int>(d), scale, attn);
@@ -461,12 +468,24 @@ absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
       ops_->AttentionPrefill(q, cache.k(static_cast<int>(l)), cache.v(static_cast<int>(l)), nq, nkv,
                              static_cast<int>(d), scale, attn);
     }
-    ops_->Gemm(attn, layer.wo, layer.has_o_bias ? &layer.bo : nullptr, proj);
-    if (plan_.tp > 1) TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
-    ops_->AddRmsNorm(residual, proj, layer.post_norm, eps, normed);
-    ops_->Gemm(normed, layer.w_gate_up, nullptr, gate_up);
-    ops_->SiluMulGemm(gate_up, layer.w_down, mlp_act, proj);
-    if (plan_.tp > 1) TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
+    const Tensor* o_bias = layer.has_o_bias ? &layer.bo : nullptr;
+    if (fuse_norms) {
+      pending = ops_->GemmAddRmsNorm(attn, layer.wo, o_bias, proj, residual, layer.post_norm, eps,
+                                     normed);
+    } else {
+      ops_->Gemm(attn, layer.wo, o_bias, proj);
+      TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
+      ops_->AddRmsNorm(residual, proj, layer.post_norm, eps, normed);
+    }
+    ops_->GemmScaledRows(normed, pending, layer.w_gate_up, nullptr, gate_up);
+    pending = RowScale();
+    if (fuse_norms && l + 1 < layers_.size()) {
+      pending = ops_->SiluMulGemmAddRmsNorm(gate_up, layer.w_down, mlp_act, proj, residual,
+                                            layers_[l + 1].input_norm, eps, normed);
+    } else {
+      ops_->SiluMulGemm(gate_up, layer.w_down, mlp_act, proj);
+      if (plan_.tp > 1) TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
+    }
   }
   if (!layers_.empty()) ops_->Add(residual, proj, residual);
 

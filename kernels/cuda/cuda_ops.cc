@@ -144,6 +144,11 @@ CudaOps::CudaOps(int device) : device_(device) {
   if (profile != nullptr && std::string(profile) == "1") set_op_profiling(true);
   const char* fused = std::getenv("TPSERVE_FUSED_SKINNY");
   if (fused != nullptr && std::string(fused) == "0") fused_skinny_ = false;
+  const char* fused_norm = std::getenv("TPSERVE_FUSED_NORM");
+  if (fused_norm != nullptr && std::string(fused_norm) == "0") fused_norm_ = false;
+  const size_t record_bytes = sizeof(unsigned long long) * cuda::kNormRecordWords * kMaxNormRecords;
+  TP_CUDA_CHECK(cudaMalloc(&norm_records_, record_bytes));
+  TP_CUDA_CHECK(cudaMemset(norm_records_, 0, record_bytes));
   const char* ablate = std::getenv("TPSERVE_ABLATE_OPS");
   if (ablate != nullptr && *ablate != '\0') {
     for (absl::string_view op : absl::StrSplit(ablate, ',', absl::SkipEmpty())) {
@@ -167,6 +172,7 @@ CudaOps::~CudaOps() {
   for (auto& e : staging_done_) cudaEventDestroy(e);
   cudaFree(decode_ws_);
   cudaFree(decode_counters_);
+  cudaFree(norm_records_);
   cudaStreamDestroy(stream_);
 }
 
@@ -282,6 +288,7 @@ void CudaOps::Reserve(const CudaReserve& r) {
 
 void CudaOps::SetBatch(const BatchMeta& m) {
   EnsureNotCapturing("SetBatch");
+  norm_records_used_ = 0;
   const int T = m.num_tokens, S = m.num_seqs;
   TP_CHECK(T >= 0 && S >= 0 && static_cast<int>(m.positions.size()) == T &&
            static_cast<int>(m.slot_mapping.size()) == T &&
@@ -456,6 +463,89 @@ void CudaOps::SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Te
   Gemm(act, w, nullptr, y);
 }
 
+namespace {
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+unsigned long long* CudaOps::NextNormRecord() {
+  if (norm_records_used_ >= kMaxNormRecords) return nullptr;
+  if (norm_records_used_ == 0) {
+    cuda::LaunchZeroNormSums(norm_records_, int64_t{cuda::kNormRecordWords} * kMaxNormRecords,
+                             stream_);
+  }
+  return norm_records_ + int64_t{cuda::kNormRecordWords} * norm_records_used_++;
+}
+
+void CudaOps::ApplyRowScale(const Tensor& x, const RowScale& x_scale) {
+  TP_CHECK(x_scale.dim == x.dim(-1))
+      << "row scale of dim " << x_scale.dim << " for x " << x.ShapeString();
+  OpScope scope(
+      this, "ApplyRowScale", [&] { return Dims(x); }, 2.0 * x.bytes());
+  cuda::LaunchApplyRowScale(x, static_cast<const unsigned long long*>(x_scale.record), x_scale.eps,
+                            stream_);
+}
+
+RowScale CudaOps::GemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                                 Tensor residual, const Tensor& gamma, float eps, Tensor normed) {
+  const int64_t k = x.dim(-1), n = w.dim(0);
+  const int64_t m = k == 0 ? 0 : x.numel() / k;
+  if (fused_norm_ && ablated_.empty() && m > 0 &&
+      m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) && k % 8 == 0 && Aligned16(x.data) &&
+      Aligned16(w.data)) {
+    if (unsigned long long* record = NextNormRecord()) {
+      OpScope scope(
+          this, "GemmAddRmsNorm.skinny", [&] { return GemmShape(m, n, k); },
+          double(w.bytes()) + double(x.bytes()) + 4.0 * double(y.bytes()));
+      cuda::LaunchSkinnyGemmAddNorm(x, w, bias, y, residual, gamma, normed, /*swiglu=*/false,
+                                    record, stream_);
+      return RowScale{record, n, eps};
+    }
+  }
+  return Ops::GemmAddRmsNorm(x, w, bias, y, residual, gamma, eps, normed);
+}
+
+RowScale CudaOps::SiluMulGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, Tensor act,
+                                        Tensor y, Tensor residual, const Tensor& gamma, float eps,
+                                        Tensor normed) {
+  const int64_t k = w.dim(-1), n = w.dim(0);
+  const int64_t m = k == 0 ? 0 : gate_up.numel() / (2 * k);
+  if (fused_norm_ && fused_skinny_ && ablated_.empty() && m > 0 &&
+      m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) && k % 8 == 0 &&
+      Aligned16(gate_up.data) && Aligned16(w.data)) {
+    if (unsigned long long* record = NextNormRecord()) {
+      OpScope scope(
+          this, "SiluMulGemmAddRmsNorm.skinny", [&] { return GemmShape(m, n, k); },
+          double(w.bytes()) + double(gate_up.bytes()) + 4.0 * double(y.bytes()));
+      cuda::LaunchSkinnyGemmAddNorm(gate_up, w, nullptr, y, residual, gamma, normed,
+                                    /*swiglu=*/true, record, stream_);
+      return RowScale{record, n, eps};
+    }
+  }
+  return Ops::SiluMulGemmAddRmsNorm(gate_up, w, act, y, residual, gamma, eps, normed);
+}
+
+void CudaOps::GemmScaledRows(const Tensor& x, const RowScale& x_scale, const Tensor& w,
+                             const Tensor* bias, Tensor y) {
+  if (x_scale.empty()) return Gemm(x, w, bias, y);
+  const int64_t k = x.dim(-1);
+  const int64_t m = k == 0 ? 0 : x.numel() / k;
+  TP_CHECK(x_scale.dim == k) << "GemmScaledRows: row scale of dim " << x_scale.dim << " for x "
+                             << x.ShapeString();
+  if (m > 0 && m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) && k % 8 == 0 &&
+      Aligned16(x.data) && Aligned16(w.data)) {
+    OpScope scope(
+        this, "GemmScaledRows.skinny", [&] { return GemmShape(m, w.dim(0), k); },
+        double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
+    cuda::LaunchSkinnyGemmScaledRows(x, static_cast<const unsigned long long*>(x_scale.record),
+                                     x_scale.eps, w, bias, y, stream_);
+    return;
+  }
+  ApplyRowScale(x, x_scale);
+  Gemm(x, w, bias, y);
+}
+
 void CudaOps::SiluMulGemmSkinny(const Tensor& gate_up, const Tensor& w, Tensor y, int config) {
   cuda::LaunchSkinnySwiGluGemm(gate_up, w, y, stream_, config);
 }
@@ -481,12 +571,14 @@ void CudaOps::RopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_h
                           k_cache, v_cache, stream_);
 }
 
-void CudaOps::QkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
-                             const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
-                             int head_dim, Tensor qkv, Tensor q_out, Tensor k_cache,
-                             Tensor v_cache) {
+void CudaOps::QkvRopeKvWrite(const Tensor& x, const RowScale& x_scale, const Tensor& w_qkv,
+                             const Tensor* bias, const Tensor& inv_freq, int num_q_heads,
+                             int num_kv_heads, int head_dim, Tensor qkv, Tensor q_out,
+                             Tensor k_cache, Tensor v_cache) {
   const int64_t k = x.dim(-1);
   const int64_t m = k == 0 ? 0 : x.numel() / k;
+  TP_CHECK(x_scale.empty() || x_scale.dim == k)
+      << "QkvRopeKvWrite: row scale of dim " << x_scale.dim << " for x " << x.ShapeString();
   if (fused_skinny_ && m > 0 && m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) &&
       k % 8 == 0 && m == batch_->num_tokens && head_dim % 2 == 0 &&
       (reinterpret_cast<uintptr_t>(x.data) & 15) == 0 &&
@@ -494,10 +586,12 @@ void CudaOps::QkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor*
     OpScope scope(
         this, "QkvRopeKvWrite.skinny", [&] { return GemmShape(m, w_qkv.dim(0), k); },
         double(w_qkv.bytes()) + double(x.bytes()) + 2.0 * double(qkv.bytes()));
-    cuda::LaunchSkinnyQkvRopeKvWrite(x, w_qkv, bias, inv_freq, num_q_heads, num_kv_heads, head_dim,
-                                     *batch_, q_out, k_cache, v_cache, stream_);
+    cuda::LaunchSkinnyQkvRopeKvWrite(
+        x, w_qkv, bias, inv_freq, num_q_heads, num_kv_heads, head_dim, *batch_, q_out, k_cache,
+        v_cache, stream_, static_cast<const unsigned long long*>(x_scale.record), x_scale.eps);
     return;
   }
+  if (!x_scale.empty()) ApplyRowScale(x, x_scale);
   Gemm(x, w_qkv, bias, qkv);
   RopeKvWrite(qkv, inv_freq, num_q_heads, num_kv_heads, head_dim, q_out, k_cache, v_cache);
 }

@@ -77,9 +77,11 @@ class CudaOps final : public Ops {
                    int head_dim, Tensor q_out, Tensor k_cache, Tensor v_cache) override;
   // T <= 2 (and skinny_max_m): one skinny GEMM with the RoPE/KV-write epilogue (qkv unwritten);
   // otherwise Gemm then RopeKvWrite.
-  void QkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
-                      const Tensor& inv_freq, int num_q_heads, int num_kv_heads, int head_dim,
-                      Tensor qkv, Tensor q_out, Tensor k_cache, Tensor v_cache) override;
+  // A non-empty x_scale is applied in that epilogue (or to x first, on the unfused path).
+  void QkvRopeKvWrite(const Tensor& x, const RowScale& x_scale, const Tensor& w_qkv,
+                      const Tensor* bias, const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
+                      int head_dim, Tensor qkv, Tensor q_out, Tensor k_cache,
+                      Tensor v_cache) override;
   void AttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                         int num_heads, int num_kv_heads, int head_dim, float scale,
                         Tensor out) override;
@@ -88,6 +90,17 @@ class CudaOps final : public Ops {
   void SiluMul(const Tensor& gate_up, Tensor out) override;
   // M <= 2 (and skinny_max_m): one skinny GEMM reading gate_up; otherwise SiluMul + Gemm.
   void SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Tensor y) override;
+  // M <= 2 (and skinny_max_m, fused_norm): the norm is deferred (see Ops::GemmAddRmsNorm): the
+  // skinny GEMM adds into the residual, stores residual * gamma and the rows' sums of squares,
+  // and the consumer's epilogue applies the scale. Otherwise the separate ops.
+  RowScale GemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                          Tensor residual, const Tensor& gamma, float eps, Tensor normed) override;
+  RowScale SiluMulGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, Tensor act, Tensor y,
+                                 Tensor residual, const Tensor& gamma, float eps,
+                                 Tensor normed) override;
+  // The skinny GEMM with the row scale in its epilogue; otherwise x is scaled in place first.
+  void GemmScaledRows(const Tensor& x, const RowScale& x_scale, const Tensor& w, const Tensor* bias,
+                      Tensor y) override;
   void Add(const Tensor& a, const Tensor& b, Tensor out) override;
   void GatherLogitRows(const Tensor& in, Tensor out) override;
   void InterleaveShards(const Tensor& in, Tensor out) override;
@@ -117,6 +130,10 @@ class CudaOps final : public Ops {
   // TPSERVE_FUSED_SKINNY=0 turns them off (A/B measurements).
   void set_fused_skinny(bool on) { fused_skinny_ = on; }
   bool fused_skinny() const { return fused_skinny_; }
+  // The deferred norm of GemmAddRmsNorm / SiluMulGemmAddRmsNorm; on by default,
+  // TPSERVE_FUSED_NORM=0 turns it off (A/B measurements).
+  void set_fused_norm(bool on) { fused_norm_ = on; }
+  bool fused_norm() const { return fused_norm_; }
   // Ablation, for benchmarks only: TPSERVE_ABLATE_OPS=AttentionDecode,AddRmsNorm,Gemm.square
   // (any of them) makes those ops return without launching anything (Gemm.square: GEMMs with a
   // square weight, in LLaMA shapes the attention output projection), so that the step time
@@ -146,6 +163,11 @@ class CudaOps final : public Ops {
   };
   void EnsureNotCapturing(const char* what) const;
   void GrowSection(Section& s, size_t bytes);
+  // The record of the next deferred norm of this batch (zeroing all of them first when it is
+  // the batch's first), or null when the batch has used them all.
+  unsigned long long* NextNormRecord();
+  // Applies x_scale to x in place (a consumer without the scaled epilogue).
+  void ApplyRowScale(const Tensor& x, const RowScale& x_scale);
   void GrowDecodeWorkspace(const cuda::DeviceBatch& b, int num_heads, int num_kv_heads,
                            int head_dim);
 
@@ -158,6 +180,12 @@ class CudaOps final : public Ops {
   // (e.g. gate_up 94.7% / 91.5% vs 85% of copy bandwidth); from M = 4 cuBLASLt is faster.
   int skinny_max_m_ = 2;
   bool fused_skinny_ = true;
+  bool fused_norm_ = true;
+  // Deferred norms: kMaxNormRecords records of cuda::kNormRecordWords counters; each batch
+  // (SetBatch) uses them in order from the first, which zeroes all of them.
+  static constexpr int kMaxNormRecords = 256;
+  unsigned long long* norm_records_ = nullptr;
+  int norm_records_used_ = 0;
   std::set<std::string, std::less<>> ablated_;  // TPSERVE_ABLATE_OPS
   uint64_t generation_ = 0;
   // Batch buffers on the device and their pinned staging (two, used alternately).

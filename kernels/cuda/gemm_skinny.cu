@@ -9,6 +9,11 @@
 // the fused q/k/v projection with RopeKvWrite as its epilogue: block b computes the rows
 // (i, i + D/2) of head b / (D/2), the pair RoPE rotates together, and stores them rotated into
 // q_out or the K cache (v unrotated into the V cache).
+// The deferred-norm variants (Ops::GemmAddRmsNorm at M <= 2) split an RMSNorm between two
+// GEMMs: the producer adds its output into the residual, stores residual * gamma and adds each
+// block's sum of squares per row into a record of 64-bit fixed-point counters (integer atomics:
+// the total does not depend on the order of arrival); the consumer reads the record after its
+// wait and scales its dot products by rsqrt(mean + eps). No norm kernel runs between them.
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
 
@@ -93,6 +98,19 @@ struct RopeKvArgs {
   __nv_bfloat16* v_cache = nullptr;
 };
 
+// The deferred norm's arguments. kNorm 1 (consumer): x still has to be scaled per row by
+// rsqrt(in_sums[row] / dim + eps). kNorm 2 (producer): residual += y, normed = residual * gamma,
+// sums of squares of the rows added into out_sums.
+struct NormArgs {
+  const unsigned long long* in_sums = nullptr;
+  int dim = 0;
+  float eps = 0.0f;
+  __nv_bfloat16* residual = nullptr;
+  const __nv_bfloat16* gamma = nullptr;
+  __nv_bfloat16* normed = nullptr;
+  unsigned long long* out_sums = nullptr;
+};
+
 // Rotates the pair (a, b) = rows (i, i + D/2) of `head` for token m and stores it as
 // RopeKvWrite does: q heads to q_out, k heads rotated and v heads as they are to the caches.
 __device__ __forceinline__ void StoreRopeKvPair(const RopeKvArgs& p, int m, int head, int i,
@@ -120,14 +138,16 @@ __device__ __forceinline__ void StoreRopeKvPair(const RopeKvArgs& p, int m, int 
   dst[i + half] = __float2bfloat16(b);
 }
 
-template <int kMT, int kR, int kU, bool kSwiGlu, bool kRopeKv = false>
+template <int kMT, int kR, int kU, bool kSwiGlu, bool kRopeKv = false, int kNorm = 0>
 __global__ void __launch_bounds__(kWarps * 32)
     SkinnyGemmKernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                      const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ y, int M,
-                     int N, int K, RopeKvArgs rope) {
+                     int N, int K, RopeKvArgs rope, NormArgs norm) {
   static_assert(!kRopeKv || kR == 2, "the RoPE/KV epilogue takes one row pair per block");
+  static_assert(kNorm != 2 || (!kRopeKv && kMT * kR <= 32), "the norm epilogue runs in one warp");
   constexpr int kV = kMT * kR;
   __shared__ float partial[kWarps][kV];
+  __shared__ float row_scale[kMT];
   PdlLaunchDependents();
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // Row r of this block: n0 + r, or for the RoPE/KV epilogue rows (i, i + D/2) of one head.
@@ -158,6 +178,14 @@ __global__ void __launch_bounds__(kWarps * 32)
   // The weights do not depend on the previous kernel: the first loads go out before the wait.
   if (warp < num_chunks) load_w(warp);
   PdlWait();
+  // The consumer's row sums: loaded now, used after the main loop.
+  unsigned long long sums[kMT];
+  if constexpr (kNorm == 1) {
+#pragma unroll
+    for (int m = 0; m < kMT; ++m) {
+      sums[m] = warp == 0 && m < M ? __ldcg(norm.in_sums + m * kNormSumSlots + lane) : 0ull;
+    }
+  }
 
   for (int c0 = warp; c0 < num_chunks; c0 += kWarps * kU) {
     if (c0 != warp) load_w(c0);
@@ -191,6 +219,18 @@ __global__ void __launch_bounds__(kWarps * 32)
     int idx = ReducedIndex<kV>(lane, j);
     if (idx >= 0) partial[warp][idx] = acc[j];
   }
+  if constexpr (kNorm == 1) {
+    if (warp == 0) {
+#pragma unroll
+      for (int m = 0; m < kMT; ++m) {
+        unsigned long long v = sums[m];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        const float ss = static_cast<float>(static_cast<double>(v) * (1.0 / kNormSumScale));
+        if (lane == 0) row_scale[m] = rsqrtf(ss / norm.dim + norm.eps);
+      }
+    }
+  }
   __syncthreads();
   if constexpr (kRopeKv) {
     const int m = threadIdx.x;
@@ -201,11 +241,43 @@ __global__ void __launch_bounds__(kWarps * 32)
         float sum = 0.0f;
 #pragma unroll
         for (int i = 0; i < kWarps; ++i) sum += partial[i][m * kR + r];
+        if constexpr (kNorm == 1) sum *= row_scale[m];
         if (bias != nullptr) sum += __bfloat162float(bias[n0 + r * row_step]);
         pair[r] = __bfloat162float(__float2bfloat16(sum));  // as the GEMM would store it
       }
       const int half = rope.head_dim / 2;
       StoreRopeKvPair(rope, m, blockIdx.x / half, blockIdx.x % half, pair[0], pair[1]);
+    }
+    return;
+  }
+  if constexpr (kNorm == 2) {
+    // residual += y and normed = residual * gamma for this block's rows, as AddRmsNorm rounds
+    // them; the squares of the new residual are summed over the block's rows of each token and
+    // added to one of kNormSumSlots counters (fewer collisions at the same address).
+    if (warp != 0) return;
+    const int m = lane / kR, r = lane % kR, n = n0 + r;
+    const bool valid = lane < kV && m < M && n < N;
+    float sq = 0.0f;
+    if (valid) {
+      float s = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kWarps; ++i) s += partial[i][lane];
+      if (bias != nullptr) s += __bfloat162float(bias[n]);
+      const int64_t at = static_cast<int64_t>(m) * N + n;
+      const __nv_bfloat16 yb = __float2bfloat16(s);
+      y[at] = yb;
+      const __nv_bfloat16 hb =
+          __float2bfloat16(__bfloat162float(norm.residual[at]) + __bfloat162float(yb));
+      norm.residual[at] = hb;
+      const float h = __bfloat162float(hb);
+      norm.normed[at] = __float2bfloat16(h * __bfloat162float(norm.gamma[n]));
+      sq = h * h;
+    }
+#pragma unroll
+    for (int o = 1; o < kR; o <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    if (valid && r == 0) {
+      atomicAdd(norm.out_sums + m * kNormSumSlots + blockIdx.x % kNormSumSlots,
+                static_cast<unsigned long long>(__float2ull_rn(sq * kNormSumScale)));
     }
     return;
   }
@@ -216,9 +288,44 @@ __global__ void __launch_bounds__(kWarps * 32)
       float s = 0.0f;
 #pragma unroll
       for (int i = 0; i < kWarps; ++i) s += partial[i][idx];
+      if constexpr (kNorm == 1) s *= row_scale[m];
       if (bias != nullptr) s += __bfloat162float(bias[n]);
       y[static_cast<int64_t>(m) * N + n] = __float2bfloat16(s);
     }
+  }
+}
+
+// Zeroes the deferred norms' records of a step (a kernel in the PDL chain rather than a memset,
+// so that the kernels after it still overlap their launch with it).
+__global__ void __launch_bounds__(256) ZeroSumsKernel(uint4* __restrict__ p, int n) {
+  PdlLaunchDependents();
+  PdlWait();  // the previous step's consumers read these
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    p[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Applies a deferred norm's row scale in place (x[m, :] *= rsqrt(sums[m] / dim + eps)), for a
+// consumer that cannot take it in its epilogue.
+__global__ void __launch_bounds__(256)
+    ApplyRowScaleKernel(__nv_bfloat16* __restrict__ x, int K, const unsigned long long* sums,
+                        int dim, float eps) {
+  __shared__ float scale_s;
+  PdlLaunchDependents();
+  PdlWait();
+  const int m = blockIdx.x;
+  if (threadIdx.x < 32) {
+    unsigned long long v = __ldcg(sums + m * kNormSumSlots + threadIdx.x);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const float ss = static_cast<float>(static_cast<double>(v) * (1.0 / kNormSumScale));
+    if (threadIdx.x == 0) scale_s = rsqrtf(ss / dim + eps);
+  }
+  __syncthreads();
+  const float scale = scale_s;
+  for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    const int64_t at = static_cast<int64_t>(m) * K + k;
+    x[at] = __float2bfloat16(__bfloat162float(x[at]) * scale);
   }
 }
 
@@ -233,7 +340,7 @@ template <int kMT, int kR, int kU, bool kSwiGlu>
 void LaunchTyped(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* bias,
                  __nv_bfloat16* y, int M, int N, int K, cudaStream_t stream) {
   LaunchPdl(SkinnyGemmKernel<kMT, kR, kU, kSwiGlu>, dim3(CeilDiv(N, kR)), dim3(kWarps * 32), 0,
-            stream, x, w, bias, y, M, N, K, RopeKvArgs{});
+            stream, x, w, bias, y, M, N, K, RopeKvArgs{}, NormArgs{});
 }
 
 template <int kMT, bool kSwiGlu>
@@ -332,7 +439,8 @@ void LaunchSkinnySwiGluGemm(const Tensor& gate_up, const Tensor& w, Tensor y, cu
 void LaunchSkinnyQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
                                 const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
                                 int head_dim, const DeviceBatch& b, Tensor q_out, Tensor k_cache,
-                                Tensor v_cache, cudaStream_t stream) {
+                                Tensor v_cache, cudaStream_t stream,
+                                const unsigned long long* x_sums, float eps) {
   TP_CHECK_CUDA_TENSOR(x, DType::kBF16);
   TP_CHECK_CUDA_TENSOR(w_qkv, DType::kBF16);
   TP_CHECK_CUDA_TENSOR(inv_freq, DType::kF32);
@@ -367,13 +475,112 @@ void LaunchSkinnyQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tens
   rope.q_out = q_out.ptr<__nv_bfloat16>();
   rope.k_cache = k_cache.ptr<__nv_bfloat16>();
   rope.v_cache = v_cache.ptr<__nv_bfloat16>();
+  NormArgs norm;
+  norm.in_sums = x_sums;
+  norm.dim = static_cast<int>(K);
+  norm.eps = eps;
   // 2 rows x unroll 2, the automatic choice for M = 1 (86% of copy bandwidth on qkv 12288 x 4096).
-  auto kernel =
-      M == 1 ? SkinnyGemmKernel<1, 2, 2, false, true> : SkinnyGemmKernel<2, 2, 2, false, true>;
+  auto kernel = x_sums == nullptr ? (M == 1 ? SkinnyGemmKernel<1, 2, 2, false, true>
+                                            : SkinnyGemmKernel<2, 2, 2, false, true>)
+                                  : (M == 1 ? SkinnyGemmKernel<1, 2, 2, false, true, 1>
+                                            : SkinnyGemmKernel<2, 2, 2, false, true, 1>);
   LaunchPdl(kernel, dim3(static_cast<unsigned>(N / 2)), dim3(kWarps * 32), 0, stream,
             x.ptr<const __nv_bfloat16>(), w_qkv.ptr<const __nv_bfloat16>(),
             bias ? bias->ptr<const __nv_bfloat16>() : nullptr, static_cast<__nv_bfloat16*>(nullptr),
-            static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), rope);
+            static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), rope, norm);
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+void LaunchSkinnyGemmAddNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                             Tensor residual, const Tensor& gamma, Tensor normed, bool swiglu,
+                             unsigned long long* record, cudaStream_t stream) {
+  TP_CHECK_CUDA_TENSOR(x, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(w, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(residual, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(gamma, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(normed, DType::kBF16);
+  const int64_t K = w.dim(-1), N = w.dim(0);
+  const int64_t M = x.numel() / std::max<int64_t>(swiglu ? 2 * K : K, 1);
+  TP_CHECK(w.ndim == 2 && x.dim(-1) == (swiglu ? 2 * K : K) && y.numel() == M * N &&
+           y.dim(-1) == N && residual.numel() == M * N && normed.numel() == M * N &&
+           gamma.numel() == N && M >= 1 && M <= kSkinnyFusedMaxM && K % 8 == 0 &&
+           IsAligned16(x.data) && IsAligned16(w.data) && record != nullptr)
+      << "SkinnyGemmAddNorm: x " << x.ShapeString() << ", w " << w.ShapeString() << ", y "
+      << y.ShapeString() << ", residual " << residual.ShapeString() << ", gamma "
+      << gamma.ShapeString() << " (needs 1 <= M <= " << kSkinnyFusedMaxM
+      << ", K % 8 == 0, 16-byte aligned)";
+  if (bias != nullptr) {
+    TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
+    TP_CHECK(bias->numel() == N) << "SkinnyGemmAddNorm: bias " << bias->ShapeString();
+  }
+  NormArgs norm;
+  norm.residual = residual.ptr<__nv_bfloat16>();
+  norm.gamma = gamma.ptr<const __nv_bfloat16>();
+  norm.normed = normed.ptr<__nv_bfloat16>();
+  norm.out_sums = record;
+  // The configurations of the automatic choice (AutoConfig, AutoSwiGluConfig).
+  auto kernel = swiglu ? (M == 1 ? SkinnyGemmKernel<1, 8, 1, true, false, 2>
+                                 : SkinnyGemmKernel<2, 4, 2, true, false, 2>)
+                       : (M == 1 ? SkinnyGemmKernel<1, 2, 2, false, false, 2>
+                                 : SkinnyGemmKernel<2, 4, 2, false, false, 2>);
+  const int rows = swiglu ? (M == 1 ? 8 : 4) : (M == 1 ? 2 : 4);
+  LaunchPdl(kernel, dim3(static_cast<unsigned>(CeilDiv(N, rows))), dim3(kWarps * 32), 0, stream,
+            x.ptr<const __nv_bfloat16>(), w.ptr<const __nv_bfloat16>(),
+            bias ? bias->ptr<const __nv_bfloat16>() : nullptr, y.ptr<__nv_bfloat16>(),
+            static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), RopeKvArgs{}, norm);
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+void LaunchSkinnyGemmScaledRows(const Tensor& x, const unsigned long long* record, float eps,
+                                const Tensor& w, const Tensor* bias, Tensor y,
+                                cudaStream_t stream) {
+  TP_CHECK_CUDA_TENSOR(x, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(w, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
+  const int64_t K = x.dim(-1), M = x.numel() / std::max<int64_t>(K, 1), N = w.dim(0);
+  TP_CHECK(w.ndim == 2 && w.dim(1) == K && y.numel() == M * N && y.dim(-1) == N && M >= 1 &&
+           M <= kSkinnyFusedMaxM && K % 8 == 0 && IsAligned16(x.data) && IsAligned16(w.data) &&
+           record != nullptr)
+      << "SkinnyGemmScaledRows: x " << x.ShapeString() << ", w " << w.ShapeString() << ", y "
+      << y.ShapeString() << " (needs 1 <= M <= " << kSkinnyFusedMaxM
+      << ", K % 8 == 0, 16-byte aligned)";
+  if (bias != nullptr) {
+    TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
+    TP_CHECK(bias->numel() == N) << "SkinnyGemmScaledRows: bias " << bias->ShapeString();
+  }
+  NormArgs norm;
+  norm.in_sums = record;
+  norm.dim = static_cast<int>(K);
+  norm.eps = eps;
+  auto kernel = M == 1 ? SkinnyGemmKernel<1, 2, 2, false, false, 1>
+                       : SkinnyGemmKernel<2, 4, 2, false, false, 1>;
+  const int rows = M == 1 ? 2 : 4;
+  LaunchPdl(kernel, dim3(static_cast<unsigned>(CeilDiv(N, rows))), dim3(kWarps * 32), 0, stream,
+            x.ptr<const __nv_bfloat16>(), w.ptr<const __nv_bfloat16>(),
+            bias ? bias->ptr<const __nv_bfloat16>() : nullptr, y.ptr<__nv_bfloat16>(),
+            static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), RopeKvArgs{}, norm);
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+void LaunchApplyRowScale(Tensor x, const unsigned long long* record, float eps,
+                         cudaStream_t stream) {
+  TP_CHECK_CUDA_TENSOR(x, DType::kBF16);
+  const int64_t K = x.dim(-1), M = x.numel() / std::max<int64_t>(K, 1);
+  TP_CHECK(M <= kSkinnyFusedMaxM && record != nullptr)
+      << "ApplyRowScale: x " << x.ShapeString() << " (at most " << kSkinnyFusedMaxM << " rows)";
+  if (M == 0) return;
+  LaunchPdl(ApplyRowScaleKernel, dim3(static_cast<unsigned>(M)), dim3(256), 0, stream,
+            x.ptr<__nv_bfloat16>(), static_cast<int>(K), record, static_cast<int>(K), eps);
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+void LaunchZeroNormSums(unsigned long long* sums, int64_t words, cudaStream_t stream) {
+  TP_CHECK(words % 2 == 0 && IsAligned16(sums)) << "ZeroNormSums: " << words << " words";
+  const int n = static_cast<int>(words / 2);
+  if (n == 0) return;
+  LaunchPdl(ZeroSumsKernel, dim3(static_cast<unsigned>(std::min(CeilDiv(n, 256), 16))), dim3(256),
+            0, stream, reinterpret_cast<uint4*>(sums), n);
   TP_CUDA_CHECK_LAUNCH();
 }
 

@@ -119,10 +119,35 @@ void LaunchSkinnySwiGluGemm(const Tensor& gate_up, const Tensor& w, Tensor y, cu
                             int config = 0);
 // Ops::QkvRopeKvWrite for M = b.num_tokens <= 2: the skinny GEMM of x by the fused q/k/v weight
 // [(Hq + 2 Hk) * D, K] with RopeKvWrite as its epilogue (the projection itself is not stored).
+// x_sums non-null: x is a deferred norm's output (see below), scaled per row in the epilogue.
 void LaunchSkinnyQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
                                 const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
                                 int head_dim, const DeviceBatch& b, Tensor q_out, Tensor k_cache,
-                                Tensor v_cache, cudaStream_t stream);
+                                Tensor v_cache, cudaStream_t stream,
+                                const unsigned long long* x_sums = nullptr, float eps = 0.0f);
+
+// Deferred RMSNorm (Ops::GemmAddRmsNorm at M <= kSkinnyFusedMaxM): a record holds, for each of
+// kSkinnyFusedMaxM token rows, kNormSumSlots 64-bit counters whose total is the row's sum of
+// squares in fixed point (kNormSumScale units per 1.0). Integer atomics make the total
+// independent of the order in which blocks add. Range: totals below 2^64 / 2^28 = 6.9e10, an
+// RMS of up to ~4100 at hidden size 4096 (larger saturates and under-normalizes).
+inline constexpr int kNormSumSlots = 32;
+inline constexpr float kNormSumScale = 268435456.0f;  // 2^28
+inline constexpr int kNormRecordWords = kSkinnyFusedMaxM * kNormSumSlots;
+// The producer: y = x w^T (+ bias) (or the SwiGLU variant's (silu(gate) * up) w^T for
+// x = gate_up [M, 2K]); residual += y; normed = residual * gamma (bf16, not yet scaled); each
+// row's sum of squares added into `record` (zero before the call).
+void LaunchSkinnyGemmAddNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                             Tensor residual, const Tensor& gamma, Tensor normed, bool swiglu,
+                             unsigned long long* record, cudaStream_t stream);
+// The consumer: y = (x scaled per row by rsqrt(sum / K + eps)) w^T (+ bias), M <= 2.
+void LaunchSkinnyGemmScaledRows(const Tensor& x, const unsigned long long* record, float eps,
+                                const Tensor& w, const Tensor* bias, Tensor y, cudaStream_t stream);
+// x[m, :] *= rsqrt(sum_m / K + eps) in place (a consumer that cannot scale in its epilogue).
+void LaunchApplyRowScale(Tensor x, const unsigned long long* record, float eps,
+                         cudaStream_t stream);
+// Zeroes `words` 64-bit counters (a multiple of 2), in the programmatic-launch chain.
+void LaunchZeroNormSums(unsigned long long* sums, int64_t words, cudaStream_t stream);
 
 // Sampling: one row of logits per params entry. Writes ids[rows] on the device.
 struct DeviceSampleParams {

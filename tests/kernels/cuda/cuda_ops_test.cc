@@ -349,15 +349,16 @@ TEST_F(CudaOpsTest, QkvRopeKvWriteFusedAndUnfused) {
       std::vector<float> kc_want = kc, vc_want = vc;
       SetBatch(m);
       Tensor cb = Cpu(bias, {width});
-      cpu_->QkvRopeKvWrite(Cpu(x, {T, c.hidden}), Cpu(w, {width, c.hidden}), c.bias ? &cb : nullptr,
-                           Cpu(inv, {c.d / 2}), c.hq, c.hk, c.d, Cpu(qkv, {T, width}),
-                           Cpu(q_want, {T, c.hq * c.d}), Cpu(kc_want, {blocks, bs, c.hk, c.d}),
-                           Cpu(vc_want, {blocks, bs, c.hk, c.d}));
+      cpu_->QkvRopeKvWrite(
+          Cpu(x, {T, c.hidden}), RowScale(), Cpu(w, {width, c.hidden}), c.bias ? &cb : nullptr,
+          Cpu(inv, {c.d / 2}), c.hq, c.hk, c.d, Cpu(qkv, {T, width}), Cpu(q_want, {T, c.hq * c.d}),
+          Cpu(kc_want, {blocks, bs, c.hk, c.d}), Cpu(vc_want, {blocks, bs, c.hk, c.d}));
       Tensor gb = Gpu(bias, {width});
       Tensor gkc = Gpu(kc, {blocks, bs, c.hk, c.d}), gvc = Gpu(vc, {blocks, bs, c.hk, c.d});
       Tensor q_out = GpuOut({T, c.hq * c.d}), gqkv = GpuOut({T, width});
-      ops_->QkvRopeKvWrite(Gpu(x, {T, c.hidden}), Gpu(w, {width, c.hidden}), c.bias ? &gb : nullptr,
-                           GpuF32(inv, {c.d / 2}), c.hq, c.hk, c.d, gqkv, q_out, gkc, gvc);
+      ops_->QkvRopeKvWrite(Gpu(x, {T, c.hidden}), RowScale(), Gpu(w, {width, c.hidden}),
+                           c.bias ? &gb : nullptr, GpuF32(inv, {c.d / 2}), c.hq, c.hk, c.d, gqkv,
+                           q_out, gkc, gvc);
       EXPECT_LT(RelL2(Host(q_out), q_want), kBf16Tol);
       const std::vector<float> got_k = Host(gkc), got_v = Host(gvc);
       std::vector<float> rows_got, rows_want;
@@ -416,6 +417,119 @@ TEST_F(CudaOpsTest, SiluMulGemmFusedAndFallback) {
       }
     }
     bufs_.clear();
+  }
+}
+
+// The deferred norm: GemmAddRmsNorm / SiluMulGemmAddRmsNorm (a projection into the residual
+// stream, then the next RMSNorm) followed by the projection that reads the norm, GemmScaledRows
+// or QkvRopeKvWrite, against the CPU's separate ops. At M <= 2 CUDA defers the norm's row scale
+// to the consumer (a non-empty RowScale); at M = 3 it runs the separate ops. y and the residual
+// must be bit for bit those of the separate GPU ops (the same bf16 roundings); the consumer's
+// output within kBf16Tol of the CPU's. Three batches in a row with different inputs check that
+// the records are zeroed between batches; "materialize" consumes with the skinny path off
+// (the rows are scaled in place first, then cuBLASLt).
+TEST_F(CudaOpsTest, DeferredNormProducersAndConsumers) {
+  struct Shape {
+    int m, hidden, k, next;  // producer [m, k] -> hidden; consumer hidden -> next
+  };
+  const float eps = 1e-5f;
+  for (Shape s : {Shape{1, 4096, 4096, 1024}, Shape{2, 1024, 520, 296}, Shape{1, 264, 1032, 40},
+                  Shape{3, 512, 520, 64}}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      const bool swiglu = variant & 1, materialize = variant == 2;
+      const bool qkv = variant == 3;  // consumer: QkvRopeKvWrite (hq = hk = 2, d = 64)
+      SCOPED_TRACE(testing::Message() << "M=" << s.m << " hidden=" << s.hidden << " K=" << s.k
+                                      << " variant " << variant);
+      const int in_cols = swiglu ? 2 * s.k : s.k;
+      const int hq = 2, hk = 2, d = 64, width = qkv ? (hq + 2 * hk) * d : s.next;
+      auto w = RandomBf16(rng_, size_t{1} * s.hidden * s.k, 0.05f);
+      auto w2 = RandomBf16(rng_, size_t{1} * width * s.hidden, 0.05f);
+      auto gamma = RandomBf16(rng_, s.hidden, 0.5f);
+      Tensor gw = Gpu(w, {s.hidden, s.k}), gw2 = Gpu(w2, {width, s.hidden});
+      Tensor gg = Gpu(gamma, {s.hidden});
+      RopeConfig rc;
+      auto inv = RopeInvFreq(rc, d);
+      Tensor ginv = GpuF32(inv, {d / 2});
+      const int bs = 16, blocks = 8;
+      for (int rep = 0; rep < 3; ++rep) {
+        SCOPED_TRACE(rep);
+        std::vector<std::pair<int, int>> seqs(s.m, {1, 0});
+        for (int i = 0; i < s.m; ++i) seqs[i].second = 5 + 11 * i + rep;
+        BatchMeta meta = MakeBatch(seqs, bs, blocks, rng_);
+        SetBatch(meta);
+        auto x = RandomBf16(rng_, size_t{1} * s.m * in_cols, 2.0f);
+        auto res = RandomBf16(rng_, size_t{1} * s.m * s.hidden, 1.0f + rep);
+        // The CPU reference: the separate ops.
+        std::vector<float> y_want(size_t{1} * s.m * s.hidden), res_want = res;
+        std::vector<float> normed_want(size_t{1} * s.m * s.hidden), act(size_t{1} * s.m * s.k);
+        if (swiglu) {
+          cpu_->SiluMulGemm(Cpu(x, {s.m, in_cols}), Cpu(w, {s.hidden, s.k}), Cpu(act, {s.m, s.k}),
+                            Cpu(y_want, {s.m, s.hidden}));
+        } else {
+          cpu_->Gemm(Cpu(x, {s.m, in_cols}), Cpu(w, {s.hidden, s.k}), nullptr,
+                     Cpu(y_want, {s.m, s.hidden}));
+        }
+        cpu_->AddRmsNorm(Cpu(res_want, {s.m, s.hidden}), Cpu(y_want, {s.m, s.hidden}),
+                         Cpu(gamma, {s.hidden}), eps, Cpu(normed_want, {s.m, s.hidden}));
+        std::vector<float> out_want(size_t{1} * s.m * width), q_want(size_t{1} * s.m * hq * d);
+        auto kc = RandomBf16(rng_, size_t{1} * blocks * bs * hk * d);
+        auto vc = RandomBf16(rng_, size_t{1} * blocks * bs * hk * d);
+        std::vector<float> kc_want = kc, vc_want = vc;
+        if (qkv) {
+          cpu_->QkvRopeKvWrite(
+              Cpu(normed_want, {s.m, s.hidden}), RowScale(), Cpu(w2, {width, s.hidden}), nullptr,
+              Cpu(inv, {d / 2}), hq, hk, d, Cpu(out_want, {s.m, width}), Cpu(q_want, {s.m, hq * d}),
+              Cpu(kc_want, {blocks, bs, hk, d}), Cpu(vc_want, {blocks, bs, hk, d}));
+        } else {
+          cpu_->Gemm(Cpu(normed_want, {s.m, s.hidden}), Cpu(w2, {width, s.hidden}), nullptr,
+                     Cpu(out_want, {s.m, width}));
+        }
+        // The separate GPU ops, for the bit-exact parts.
+        Tensor gx = Gpu(x, {s.m, in_cols}), gact = GpuOut({s.m, s.k});
+        Tensor res1 = Gpu(res, {s.m, s.hidden}), y1 = GpuOut({s.m, s.hidden});
+        Tensor n1 = GpuOut({s.m, s.hidden});
+        if (swiglu) {
+          ops_->SiluMulGemm(gx, gw, gact, y1);
+        } else {
+          ops_->Gemm(gx, gw, nullptr, y1);
+        }
+        ops_->AddRmsNorm(res1, y1, gg, eps, n1);
+        // The pair under test.
+        Tensor res2 = Gpu(res, {s.m, s.hidden}), y2 = GpuOut({s.m, s.hidden});
+        Tensor n2 = GpuOut({s.m, s.hidden}), out = GpuOut({s.m, width});
+        RowScale scale = swiglu ? ops_->SiluMulGemmAddRmsNorm(gx, gw, gact, y2, res2, gg, eps, n2)
+                                : ops_->GemmAddRmsNorm(gx, gw, nullptr, y2, res2, gg, eps, n2);
+        EXPECT_EQ(scale.empty(), s.m > 2) << "deferred exactly when M <= 2";
+        if (materialize) gpu_->set_skinny_max_m(0);
+        Tensor gq = GpuOut({s.m, hq * d});
+        Tensor gkc = Gpu(kc, {blocks, bs, hk, d}), gvc = Gpu(vc, {blocks, bs, hk, d});
+        if (qkv) {
+          ops_->QkvRopeKvWrite(n2, scale, gw2, nullptr, ginv, hq, hk, d, out, gq, gkc, gvc);
+        } else {
+          ops_->GemmScaledRows(n2, scale, gw2, nullptr, out);
+        }
+        gpu_->set_skinny_max_m(2);
+        EXPECT_EQ(Host(y2), Host(y1));
+        EXPECT_EQ(Host(res2), Host(res1));
+        EXPECT_LT(RelL2(Host(res2), res_want), kBf16Tol);
+        if (qkv) {
+          EXPECT_LT(RelL2(Host(gq), q_want), kBf16Tol);
+          EXPECT_LT(RelL2(Host(gkc), kc_want), kBf16Tol);
+          EXPECT_LT(RelL2(Host(gvc), vc_want), kBf16Tol);
+        } else {
+          EXPECT_LT(RelL2(Host(out), out_want), kBf16Tol);
+          // The consumer really applied the scale: without it the result is far off (the
+          // residual's RMS is 1 + rep or more, not 1).
+          if (!scale.empty() && !materialize) {
+            std::vector<float> unscaled(size_t{1} * s.m * width), n2_host = Host(n2);
+            cpu_->Gemm(Cpu(n2_host, {s.m, s.hidden}), Cpu(w2, {width, s.hidden}), nullptr,
+                       Cpu(unscaled, {s.m, width}));
+            EXPECT_GT(RelL2(unscaled, out_want), 0.1);
+          }
+        }
+      }
+      bufs_.clear();
+    }
   }
 }
 
