@@ -177,7 +177,19 @@ __global__ void __launch_bounds__(kWarps * 32)
   };
   // The weights do not depend on the previous kernel: the first loads go out before the wait.
   if (warp < num_chunks) load_w(warp);
+  // The producer's epilogue operands (lane = m * kR + r of warp 0): gamma is a weight, loaded
+  // before the wait; the residual after it (an earlier kernel of the chain writes it), both
+  // hidden behind the main loop.
+  const int norm_m = lane / kR, norm_n = n0 + lane % kR;
+  const bool norm_lane = kNorm == 2 && warp == 0 && lane < kV && norm_m < M && norm_n < N;
+  __nv_bfloat16 gamma_b{}, residual_b{};
+  if constexpr (kNorm == 2) {
+    if (norm_lane) gamma_b = norm.gamma[norm_n];
+  }
   PdlWait();
+  if constexpr (kNorm == 2) {
+    if (norm_lane) residual_b = norm.residual[static_cast<int64_t>(norm_m) * N + norm_n];
+  }
   // The consumer's row sums: loaded now, used after the main loop.
   unsigned long long sums[kMT];
   if constexpr (kNorm == 1) {
@@ -255,8 +267,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     // them; the squares of the new residual are summed over the block's rows of each token and
     // added to one of kNormSumSlots counters (fewer collisions at the same address).
     if (warp != 0) return;
-    const int m = lane / kR, r = lane % kR, n = n0 + r;
-    const bool valid = lane < kV && m < M && n < N;
+    const int m = norm_m, r = lane % kR, n = norm_n;
+    const bool valid = norm_lane;
     float sq = 0.0f;
     if (valid) {
       float s = 0.0f;
@@ -267,10 +279,10 @@ __global__ void __launch_bounds__(kWarps * 32)
       const __nv_bfloat16 yb = __float2bfloat16(s);
       y[at] = yb;
       const __nv_bfloat16 hb =
-          __float2bfloat16(__bfloat162float(norm.residual[at]) + __bfloat162float(yb));
+          __float2bfloat16(__bfloat162float(residual_b) + __bfloat162float(yb));
       norm.residual[at] = hb;
       const float h = __bfloat162float(hb);
-      norm.normed[at] = __float2bfloat16(h * __bfloat162float(norm.gamma[n]));
+      norm.normed[at] = __float2bfloat16(h * __bfloat162float(gamma_b));
       sq = h * h;
     }
 #pragma unroll
