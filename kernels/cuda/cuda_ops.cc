@@ -95,6 +95,8 @@ std::string GemmShape(int64_t m, int64_t n, int64_t k) {
   return "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k);
 }
 
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
 }  // namespace
 
 void CudaOps::set_op_profiling(bool on) {
@@ -425,9 +427,8 @@ void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor 
   if (w.dim(0) == w.dim(1) && Ablated("Gemm.square")) return;
   int64_t k = x.dim(-1);
   int64_t m = k == 0 ? 0 : x.numel() / k;
-  const bool skinny = m > 0 && m <= skinny_max_m_ && k % 8 == 0 &&
-                      (reinterpret_cast<uintptr_t>(x.data) & 15) == 0 &&
-                      (reinterpret_cast<uintptr_t>(w.data) & 15) == 0;
+  const bool skinny =
+      m > 0 && m <= skinny_max_m_ && k % 8 == 0 && Aligned16(x.data) && Aligned16(w.data);
   OpScope scope(
       this, skinny ? "Gemm.skinny" : "Gemm.cublasLt", [&] { return GemmShape(m, w.dim(0), k); },
       double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
@@ -450,9 +451,7 @@ void CudaOps::GemmSkinny(const Tensor& x, const Tensor& w, const Tensor* bias, T
 void CudaOps::SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Tensor y) {
   const int64_t k = w.dim(-1);
   const int64_t m = k == 0 ? 0 : gate_up.numel() / (2 * k);
-  if (fused_skinny_ && m > 0 && m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) &&
-      k % 8 == 0 && (reinterpret_cast<uintptr_t>(gate_up.data) & 15) == 0 &&
-      (reinterpret_cast<uintptr_t>(w.data) & 15) == 0) {
+  if (fused_skinny_ && SkinnyFusedFits(m, k, gate_up.data, w.data)) {
     OpScope scope(
         this, "SiluMulGemm.skinny", [&] { return GemmShape(m, w.dim(0), k); },
         double(w.bytes()) + double(gate_up.bytes()) + double(y.bytes()));
@@ -463,11 +462,10 @@ void CudaOps::SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Te
   Gemm(act, w, nullptr, y);
 }
 
-namespace {
-
-bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
-}  // namespace
+bool CudaOps::SkinnyFusedFits(int64_t m, int64_t k, const void* x, const void* w) const {
+  return m > 0 && m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) && k % 8 == 0 &&
+         Aligned16(x) && Aligned16(w);
+}
 
 unsigned long long* CudaOps::NextNormRecord() {
   if (norm_records_used_ >= kMaxNormRecords) return nullptr;
@@ -491,9 +489,7 @@ RowScale CudaOps::GemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor*
                                  Tensor residual, const Tensor& gamma, float eps, Tensor normed) {
   const int64_t k = x.dim(-1), n = w.dim(0);
   const int64_t m = k == 0 ? 0 : x.numel() / k;
-  if (fused_norm_ && ablated_.empty() && m > 0 &&
-      m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) && k % 8 == 0 && Aligned16(x.data) &&
-      Aligned16(w.data)) {
+  if (fused_norm_ && ablated_.empty() && SkinnyFusedFits(m, k, x.data, w.data)) {
     if (unsigned long long* record = NextNormRecord()) {
       OpScope scope(
           this, "GemmAddRmsNorm.skinny", [&] { return GemmShape(m, n, k); },
@@ -511,9 +507,8 @@ RowScale CudaOps::SiluMulGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, 
                                         Tensor normed) {
   const int64_t k = w.dim(-1), n = w.dim(0);
   const int64_t m = k == 0 ? 0 : gate_up.numel() / (2 * k);
-  if (fused_norm_ && fused_skinny_ && ablated_.empty() && m > 0 &&
-      m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) && k % 8 == 0 &&
-      Aligned16(gate_up.data) && Aligned16(w.data)) {
+  if (fused_norm_ && fused_skinny_ && ablated_.empty() &&
+      SkinnyFusedFits(m, k, gate_up.data, w.data)) {
     if (unsigned long long* record = NextNormRecord()) {
       OpScope scope(
           this, "SiluMulGemmAddRmsNorm.skinny", [&] { return GemmShape(m, n, k); },
@@ -533,8 +528,7 @@ void CudaOps::GemmScaledRows(const Tensor& x, const RowScale& x_scale, const Ten
   const int64_t m = k == 0 ? 0 : x.numel() / k;
   TP_CHECK(x_scale.dim == k) << "GemmScaledRows: row scale of dim " << x_scale.dim << " for x "
                              << x.ShapeString();
-  if (m > 0 && m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) && k % 8 == 0 &&
-      Aligned16(x.data) && Aligned16(w.data)) {
+  if (SkinnyFusedFits(m, k, x.data, w.data)) {
     OpScope scope(
         this, "GemmScaledRows.skinny", [&] { return GemmShape(m, w.dim(0), k); },
         double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
@@ -579,10 +573,8 @@ void CudaOps::QkvRopeKvWrite(const Tensor& x, const RowScale& x_scale, const Ten
   const int64_t m = k == 0 ? 0 : x.numel() / k;
   TP_CHECK(x_scale.empty() || x_scale.dim == k)
       << "QkvRopeKvWrite: row scale of dim " << x_scale.dim << " for x " << x.ShapeString();
-  if (fused_skinny_ && m > 0 && m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) &&
-      k % 8 == 0 && m == batch_->num_tokens && head_dim % 2 == 0 &&
-      (reinterpret_cast<uintptr_t>(x.data) & 15) == 0 &&
-      (reinterpret_cast<uintptr_t>(w_qkv.data) & 15) == 0) {
+  if (fused_skinny_ && SkinnyFusedFits(m, k, x.data, w_qkv.data) && m == batch_->num_tokens &&
+      head_dim % 2 == 0) {
     OpScope scope(
         this, "QkvRopeKvWrite.skinny", [&] { return GemmShape(m, w_qkv.dim(0), k); },
         double(w_qkv.bytes()) + double(x.bytes()) + 2.0 * double(qkv.bytes()));

@@ -163,6 +163,9 @@ class CudaOps final : public Ops {
   };
   void EnsureNotCapturing(const char* what) const;
   void GrowSection(Section& s, size_t bytes);
+  // Whether a GEMM of m rows of length k (x, w its operands) fits the fused skinny kernels
+  // (M <= 2 and skinny_max_m, K % 8 == 0, 16-byte aligned operands).
+  bool SkinnyFusedFits(int64_t m, int64_t k, const void* x, const void* w) const;
   // The record of the next deferred norm of this batch (zeroing all of them first when it is
   // the batch's first), or null when the batch has used them all.
   unsigned long long* NextNormRecord();

@@ -111,6 +111,15 @@ struct NormArgs {
   unsigned long long* out_sums = nullptr;
 };
 
+// The row scale rsqrt(sum / dim + eps) of a deferred norm, from the record's kNormSumSlots
+// counters of one row, lane i of a full warp holding counter i; every lane gets the result.
+__device__ __forceinline__ float RowScaleOfSums(unsigned long long v, int dim, float eps) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const float ss = static_cast<float>(static_cast<double>(v) * (1.0 / kNormSumScale));
+  return rsqrtf(ss / dim + eps);
+}
+
 // Rotates the pair (a, b) = rows (i, i + D/2) of `head` for token m and stores it as
 // RopeKvWrite does: q heads to q_out, k heads rotated and v heads as they are to the caches.
 __device__ __forceinline__ void StoreRopeKvPair(const RopeKvArgs& p, int m, int head, int i,
@@ -235,11 +244,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     if (warp == 0) {
 #pragma unroll
       for (int m = 0; m < kMT; ++m) {
-        unsigned long long v = sums[m];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        const float ss = static_cast<float>(static_cast<double>(v) * (1.0 / kNormSumScale));
-        if (lane == 0) row_scale[m] = rsqrtf(ss / norm.dim + norm.eps);
+        const float scale = RowScaleOfSums(sums[m], norm.dim, norm.eps);
+        if (lane == 0) row_scale[m] = scale;
       }
     }
   }
@@ -267,15 +273,13 @@ __global__ void __launch_bounds__(kWarps * 32)
     // them; the squares of the new residual are summed over the block's rows of each token and
     // added to one of kNormSumSlots counters (fewer collisions at the same address).
     if (warp != 0) return;
-    const int m = norm_m, r = lane % kR, n = norm_n;
-    const bool valid = norm_lane;
     float sq = 0.0f;
-    if (valid) {
+    if (norm_lane) {
       float s = 0.0f;
 #pragma unroll
       for (int i = 0; i < kWarps; ++i) s += partial[i][lane];
-      if (bias != nullptr) s += __bfloat162float(bias[n]);
-      const int64_t at = static_cast<int64_t>(m) * N + n;
+      if (bias != nullptr) s += __bfloat162float(bias[norm_n]);
+      const int64_t at = static_cast<int64_t>(norm_m) * N + norm_n;
       const __nv_bfloat16 yb = __float2bfloat16(s);
       y[at] = yb;
       const __nv_bfloat16 hb =
@@ -287,22 +291,22 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
 #pragma unroll
     for (int o = 1; o < kR; o <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-    if (valid && r == 0) {
-      atomicAdd(norm.out_sums + m * kNormSumSlots + blockIdx.x % kNormSumSlots,
+    if (norm_lane && lane % kR == 0) {
+      atomicAdd(norm.out_sums + norm_m * kNormSumSlots + blockIdx.x % kNormSumSlots,
                 static_cast<unsigned long long>(__float2ull_rn(sq * kNormSumScale)));
     }
-    return;
-  }
-  for (int idx = threadIdx.x; idx < kV; idx += blockDim.x) {
-    int m = idx / kR, r = idx % kR;
-    int n = n0 + r;
-    if (m < M && n < N) {
-      float s = 0.0f;
+  } else {
+    for (int idx = threadIdx.x; idx < kV; idx += blockDim.x) {
+      int m = idx / kR, r = idx % kR;
+      int n = n0 + r;
+      if (m < M && n < N) {
+        float s = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kWarps; ++i) s += partial[i][idx];
-      if constexpr (kNorm == 1) s *= row_scale[m];
-      if (bias != nullptr) s += __bfloat162float(bias[n]);
-      y[static_cast<int64_t>(m) * N + n] = __float2bfloat16(s);
+        for (int i = 0; i < kWarps; ++i) s += partial[i][idx];
+        if constexpr (kNorm == 1) s *= row_scale[m];
+        if (bias != nullptr) s += __bfloat162float(bias[n]);
+        y[static_cast<int64_t>(m) * N + n] = __float2bfloat16(s);
+      }
     }
   }
 }
@@ -317,21 +321,18 @@ __global__ void __launch_bounds__(256) ZeroSumsKernel(uint4* __restrict__ p, int
   }
 }
 
-// Applies a deferred norm's row scale in place (x[m, :] *= rsqrt(sums[m] / dim + eps)), for a
+// Applies a deferred norm's row scale in place (x[m, :] *= rsqrt(sums[m] / K + eps)), for a
 // consumer that cannot take it in its epilogue.
 __global__ void __launch_bounds__(256)
     ApplyRowScaleKernel(__nv_bfloat16* __restrict__ x, int K, const unsigned long long* sums,
-                        int dim, float eps) {
+                        float eps) {
   __shared__ float scale_s;
   PdlLaunchDependents();
   PdlWait();
   const int m = blockIdx.x;
   if (threadIdx.x < 32) {
-    unsigned long long v = __ldcg(sums + m * kNormSumSlots + threadIdx.x);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const float ss = static_cast<float>(static_cast<double>(v) * (1.0 / kNormSumScale));
-    if (threadIdx.x == 0) scale_s = rsqrtf(ss / dim + eps);
+    const float scale = RowScaleOfSums(__ldcg(sums + m * kNormSumSlots + threadIdx.x), K, eps);
+    if (threadIdx.x == 0) scale_s = scale;
   }
   __syncthreads();
   const float scale = scale_s;
@@ -348,11 +349,19 @@ struct Config {
 // Index 0 is the automatic choice; the rest are the variants the benchmark compares.
 constexpr Config kConfigs[] = {{0, 0}, {1, 4}, {2, 2}, {2, 4}, {4, 2}, {4, 4}, {8, 1}};
 
-template <int kMT, int kR, int kU, bool kSwiGlu>
+template <int kMT, int kR, int kU, bool kSwiGlu, int kNorm = 0>
 void LaunchTyped(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* bias,
-                 __nv_bfloat16* y, int M, int N, int K, cudaStream_t stream) {
-  LaunchPdl(SkinnyGemmKernel<kMT, kR, kU, kSwiGlu>, dim3(CeilDiv(N, kR)), dim3(kWarps * 32), 0,
-            stream, x, w, bias, y, M, N, K, RopeKvArgs{}, NormArgs{});
+                 __nv_bfloat16* y, int M, int N, int K, cudaStream_t stream,
+                 const NormArgs& norm = NormArgs{}) {
+  LaunchPdl(SkinnyGemmKernel<kMT, kR, kU, kSwiGlu, false, kNorm>, dim3(CeilDiv(N, kR)),
+            dim3(kWarps * 32), 0, stream, x, w, bias, y, M, N, K, RopeKvArgs{}, norm);
+}
+
+// One bias check for every launcher: bf16 on the device, one value per output column.
+void CheckBias(const char* op, const Tensor* bias, int64_t N) {
+  if (bias == nullptr) return;
+  TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
+  TP_CHECK(bias->numel() == N) << op << ": bias " << bias->ShapeString() << ", N " << N;
 }
 
 template <int kMT, bool kSwiGlu>
@@ -414,10 +423,7 @@ void LaunchSkinnyGemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tens
            M <= kSkinnyMaxM && K % 8 == 0 && IsAligned16(x.data) && IsAligned16(w.data))
       << "SkinnyGemm: x " << x.ShapeString() << ", w " << w.ShapeString() << ", y "
       << y.ShapeString() << " (needs M <= " << kSkinnyMaxM << ", K % 8 == 0, 16-byte aligned)";
-  if (bias != nullptr) {
-    TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
-    TP_CHECK(bias->numel() == N) << "SkinnyGemm: bias " << bias->ShapeString() << ", N " << N;
-  }
+  CheckBias("SkinnyGemm", bias, N);
   if (M == 0 || N == 0) return;
   Config c = config == 0 ? AutoConfig(M) : kConfigs[config];
   LaunchForAnyM<false>(c, x.ptr<const __nv_bfloat16>(), w.ptr<const __nv_bfloat16>(),
@@ -471,10 +477,7 @@ void LaunchSkinnyQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tens
       << ", q_out " << q_out.ShapeString() << ", k_cache " << k_cache.ShapeString() << ", heads "
       << num_q_heads << "/" << num_kv_heads << ", head_dim " << head_dim << ", tokens "
       << b.num_tokens << " (needs M <= " << kSkinnyFusedMaxM << ", K % 8 == 0, aligned)";
-  if (bias != nullptr) {
-    TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
-    TP_CHECK(bias->numel() == N) << "SkinnyQkvRopeKvWrite: bias " << bias->ShapeString();
-  }
+  CheckBias("SkinnyQkvRopeKvWrite", bias, N);
   if (M == 0) return;
   RopeKvArgs rope;
   rope.inv_freq = inv_freq.ptr<const float>();
@@ -522,25 +525,18 @@ void LaunchSkinnyGemmAddNorm(const Tensor& x, const Tensor& w, const Tensor* bia
       << y.ShapeString() << ", residual " << residual.ShapeString() << ", gamma "
       << gamma.ShapeString() << " (needs 1 <= M <= " << kSkinnyFusedMaxM
       << ", K % 8 == 0, 16-byte aligned)";
-  if (bias != nullptr) {
-    TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
-    TP_CHECK(bias->numel() == N) << "SkinnyGemmAddNorm: bias " << bias->ShapeString();
-  }
+  CheckBias("SkinnyGemmAddNorm", bias, N);
   NormArgs norm;
   norm.residual = residual.ptr<__nv_bfloat16>();
   norm.gamma = gamma.ptr<const __nv_bfloat16>();
   norm.normed = normed.ptr<__nv_bfloat16>();
   norm.out_sums = record;
   // The configurations of the automatic choice (AutoConfig, AutoSwiGluConfig).
-  auto kernel = swiglu ? (M == 1 ? SkinnyGemmKernel<1, 8, 1, true, false, 2>
-                                 : SkinnyGemmKernel<2, 4, 2, true, false, 2>)
-                       : (M == 1 ? SkinnyGemmKernel<1, 2, 2, false, false, 2>
-                                 : SkinnyGemmKernel<2, 4, 2, false, false, 2>);
-  const int rows = swiglu ? (M == 1 ? 8 : 4) : (M == 1 ? 2 : 4);
-  LaunchPdl(kernel, dim3(static_cast<unsigned>(CeilDiv(N, rows))), dim3(kWarps * 32), 0, stream,
-            x.ptr<const __nv_bfloat16>(), w.ptr<const __nv_bfloat16>(),
-            bias ? bias->ptr<const __nv_bfloat16>() : nullptr, y.ptr<__nv_bfloat16>(),
-            static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), RopeKvArgs{}, norm);
+  auto launch = swiglu ? (M == 1 ? LaunchTyped<1, 8, 1, true, 2> : LaunchTyped<2, 4, 2, true, 2>)
+                       : (M == 1 ? LaunchTyped<1, 2, 2, false, 2> : LaunchTyped<2, 4, 2, false, 2>);
+  launch(x.ptr<const __nv_bfloat16>(), w.ptr<const __nv_bfloat16>(),
+         bias ? bias->ptr<const __nv_bfloat16>() : nullptr, y.ptr<__nv_bfloat16>(),
+         static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), stream, norm);
   TP_CUDA_CHECK_LAUNCH();
 }
 
@@ -557,21 +553,16 @@ void LaunchSkinnyGemmScaledRows(const Tensor& x, const unsigned long long* recor
       << "SkinnyGemmScaledRows: x " << x.ShapeString() << ", w " << w.ShapeString() << ", y "
       << y.ShapeString() << " (needs 1 <= M <= " << kSkinnyFusedMaxM
       << ", K % 8 == 0, 16-byte aligned)";
-  if (bias != nullptr) {
-    TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
-    TP_CHECK(bias->numel() == N) << "SkinnyGemmScaledRows: bias " << bias->ShapeString();
-  }
+  CheckBias("SkinnyGemmScaledRows", bias, N);
   NormArgs norm;
   norm.in_sums = record;
   norm.dim = static_cast<int>(K);
   norm.eps = eps;
-  auto kernel = M == 1 ? SkinnyGemmKernel<1, 2, 2, false, false, 1>
-                       : SkinnyGemmKernel<2, 4, 2, false, false, 1>;
-  const int rows = M == 1 ? 2 : 4;
-  LaunchPdl(kernel, dim3(static_cast<unsigned>(CeilDiv(N, rows))), dim3(kWarps * 32), 0, stream,
-            x.ptr<const __nv_bfloat16>(), w.ptr<const __nv_bfloat16>(),
-            bias ? bias->ptr<const __nv_bfloat16>() : nullptr, y.ptr<__nv_bfloat16>(),
-            static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), RopeKvArgs{}, norm);
+  // The configuration of the automatic choice (AutoConfig).
+  auto launch = M == 1 ? LaunchTyped<1, 2, 2, false, 1> : LaunchTyped<2, 4, 2, false, 1>;
+  launch(x.ptr<const __nv_bfloat16>(), w.ptr<const __nv_bfloat16>(),
+         bias ? bias->ptr<const __nv_bfloat16>() : nullptr, y.ptr<__nv_bfloat16>(),
+         static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), stream, norm);
   TP_CUDA_CHECK_LAUNCH();
 }
 
@@ -583,7 +574,7 @@ void LaunchApplyRowScale(Tensor x, const unsigned long long* record, float eps,
       << "ApplyRowScale: x " << x.ShapeString() << " (at most " << kSkinnyFusedMaxM << " rows)";
   if (M == 0) return;
   LaunchPdl(ApplyRowScaleKernel, dim3(static_cast<unsigned>(M)), dim3(256), 0, stream,
-            x.ptr<__nv_bfloat16>(), static_cast<int>(K), record, static_cast<int>(K), eps);
+            x.ptr<__nv_bfloat16>(), static_cast<int>(K), record, eps);
   TP_CUDA_CHECK_LAUNCH();
 }
 
