@@ -12,22 +12,14 @@
 #include "common/dtype.h"
 #include "common/logprobs.h"
 #include "common/model_config.h"
+#include "common/sampling.h"
+#include "kernels/head_dims.h"
 
 namespace tpserve {
 
-// Sampling parameters of one sequence. temperature == 0 means greedy (argmax, lowest id on
-// ties). Random draws use a counter-based RNG keyed by (seed, position), so a seeded request
-// gives the same tokens whatever the batch, TP or PP layout.
-struct SamplingParams {
-  float temperature = 0.0f;
-  int32_t top_k = 0;   // 0 = off
-  float top_p = 1.0f;  // 1 = off
-  uint64_t seed = 0;
-  int64_t position = 0;  // position of the token being sampled (the RNG counter)
-  // -1: no log-probabilities. N in [0, kMaxLogprobs]: Sample also returns the chosen token's
-  // log-probability and the top min(N, vocab) alternatives (common/logprobs.h).
-  int32_t logprobs = -1;
-};
+// Sampling parameters (common/sampling.h). The random draw uses a counter-based RNG keyed by
+// (seed, position), so it does not depend on the batch; the logits it draws from may (see
+// Sample below).
 
 // The layout of one step's batch, in host memory. Tokens of all sequences are packed along
 // one axis; sequence s owns query rows [query_start[s], query_start[s+1]).
@@ -181,13 +173,13 @@ class Ops {
   // in [S, B, Vs] (one slab per vocab shard, as all-gathered) -> out [B, S * Vs] (f32).
   virtual void InterleaveShards(const Tensor& in, Tensor out) = 0;
   // Samples one token per row of logits [B, V_padded]; only the first `vocab_size` columns
-  // count. Returns ids on the host. The rule (shared by every backend): temperature 0 takes the
-  // argmax (lowest id on ties). Otherwise logits / temperature, candidates sorted by
-  // (probability desc, id asc), cut to the top_k first, then to the shortest prefix whose
-  // probability mass reaches top_p (at least one), renormalized; the token is the first
-  // candidate whose cumulative mass exceeds u * total, u = PhiloxUniform(seed, position).
-  // Rows with params.logprobs >= 0 also get, in (*logprobs)[row] (resized to the rows; other
-  // rows stay empty), log-probabilities under log_softmax(logits[:vocab_size]) (the raw
+  // count. Returns ids on the host. The rule (shared by every backend): a greedy temperature
+  // (IsGreedy: <= kGreedyTemperature) takes the argmax (lowest id on ties). Otherwise logits /
+  // temperature, candidates sorted by (probability desc, id asc), cut to the top_k first, then to
+  // the shortest prefix whose probability mass reaches top_p (at least one), renormalized; the
+  // token is the first candidate whose cumulative mass exceeds u * total, u = PhiloxUniform(seed,
+  // position). Rows with params.logprobs >= 0 also get, in (*logprobs)[row] (resized to the rows;
+  // other rows stay empty), log-probabilities under log_softmax(logits[:vocab_size]) (the raw
   // distribution, not the tempered / cut one) computed in fp32 or better: the chosen token's
   // and the top min(N, vocab_size) tokens by (logprob desc, id asc). `logprobs` may be null
   // only when no row asks.

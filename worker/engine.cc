@@ -3,23 +3,15 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/bf16.h"
 #include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
-#include "worker/shard_loader.h"
 #ifdef TPSERVE_HAVE_CUDA
 #include "kernels/cuda/cuda_ops.h"
-#include "worker/cuda_graph_runner.h"
-#else
-namespace tpserve {
-class CudaGraphRunner {};  // graphs need CUDA
-}  // namespace tpserve
 #endif
 
 namespace tpserve {
@@ -79,6 +71,7 @@ class BlockPool {
 }  // namespace
 
 struct Engine::Seq {
+  uint64_t id = 0;
   const GenerateRequest* req = nullptr;
   std::vector<int32_t> tokens;
   size_t computed = 0;  // tokens whose K/V are in the cache
@@ -88,10 +81,7 @@ struct Engine::Seq {
 };
 
 Engine::~Engine() {
-  // The model and the cache free device memory through ops_: release them first.
-  graphs_.reset();
-  cache_.reset();
-  model_.reset();
+  runner_.reset();  // frees device memory through ops_
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_dir,
@@ -114,8 +104,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_
     engine->ops_ = options.ops;
   } else {
     std::string device = ResolveDevice(options.device);
-    if (options.device == "auto" && device == "cuda" && config.head_dim != 32 &&
-        config.head_dim != 64 && config.head_dim != 128) {
+    if (options.device == "auto" && device == "cuda" && !CudaSupportsHeadDim(config.head_dim)) {
       TP_LOG(WARNING) << "head_dim " << config.head_dim
                       << " has no CUDA attention kernel: running on the CPU";
       device = "cpu";
@@ -139,43 +128,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_
     engine->single_pp_ = MakeSingleRankCommunicator(engine->ops_);
     comms.pp = engine->single_pp_.get();
   }
-  ShardLoadOptions load;
-  load.model = options.model;
-  load.block_size = options.block_size;
-  load.kv_cache_bytes = options.kv_cache_bytes;
-  load.num_kv_blocks = options.num_kv_blocks;
-  load.gpu_memory_utilization = options.gpu_memory_utilization;
-  const int64_t blocks_per_seq =
-      (config.max_position_embeddings + options.block_size - 1) / options.block_size;
-#ifdef TPSERVE_HAVE_CUDA
-  CudaReserve reserve;
-  auto* cuda = dynamic_cast<CudaOps*>(engine->ops_);
-  if (cuda != nullptr) {
-    // Size the batch buffers once, before the KV budget is measured, so that nothing moves
-    // after warm-up and the budget counts them.
-    load.before_kv = [&](LlamaModel& model) {
-      const int64_t table_blocks = options.num_kv_blocks > 0
-                                       ? std::min<int64_t>(blocks_per_seq, options.num_kv_blocks)
-                                       : blocks_per_seq;
-      reserve = CudaGraphRunner::ReserveFor(config, model.shard(), options.model,
-                                            options.block_size, table_blocks);
-      cuda->Reserve(reserve);
-    };
-  }
-#else
-  (void)blocks_per_seq;
-#endif
-  TP_ASSIGN_OR_RETURN(LoadedShard shard, LoadShard(*engine->files_, engine->plan_, options.rank,
-                                                   engine->ops_, comms, load));
-  engine->model_ = std::move(shard.model);
-  engine->cache_ = std::move(shard.cache);
-#ifdef TPSERVE_HAVE_CUDA
-  if (cuda != nullptr && options.cuda_graphs && options.tp == 1 && options.pp == 1) {
-    // Decode graphs are captured lazily, on the first decode step of each batch bucket.
-    engine->graphs_ = std::make_unique<CudaGraphRunner>(cuda, engine->model_.get(),
-                                                        engine->cache_.get(), reserve.max_seqs);
-  }
-#endif
+  engine->options_.comms = comms;
+  ShardRunnerOptions shard = options;
+  shard.sample_on_every_tp_rank = true;
+  TP_ASSIGN_OR_RETURN(engine->runner_,
+                      ShardRunner::Create(*engine->files_, engine->plan_, options.rank,
+                                          engine->ops_, comms, shard));
   const auto t_end = Clock::now();
   TP_LOG(INFO) << absl::StrFormat(
       "Engine::Create %.3f s: open and validate %.3f s, device init %.3f s, shard load "
@@ -187,69 +145,42 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_
 
 const ModelConfig& Engine::config() const { return files_->config(); }
 const GenerationConfig& Engine::generation_config() const { return files_->generation_config(); }
-int64_t Engine::kv_capacity_tokens() const { return cache_->capacity_tokens(); }
+int64_t Engine::kv_capacity_tokens() const { return runner_->capacity_tokens(); }
 
 absl::StatusOr<Tensor> Engine::Forward(const BatchMeta& meta) {
-  return model_->Forward(meta, *cache_);
-}
-
-absl::StatusOr<std::vector<std::vector<float>>> Engine::LogitsToHost(const Tensor& logits) {
-  std::vector<std::vector<float>> out;
-  if (logits.data == nullptr) return out;
-  const int64_t rows = logits.dim(0), width = logits.dim(1);
-  const int64_t vocab = config().vocab_size;
-  std::vector<char> host(logits.bytes());
-  ops_->CopyToHost(host.data(), logits.data, logits.bytes());
-  for (int64_t r = 0; r < rows; ++r) {
-    std::vector<float> row(vocab);
-    for (int64_t c = 0; c < vocab; ++c) {
-      const int64_t i = r * width + c;
-      if (logits.dtype == DType::kF32) {
-        row[c] = reinterpret_cast<const float*>(host.data())[i];
-      } else {
-        row[c] = Bf16ToF32(reinterpret_cast<const uint16_t*>(host.data())[i]);
-      }
-    }
-    out.push_back(std::move(row));
-  }
-  return out;
+  return runner_->Forward(meta, /*graphs=*/false);
 }
 
 absl::StatusOr<std::vector<std::vector<float>>> Engine::ForwardLogits(const BatchMeta& meta) {
   TP_ASSIGN_OR_RETURN(Tensor logits, Forward(meta));
-  return LogitsToHost(logits);
+  return runner_->LogitsToHost(logits);
 }
 
 absl::StatusOr<std::vector<std::vector<float>>> Engine::PromptLogits(
     const std::vector<int32_t>& prompt) {
-  const int bs = options_.block_size;
+  const int bs = runner_->block_size();
   const int n = static_cast<int>(prompt.size());
-  BlockPool pool(cache_->num_blocks());
+  BlockPool pool(runner_->num_blocks());
   std::vector<int32_t> blocks;
   if (!pool.Allocate((n + bs - 1) / bs, blocks)) {
     return absl::ResourceExhaustedError("prompt does not fit the KV cache");
   }
-  BatchMeta meta;
-  meta.num_seqs = 1;
-  meta.num_tokens = n;
-  meta.block_size = bs;
-  meta.token_ids = prompt;
-  meta.query_start = {0, n};
-  meta.context_lens = {n};
-  meta.block_tables = blocks;
-  meta.max_blocks_per_seq = static_cast<int>(blocks.size());
-  for (int i = 0; i < n; ++i) {
-    meta.positions.push_back(i);
-    meta.slot_mapping.push_back(blocks[i / bs] * bs + i % bs);
-    meta.logits_rows.push_back(i);
-  }
+  worker::StepPlan plan;
+  worker::SeqStep* s = plan.add_seqs();
+  s->set_seq_id(next_seq_id_++);
+  s->mutable_token_ids()->Assign(prompt.begin(), prompt.end());
+  s->mutable_block_table()->Assign(blocks.begin(), blocks.end());
+  s->set_sample(true);
+  TP_ASSIGN_OR_RETURN(BatchMeta meta, ShardRunner::MakeBatch(plan, bs, runner_->num_blocks()));
+  meta.logits_rows.clear();  // every position, not only the last
+  for (int i = 0; i < n; ++i) meta.logits_rows.push_back(i);
   return ForwardLogits(meta);
 }
 
 absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
     const std::vector<GenerateRequest>& reqs) {
   const ModelConfig& cfg = config();
-  const int bs = options_.block_size;
+  const int bs = runner_->block_size();
   std::vector<int32_t> eos = generation_config().eos_token_ids;
   if (eos.empty()) eos = cfg.eos_token_ids;
 
@@ -265,10 +196,7 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
       }
     }
     if (r.max_new_tokens < 1) return absl::InvalidArgumentError("max_new_tokens must be >= 1");
-    if (r.sampling.logprobs < -1 || r.sampling.logprobs > kMaxLogprobs) {
-      return absl::InvalidArgumentError(absl::StrCat("logprobs must be in [0, ", kMaxLogprobs,
-                                                     "] (or -1: none); got ", r.sampling.logprobs));
-    }
+    TP_RETURN_IF_ERROR(ValidateSampling(r.sampling));
     const int64_t need = static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens;
     if (need > cfg.max_position_embeddings) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -276,16 +204,17 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
           " exceeds the model's context of ", cfg.max_position_embeddings, " tokens"));
     }
     total_blocks += (need + bs - 1) / bs;
+    seqs[i].id = next_seq_id_++;
     seqs[i].req = &r;
     seqs[i].tokens = r.prompt;
   }
-  if (total_blocks > cache_->num_blocks()) {
+  if (total_blocks > runner_->num_blocks()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the batch needs ", total_blocks, " KV blocks of ", bs,
-                     " tokens but the cache has ", cache_->num_blocks()));
+                     " tokens but the cache has ", runner_->num_blocks()));
   }
-  BlockPool pool(cache_->num_blocks());
-  const bool last_stage = model_->shard().last_stage;
+  BlockPool pool(runner_->num_blocks());
+  const bool last_stage = runner_->model().shard().last_stage;
   Communicator* pp = options_.comms.pp;
 
   // Pipeline micro-batches: with pp stages the sequences are dealt round-robin into k groups,
@@ -305,11 +234,12 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
   struct InFlight {
     std::vector<Seq*> sampled;  // sequences whose next token this step produces
     std::vector<int32_t> ids;   // filled on the last stage at once, elsewhere on Finish
-    std::vector<std::optional<TokenLogprobs>> logprobs;  // last stage: rows that asked
+    worker::StepResult result;  // last stage: ids and the logprobs of the rows that asked
     std::chrono::steady_clock::time_point start;
     int num_tokens = 0;
   };
   std::vector<std::optional<InFlight>> inflight(k);
+  std::vector<uint64_t> finished_ids;  // told to the runner in the next plan
   DeviceBuffer ids_buffer(ops_, sizeof(int32_t) * std::max(1, options_.model.max_batch_seqs));
 
   // Applies the sampled ids of group g's step in flight (receiving them if not the last stage).
@@ -324,6 +254,7 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
     const double step_ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - f.start)
             .count();
+    int logprob_row = 0;
     for (size_t i = 0; i < f.sampled.size(); ++i) {
       Seq& s = *f.sampled[i];
       const int32_t id = f.ids[i];
@@ -331,7 +262,14 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
       s.result.step_tokens.push_back(f.num_tokens);
       s.tokens.push_back(id);
       s.result.output_ids.push_back(id);
-      if (i < f.logprobs.size() && f.logprobs[i]) s.result.logprobs.push_back(*f.logprobs[i]);
+      if (last_stage && s.req->sampling.logprobs >= 0) {
+        const worker::SampledLogprobs& lp = f.result.logprobs(logprob_row++);
+        TokenLogprobs out;
+        out.logprob = lp.logprob();
+        for (const worker::TokenLogprob& t : lp.top())
+          out.top.push_back({t.token_id(), t.logprob()});
+        s.result.logprobs.push_back(std::move(out));
+      }
       const bool is_eos = !s.req->ignore_eos && std::find(eos.begin(), eos.end(), id) != eos.end();
       const bool is_stop = std::find(s.req->stop_token_ids.begin(), s.req->stop_token_ids.end(),
                                      id) != s.req->stop_token_ids.end();
@@ -342,19 +280,23 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
         s.result.finish_reason = "length";
         s.done = true;
       }
-      if (s.done) pool.Release(s.blocks);
+      if (s.done) {
+        pool.Release(s.blocks);
+        finished_ids.push_back(s.id);
+      }
     }
     inflight[g].reset();
     return absl::OkStatus();
   };
 
+  uint64_t step_id = 0;
   for (bool progress = true; progress;) {
     progress = false;
     for (int g = 0; g < k; ++g) {
       if (inflight[g]) TP_RETURN_IF_ERROR(finish(g));
-      BatchMeta meta;
-      meta.block_size = bs;
-      std::vector<Seq*> batch;  // sequences in this step, in batch order
+      worker::StepPlan plan;
+      plan.set_step_id(++step_id);
+      plan.mutable_finished_seq_ids()->Assign(finished_ids.begin(), finished_ids.end());
       InFlight f;
       int budget = options_.model.max_batch_tokens;
       for (Seq* sp : groups[g]) {
@@ -368,65 +310,41 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
             !pool.Allocate(static_cast<int>(need_blocks - s.blocks.size()), s.blocks)) {
           return absl::InternalError("KV block pool exhausted despite the admission check");
         }
-        batch.push_back(&s);
-        meta.num_seqs++;
-        meta.query_start.push_back(meta.num_tokens);
-        for (size_t p = s.computed; p < end; ++p) {
-          meta.token_ids.push_back(s.tokens[p]);
-          meta.positions.push_back(static_cast<int32_t>(p));
-          meta.slot_mapping.push_back(s.blocks[p / bs] * bs + static_cast<int32_t>(p % bs));
-        }
-        meta.num_tokens += static_cast<int>(chunk);
-        meta.context_lens.push_back(static_cast<int32_t>(end));
+        worker::SeqStep* step = plan.add_seqs();
+        step->set_seq_id(s.id);
+        step->set_start_pos(static_cast<int32_t>(s.computed));
+        step->mutable_token_ids()->Assign(s.tokens.begin() + s.computed, s.tokens.begin() + end);
+        step->mutable_block_table()->Assign(s.blocks.begin(), s.blocks.end());
         budget -= static_cast<int>(chunk);
+        f.num_tokens += static_cast<int>(chunk);
         s.computed = end;
         if (end == s.tokens.size()) {
-          meta.logits_rows.push_back(meta.num_tokens - 1);
+          step->set_sample(true);
+          const SamplingParams& p = s.req->sampling;
+          worker::Sampling* sp_out = step->mutable_sampling();
+          sp_out->set_temperature(p.temperature);
+          sp_out->set_top_p(p.top_p);
+          sp_out->set_top_k(p.top_k);
+          sp_out->set_seed(p.seed);
+          sp_out->set_repetition_penalty(p.repetition_penalty);
+          if (p.logprobs >= 0) sp_out->set_logprobs(p.logprobs);
           f.sampled.push_back(&s);
         }
       }
-      if (batch.empty()) continue;
+      if (plan.seqs_size() == 0) continue;
       progress = true;
-      meta.query_start.push_back(meta.num_tokens);
-      for (Seq* s : batch) {
-        meta.max_blocks_per_seq =
-            std::max(meta.max_blocks_per_seq, static_cast<int>(s->blocks.size()));
-      }
-      for (Seq* s : batch) {
-        for (int b = 0; b < meta.max_blocks_per_seq; ++b) {
-          meta.block_tables.push_back(b < static_cast<int>(s->blocks.size()) ? s->blocks[b] : -1);
-        }
-      }
+      finished_ids.clear();
 
       f.start = std::chrono::steady_clock::now();
-      f.num_tokens = meta.num_tokens;
-      Tensor logits;
-#ifdef TPSERVE_HAVE_CUDA
-      if (graphs_ != nullptr && meta.all_decode()) {
-        TP_ASSIGN_OR_RETURN(logits, graphs_->RunDecode(meta));
-      } else {
-        TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
-      }
-#else
-      TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
-#endif
+      const bool record = std::any_of(f.sampled.begin(), f.sampled.end(),
+                                      [](Seq* s) { return s->req->record_logits; });
+      std::vector<std::vector<float>> logits;
+      TP_ASSIGN_OR_RETURN(f.result, runner_->Run(plan, record ? &logits : nullptr));
       if (last_stage && !f.sampled.empty()) {
-        std::vector<SamplingParams> params;
-        bool any_logprobs = false;
-        for (Seq* s : f.sampled) {
-          SamplingParams p = s->req->sampling;
-          p.position = static_cast<int64_t>(s->tokens.size());
-          any_logprobs |= p.logprobs >= 0;
-          params.push_back(p);
-        }
-        f.ids = ops_->Sample(logits, cfg.vocab_size, params, any_logprobs ? &f.logprobs : nullptr);
-        if (std::any_of(f.sampled.begin(), f.sampled.end(),
-                        [](Seq* s) { return s->req->record_logits; })) {
-          TP_ASSIGN_OR_RETURN(auto host, LogitsToHost(logits));
-          for (size_t i = 0; i < f.sampled.size(); ++i) {
-            if (f.sampled[i]->req->record_logits) {
-              f.sampled[i]->result.step_logits.push_back(std::move(host[i]));
-            }
+        f.ids.assign(f.result.token_ids().begin(), f.result.token_ids().end());
+        for (size_t i = 0; i < f.sampled.size() && record; ++i) {
+          if (f.sampled[i]->req->record_logits) {
+            f.sampled[i]->result.step_logits.push_back(std::move(logits.at(i)));
           }
         }
         if (plan_.pp > 1) {
@@ -442,6 +360,7 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
       if (k == 1) TP_RETURN_IF_ERROR(finish(g));
     }
   }
+  runner_->Forget(finished_ids);
   std::vector<GenerateResult> results;
   for (Seq& s : seqs) results.push_back(std::move(s.result));
   return results;

@@ -1,8 +1,8 @@
 // The in-process engine: one process runs the whole model (one rank, or this rank of a
-// multi-process group whose other ranks run the same Engine calls in lockstep) with a paged KV
-// cache and a simple batch loop: chunked prefill, then decode of every running sequence
-// together. `tpserve run` and the end-to-end tests use it; the service's scheduler builds the
-// same BatchMeta from the coordinator.
+// multi-process group whose other ranks run the same Engine calls in lockstep) with a simple
+// batch loop: chunked prefill, then decode of every running sequence together. Each step is a
+// worker::StepPlan run by the ShardRunner, exactly as a worker process runs the coordinator's
+// plans. `tpserve run`, the engine benchmark and the end-to-end tests use it.
 #pragma once
 
 #include <memory>
@@ -15,22 +15,15 @@
 #include "parallel/communicator.h"
 #include "parallel/shard_plan.h"
 #include "worker/model.h"
+#include "worker/shard_runner.h"
 
 namespace tpserve {
 
 class ModelFiles;
-class CudaGraphRunner;
 
-struct EngineOptions {
+// The shard's options (block size, KV cache size, batch limits, CUDA graphs) and the layout.
+struct EngineOptions : ShardRunnerOptions {
   std::string device = "cpu";  // "cpu", "cuda" or "auto" (cuda when a GPU is present)
-  int block_size = 16;
-  // KV cache size: kv_cache_bytes, else num_kv_blocks, else (on a device) what
-  // gpu_memory_utilization leaves after the weights and workspace (worker/kv_budget.h), else
-  // (CPU) room for 4 sequences of the full context.
-  int num_kv_blocks = 0;
-  int64_t kv_cache_bytes = 0;
-  double gpu_memory_utilization = 0.90;  // fraction of the device's total memory, in (0, 1]
-  ModelOptions model;
   // Parallel layout; the defaults are one rank. For several ranks the caller passes the
   // communicators of this rank (see ParallelContext) and every rank calls the same methods.
   int tp = 1;
@@ -42,14 +35,14 @@ struct EngineOptions {
   // Micro-batches in flight through the pipeline stages (pp > 1): 0 means pp. Needs a pp
   // communicator whose small sends are buffered (MPI); otherwise the stages take turns.
   int pp_micro_batches = 0;
-  // Replay decode steps as CUDA graphs (CUDA, tp = pp = 1 only).
-  bool cuda_graphs = true;
 };
 
 struct GenerateRequest {
   std::vector<int32_t> prompt;
   int max_new_tokens = 16;
-  SamplingParams sampling;  // position is filled in per token; logprobs >= 0 asks for them
+  // Validated with ValidateSampling; position is filled in per token; logprobs >= 0 asks for
+  // them; repetition_penalty applies over the prompt and the output so far.
+  SamplingParams sampling;
   bool ignore_eos = false;
   std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
   bool record_logits = false;           // keep the logits of every sampled step (tests)
@@ -79,7 +72,8 @@ class Engine {
   const ModelConfig& config() const;
   const GenerationConfig& generation_config() const;
   Ops* ops() const { return ops_; }
-  const LlamaModel& model() const { return *model_; }
+  const LlamaModel& model() const { return runner_->model(); }
+  ShardRunner& runner() { return *runner_; }
   int64_t kv_capacity_tokens() const;
 
   // Runs all requests together (continuous batch of prefill then decode) to completion.
@@ -89,15 +83,15 @@ class Engine {
   // Logits [prompt.size()][vocab] of every prompt position after one prefill (tests).
   absl::StatusOr<std::vector<std::vector<float>>> PromptLogits(const std::vector<int32_t>& prompt);
 
-  // One forward over `meta` with block tables already filled; returns host f32 logits
-  // [logits_rows][vocab] on the last stage (empty elsewhere). For tests and benchmarks.
+  // One eager forward (no CUDA graph) over `meta` with block tables already filled; returns
+  // host f32 logits [logits_rows][vocab] on the last stage (empty elsewhere). For tests and
+  // benchmarks (the op profile times these).
   absl::StatusOr<std::vector<std::vector<float>>> ForwardLogits(const BatchMeta& meta);
   absl::StatusOr<Tensor> Forward(const BatchMeta& meta);
 
  private:
   Engine() = default;
   struct Seq;
-  absl::StatusOr<std::vector<std::vector<float>>> LogitsToHost(const Tensor& logits);
 
   std::unique_ptr<ModelFiles> files_;
   std::unique_ptr<Ops> owned_ops_;
@@ -105,9 +99,8 @@ class Engine {
   std::unique_ptr<Communicator> single_tp_, single_pp_;
   ShardPlan plan_;
   EngineOptions options_;
-  std::unique_ptr<LlamaModel> model_;
-  std::unique_ptr<KvCache> cache_;
-  std::unique_ptr<CudaGraphRunner> graphs_;
+  std::unique_ptr<ShardRunner> runner_;
+  uint64_t next_seq_id_ = 1;
 };
 
 // The device `options.device` names, resolved: "auto" becomes "cuda" when a GPU is present.

@@ -119,12 +119,11 @@ absl::Status LlamaModel::CheckSupported(const ModelConfig& config, const ShardPl
         absl::StrCat("sliding-window attention (sliding_window=", config.sliding_window,
                      ") is not supported yet; the model attends over its whole context"));
   }
-  if (ops->device() == Device::kCuda && config.head_dim != 32 && config.head_dim != 64 &&
-      config.head_dim != 128) {
+  if (ops->device() == Device::kCuda && !CudaSupportsHeadDim(config.head_dim)) {
     // The CUDA attention kernels are instantiated for these head sizes only.
-    return absl::UnimplementedError(
-        absl::StrCat("the CUDA attention kernels support head_dim 32, 64 or 128; this model has ",
-                     config.head_dim, " (run it with --device cpu)"));
+    return absl::UnimplementedError(absl::StrCat("the CUDA attention kernels support head_dim ",
+                                                 kCudaHeadDims, "; this model has ",
+                                                 config.head_dim, " (run it with --device cpu)"));
   }
   if (rank < 0 || rank >= plan.world_size()) {
     return absl::InvalidArgumentError(

@@ -26,7 +26,7 @@
 #include "tools/cli_args.h"
 #include "worker/control_client.h"
 #include "worker/engine.h"
-#include "worker/step_runner.h"
+#include "worker/shard_runner.h"
 #ifdef TPSERVE_HAVE_CUDA
 #include "kernels/cuda/cuda_ops.h"
 #endif
@@ -118,7 +118,7 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   po.pp = a.pp();
   po.device_map = a.device_map();
   TP_ASSIGN_OR_RETURN(ShardPlan plan, PlanShards(files.config(), po));
-  StepRunnerOptions so;
+  ShardRunnerOptions so;
   so.block_size = a.block_size();
   so.kv_cache_bytes = a.kv_cache_bytes();
   if (a.gpu_memory_utilization() > 0) so.gpu_memory_utilization = a.gpu_memory_utilization();
@@ -127,7 +127,7 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   if (const char* g = std::getenv("TPSERVE_WORKER_CUDA_GRAPHS"))
     so.cuda_graphs = std::string(g) != "0";
   ParallelContext comms{groups.tp_comm.get(), groups.pp_comm.get()};
-  TP_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(files, plan, rank, ops, comms, so));
+  TP_ASSIGN_OR_RETURN(auto runner, ShardRunner::Create(files, plan, rank, ops, comms, so));
   worker::WorkerMessage report;
   report.mutable_kv_report()->set_num_blocks(runner->num_blocks());
   report.mutable_kv_report()->set_block_size(so.block_size);

@@ -256,7 +256,7 @@ class CpuOps final : public Ops {
 
  private:
   static int32_t SampleRow(const float* row, int64_t vocab, const SamplingParams& p) {
-    if (p.temperature <= 0.0f) {
+    if (IsGreedy(p.temperature)) {
       return static_cast<int32_t>(std::max_element(row, row + vocab) - row);
     }
     std::vector<int32_t> order(vocab);

@@ -8,6 +8,7 @@
 // replayed for any context lengths up to that capacity.
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
+#include "kernels/head_dims.h"
 
 namespace tpserve::cuda {
 namespace {
@@ -524,14 +525,13 @@ void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor&
   TP_CHECK(b.num_tokens == b.num_seqs)
       << "AttentionDecode needs one query per sequence (tokens " << b.num_tokens << ", seqs "
       << b.num_seqs << "); use AttentionPrefill";
-  TP_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
-           (head_dim == 32 || head_dim == 64 || head_dim == 128) && k_cache.ndim == 4 &&
-           k_cache.dim(1) == b.block_size && k_cache.dim(2) == num_kv_heads &&
+  TP_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && CudaSupportsHeadDim(head_dim) &&
+           k_cache.ndim == 4 && k_cache.dim(1) == b.block_size && k_cache.dim(2) == num_kv_heads &&
            k_cache.dim(3) == head_dim && v_cache.numel() == k_cache.numel() &&
            q.numel() == int64_t{b.num_tokens} * num_heads * head_dim && out.numel() == q.numel())
       << "AttentionDecode: q " << q.ShapeString() << ", k_cache " << k_cache.ShapeString()
       << ", out " << out.ShapeString() << ", heads " << num_heads << "/" << num_kv_heads
-      << ", head_dim " << head_dim << " (32, 64 or 128), block_size " << b.block_size;
+      << ", head_dim " << head_dim << " (" << kCudaHeadDims << "), block_size " << b.block_size;
   TP_CHECK(workspace != nullptr && counters != nullptr)
       << "AttentionDecode: no workspace or counters";
   if (b.num_seqs == 0) return;

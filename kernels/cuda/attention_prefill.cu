@@ -12,6 +12,7 @@
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
+#include "kernels/head_dims.h"
 
 namespace tpserve::cuda {
 
@@ -332,14 +333,13 @@ void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor
   TP_CHECK_CUDA_TENSOR(k_cache, DType::kBF16);
   TP_CHECK_CUDA_TENSOR(v_cache, DType::kBF16);
   TP_CHECK_CUDA_TENSOR(out, DType::kBF16);
-  TP_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
-           (head_dim == 32 || head_dim == 64 || head_dim == 128) && k_cache.ndim == 4 &&
-           k_cache.dim(1) == b.block_size && k_cache.dim(2) == num_kv_heads &&
+  TP_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && CudaSupportsHeadDim(head_dim) &&
+           k_cache.ndim == 4 && k_cache.dim(1) == b.block_size && k_cache.dim(2) == num_kv_heads &&
            k_cache.dim(3) == head_dim && v_cache.numel() == k_cache.numel() &&
            q.numel() == int64_t{b.num_tokens} * num_heads * head_dim && out.numel() == q.numel())
       << "AttentionPrefill: q " << q.ShapeString() << ", k_cache " << k_cache.ShapeString()
       << ", out " << out.ShapeString() << ", heads " << num_heads << "/" << num_kv_heads
-      << ", head_dim " << head_dim << " (32, 64 or 128), block_size " << b.block_size;
+      << ", head_dim " << head_dim << " (" << kCudaHeadDims << "), block_size " << b.block_size;
   if (b.num_prefill_work == 0) return;
   // SetBatch cut the work list into tiles of PrefillTileM() rows.
   if (PrefillTileM() == 64) {

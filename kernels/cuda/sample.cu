@@ -320,10 +320,12 @@ std::vector<int32_t> GpuSampler::Sample(const Tensor& logits, int64_t vocab_size
         << "Sample: row " << r << " has temperature " << p.temperature << ", top_k " << p.top_k
         << ", top_p " << p.top_p << ", logprobs " << p.logprobs << " (at most " << kMaxLogprobs
         << ", and only with an output vector)";
-    hp[r] = {p.temperature, p.top_k,
-             p.top_p,       PhiloxUniform(p.seed, static_cast<uint64_t>(p.position)),
-             p.logprobs,    p.logprobs >= 0 ? logprob_rows++ : -1};
-    any_sampled |= p.temperature > 0.0f;
+    // Greedy below kGreedyTemperature: the kernels treat temperature 0 as argmax.
+    const float temperature = IsGreedy(p.temperature) ? 0.0f : p.temperature;
+    hp[r] = {temperature, p.top_k,
+             p.top_p,     PhiloxUniform(p.seed, static_cast<uint64_t>(p.position)),
+             p.logprobs,  p.logprobs >= 0 ? logprob_rows++ : -1};
+    any_sampled |= temperature > 0.0f;
   }
   TP_CUDA_CHECK(cudaMemcpyAsync(params_dev_, params_host_, rows * sizeof(DeviceSampleParams),
                                 cudaMemcpyHostToDevice, stream));

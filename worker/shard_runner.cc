@@ -1,11 +1,12 @@
-// The worker's step runner (see step_runner.h).
-#include "worker/step_runner.h"
+// One shard's runtime (see shard_runner.h).
+#include "worker/shard_runner.h"
 
 #include <algorithm>
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
+#include "common/sampling.h"
 #include "common/status.h"
 #include "worker/shard_loader.h"
 #ifdef TPSERVE_HAVE_CUDA
@@ -19,36 +20,61 @@ class CudaGraphRunner {};  // graphs need CUDA
 
 namespace tpserve {
 
-StepRunner::~StepRunner() {
+namespace {
+
+float LogitAt(const char* row, DType dtype, int64_t i) {
+  return dtype == DType::kF32 ? reinterpret_cast<const float*>(row)[i]
+                              : Bf16ToF32(reinterpret_cast<const uint16_t*>(row)[i]);
+}
+
+// The SamplingParams a plan's sequence carries (worker::Sampling), for the token at `position`.
+SamplingParams FromPlan(const worker::Sampling& sp, int64_t position) {
+  SamplingParams p;
+  p.temperature = sp.temperature();
+  p.top_k = sp.top_k();
+  p.top_p = sp.top_p() > 0 ? sp.top_p() : 1.0f;
+  p.seed = sp.seed();
+  p.position = position;
+  if (sp.has_logprobs()) p.logprobs = sp.logprobs();
+  if (sp.repetition_penalty() != 0) p.repetition_penalty = sp.repetition_penalty();  // 0: unset
+  return p;
+}
+
+}  // namespace
+
+ShardRunner::~ShardRunner() {
   graphs_.reset();  // before the cache and the model it replays
   cache_.reset();
   model_.reset();
 }
 
-absl::StatusOr<std::unique_ptr<StepRunner>> StepRunner::Create(const ModelFiles& files,
-                                                               const ShardPlan& plan, int rank,
-                                                               Ops* ops, ParallelContext comms,
-                                                               const StepRunnerOptions& options) {
-  std::unique_ptr<StepRunner> r(new StepRunner());
+absl::StatusOr<std::unique_ptr<ShardRunner>> ShardRunner::Create(
+    const ModelFiles& files, const ShardPlan& plan, int rank, Ops* ops, ParallelContext comms,
+    const ShardRunnerOptions& options) {
+  std::unique_ptr<ShardRunner> r(new ShardRunner());
   r->ops_ = ops;
   r->options_ = options;
   ShardLoadOptions load;
   load.model = options.model;
   load.block_size = options.block_size;
   load.kv_cache_bytes = options.kv_cache_bytes;
+  load.num_kv_blocks = options.num_kv_blocks;
   load.gpu_memory_utilization = options.gpu_memory_utilization;
 #ifdef TPSERVE_HAVE_CUDA
-  // As in Engine::Create: the batch buffers are sized once, before the KV budget is measured,
-  // so that nothing moves after warm-up and decode steps can replay as CUDA graphs.
   CudaReserve reserve;
-  auto* cuda =
-      options.cuda_graphs && plan.tp == 1 && plan.pp == 1 ? dynamic_cast<CudaOps*>(ops) : nullptr;
+  auto* cuda = dynamic_cast<CudaOps*>(ops);
   if (cuda != nullptr) {
+    // The batch buffers are sized once, before the KV budget is measured, so that nothing
+    // moves after warm-up and the budget counts them.
     const ModelConfig& config = files.config();
+    const int64_t blocks_per_seq =
+        (config.max_position_embeddings + options.block_size - 1) / options.block_size;
+    const int64_t table_blocks = options.num_kv_blocks > 0
+                                     ? std::min<int64_t>(blocks_per_seq, options.num_kv_blocks)
+                                     : blocks_per_seq;
     load.before_kv = [&](LlamaModel& model) {
-      reserve = CudaGraphRunner::ReserveFor(
-          config, model.shard(), options.model, options.block_size,
-          (config.max_position_embeddings + options.block_size - 1) / options.block_size);
+      reserve = CudaGraphRunner::ReserveFor(config, model.shard(), options.model,
+                                            options.block_size, table_blocks);
       cuda->Reserve(reserve);
     };
   }
@@ -57,18 +83,19 @@ absl::StatusOr<std::unique_ptr<StepRunner>> StepRunner::Create(const ModelFiles&
   r->model_ = std::move(loaded.model);
   r->cache_ = std::move(loaded.cache);
 #ifdef TPSERVE_HAVE_CUDA
-  if (cuda != nullptr) {
+  if (cuda != nullptr && options.cuda_graphs && plan.tp == 1 && plan.pp == 1) {
+    // Decode graphs are captured on the first decode step of each batch bucket.
     r->graphs_ =
         std::make_unique<CudaGraphRunner>(cuda, r->model_.get(), r->cache_.get(), reserve.max_seqs);
   }
 #endif
   const RankShard& shard = r->model_->shard();
-  r->sampler_ = shard.last_stage && shard.tp_rank == 0;
+  r->sampler_ = shard.last_stage && (shard.tp_rank == 0 || options.sample_on_every_tp_rank);
   return r;
 }
 
-absl::StatusOr<BatchMeta> StepRunner::MakeBatch(const worker::StepPlan& plan, int block_size,
-                                                int num_blocks) {
+absl::StatusOr<BatchMeta> ShardRunner::MakeBatch(const worker::StepPlan& plan, int block_size,
+                                                 int num_blocks) {
   BatchMeta meta;
   meta.block_size = block_size;
   for (const worker::SeqStep& s : plan.seqs()) {
@@ -105,35 +132,63 @@ absl::StatusOr<BatchMeta> StepRunner::MakeBatch(const worker::StepPlan& plan, in
   return meta;
 }
 
-absl::Status StepRunner::ApplyRepetitionPenalty(const Tensor& logits, int row, float penalty,
-                                                const std::vector<int32_t>& history, int64_t vocab,
-                                                std::vector<float>* raw) {
+bool ShardRunner::UsesGraphs(const BatchMeta& meta) const {
+  return graphs_ != nullptr && meta.all_decode();
+}
+
+int ShardRunner::num_graphs() const {
+#ifdef TPSERVE_HAVE_CUDA
+  return graphs_ != nullptr ? graphs_->num_graphs() : 0;
+#else
+  return 0;
+#endif
+}
+
+absl::StatusOr<Tensor> ShardRunner::Forward(const BatchMeta& meta, bool graphs) {
+#ifdef TPSERVE_HAVE_CUDA
+  if (graphs && UsesGraphs(meta)) return graphs_->RunDecode(meta);
+#else
+  (void)graphs;
+#endif
+  return model_->Forward(meta, *cache_);
+}
+
+std::vector<std::vector<float>> ShardRunner::LogitsToHost(const Tensor& logits) const {
+  std::vector<std::vector<float>> out;
+  if (logits.data == nullptr) return out;
+  const int64_t rows = logits.dim(0), width = logits.dim(1);
+  const int64_t vocab = model_->config().vocab_size;
+  const size_t row_bytes = static_cast<size_t>(width) * DTypeSize(logits.dtype);
+  std::vector<char> host(logits.bytes());
+  ops_->CopyToHost(host.data(), logits.data, logits.bytes());
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<float> row(vocab);
+    for (int64_t c = 0; c < vocab; ++c) {
+      row[c] = LogitAt(host.data() + r * row_bytes, logits.dtype, c);
+    }
+    out.push_back(std::move(row));
+  }
+  return out;
+}
+
+void ShardRunner::Forget(const std::vector<uint64_t>& seq_ids) {
+  for (uint64_t id : seq_ids) history_.erase(id);
+}
+
+absl::Status ShardRunner::ApplyRepetitionPenalty(const Tensor& logits, int row, float penalty,
+                                                 const std::vector<int32_t>& history) {
+  if (logits.dtype != DType::kF32 && logits.dtype != DType::kBF16) {
+    return absl::UnimplementedError("repetition penalty: logits dtype not supported");
+  }
   const int64_t width = logits.dim(1);
   const size_t elem = DTypeSize(logits.dtype);
   char* base = static_cast<char*>(logits.data) + static_cast<size_t>(row) * width * elem;
   std::vector<char> host(width * elem);
   ops_->CopyToHost(host.data(), base, host.size());
-  if (raw != nullptr) {
-    raw->resize(std::min(vocab, width));
-    for (size_t i = 0; i < raw->size(); ++i) {
-      if (logits.dtype == DType::kF32) {
-        (*raw)[i] = reinterpret_cast<const float*>(host.data())[i];
-      } else if (logits.dtype == DType::kBF16) {
-        (*raw)[i] = Bf16ToF32(reinterpret_cast<const uint16_t*>(host.data())[i]);
-      }
-    }
-  }
   std::unordered_set<int32_t> seen(history.begin(), history.end());
   for (int32_t id : seen) {
     if (id < 0 || id >= width) continue;
-    float x;
-    if (logits.dtype == DType::kF32) {
-      x = reinterpret_cast<float*>(host.data())[id];
-    } else if (logits.dtype == DType::kBF16) {
-      x = Bf16ToF32(reinterpret_cast<uint16_t*>(host.data())[id]);
-    } else {
-      return absl::UnimplementedError("repetition penalty: logits dtype not supported");
-    }
+    float x = LogitAt(host.data(), logits.dtype, id);
     x = x > 0 ? x / penalty : x * penalty;  // the Hugging Face rule
     if (logits.dtype == DType::kF32) {
       reinterpret_cast<float*>(host.data())[id] = x;
@@ -145,41 +200,47 @@ absl::Status StepRunner::ApplyRepetitionPenalty(const Tensor& logits, int row, f
   return absl::OkStatus();
 }
 
-absl::StatusOr<worker::StepResult> StepRunner::Run(const worker::StepPlan& plan) {
+absl::StatusOr<worker::StepResult> ShardRunner::Run(const worker::StepPlan& plan,
+                                                    std::vector<std::vector<float>>* logits_out) {
   TP_ASSIGN_OR_RETURN(BatchMeta meta, MakeBatch(plan, cache_->block_size(), cache_->num_blocks()));
   if (meta.num_tokens > options_.model.max_batch_tokens ||
       static_cast<int>(meta.logits_rows.size()) > options_.model.max_batch_seqs) {
     return absl::InvalidArgumentError(
         absl::StrCat("step ", plan.step_id(), " has ", meta.num_tokens, " tokens and ",
-                     meta.logits_rows.size(), " sampled rows; this worker was sized for ",
+                     meta.logits_rows.size(), " sampled rows; this shard was sized for ",
                      options_.model.max_batch_tokens, " and ", options_.model.max_batch_seqs));
   }
   if (sampler_) {
+    // Validate before the forward: a bad plan must not leave a half-run step behind.
+    for (const worker::SeqStep& s : plan.seqs()) {
+      if (!s.sample()) continue;
+      const absl::Status valid = ValidateSampling(FromPlan(s.sampling(), 0), "sampling.");
+      if (!valid.ok()) {
+        return Annotate(valid, absl::StrCat("step ", plan.step_id(), ", sequence ", s.seq_id()));
+      }
+    }
     for (uint64_t id : plan.finished_seq_ids()) history_.erase(id);
     for (const worker::SeqStep& s : plan.seqs()) {
       std::vector<int32_t>& h = history_[s.seq_id()];
       if (static_cast<int>(h.size()) < s.start_pos()) {
         return absl::InternalError(absl::StrCat("sequence ", s.seq_id(), " resumes at ",
-                                                s.start_pos(), " but this worker saw only ",
+                                                s.start_pos(), " but this shard saw only ",
                                                 h.size(), " of its tokens"));
       }
       h.resize(s.start_pos());
       h.insert(h.end(), s.token_ids().begin(), s.token_ids().end());
     }
   }
-  Tensor logits;
-#ifdef TPSERVE_HAVE_CUDA
-  if (graphs_ != nullptr && meta.all_decode()) {
-    TP_ASSIGN_OR_RETURN(logits, graphs_->RunDecode(meta));
-  } else {
-    TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
-  }
-#else
-  TP_ASSIGN_OR_RETURN(logits, model_->Forward(meta, *cache_));
-#endif
-  worker::StepResult result;
-  if (!sampler_ || meta.logits_rows.empty()) return result;
+  TP_ASSIGN_OR_RETURN(Tensor logits, Forward(meta));
+  if (!sampler_ || meta.logits_rows.empty()) return worker::StepResult();
+  return Sample(plan, logits, logits_out);
+}
+
+absl::StatusOr<worker::StepResult> ShardRunner::Sample(
+    const worker::StepPlan& plan, const Tensor& logits,
+    std::vector<std::vector<float>>* host_logits) {
   const int64_t vocab = model_->config().vocab_size;
+  if (host_logits != nullptr) *host_logits = LogitsToHost(logits);
   std::vector<SamplingParams> params;
   // Rows with a repetition penalty that want logprobs: their logits before the penalty, whose
   // log-probabilities are computed here (the raw distribution, as for every other row).
@@ -188,27 +249,16 @@ absl::StatusOr<worker::StepResult> StepRunner::Run(const worker::StepPlan& plan)
   int row = 0;
   for (const worker::SeqStep& s : plan.seqs()) {
     if (!s.sample()) continue;
-    const worker::Sampling& sp = s.sampling();
-    SamplingParams p;
-    p.temperature = sp.temperature();
-    p.top_k = sp.top_k();
-    p.top_p = sp.top_p() > 0 ? sp.top_p() : 1.0f;
-    p.seed = sp.seed();
-    p.position = s.start_pos() + s.token_ids_size();
-    if (sp.has_logprobs()) {
-      if (sp.logprobs() < 0 || sp.logprobs() > kMaxLogprobs) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("step ", plan.step_id(), ": sequence ", s.seq_id(), " asks for ",
-                         sp.logprobs(), " logprobs; the range is [0, ", kMaxLogprobs, "]"));
+    SamplingParams p = FromPlan(s.sampling(), s.start_pos() + s.token_ids_size());
+    any_logprobs |= p.logprobs >= 0;
+    if (p.repetition_penalty != 1.0f) {
+      if (p.logprobs >= 0) {
+        std::vector<std::vector<float>> raw = LogitsToHost(logits.rows(row, 1));
+        raw_rows[row] = std::move(raw.at(0));
+        p.logprobs = -1;  // computed below from the raw row
       }
-      p.logprobs = sp.logprobs();
-      any_logprobs = true;
-    }
-    if (sp.repetition_penalty() > 0 && sp.repetition_penalty() != 1.0f) {
-      std::vector<float>* raw = p.logprobs >= 0 ? &raw_rows[row] : nullptr;
-      TP_RETURN_IF_ERROR(ApplyRepetitionPenalty(logits, row, sp.repetition_penalty(),
-                                                history_[s.seq_id()], vocab, raw));
-      if (raw != nullptr) p.logprobs = -1;  // computed below from the raw row
+      TP_RETURN_IF_ERROR(
+          ApplyRepetitionPenalty(logits, row, p.repetition_penalty, history_[s.seq_id()]));
     }
     params.push_back(p);
     ++row;
@@ -216,6 +266,7 @@ absl::StatusOr<worker::StepResult> StepRunner::Run(const worker::StepPlan& plan)
   std::vector<std::optional<TokenLogprobs>> logprobs;
   const std::vector<int32_t> ids =
       ops_->Sample(logits, vocab, params, any_logprobs ? &logprobs : nullptr);
+  worker::StepResult result;
   result.mutable_token_ids()->Assign(ids.begin(), ids.end());
   if (!any_logprobs) return result;
   row = 0;

@@ -1,0 +1,105 @@
+// One shard's runtime, used alike by the in-process Engine and the worker process: its weights
+// (LlamaModel), paged KV cache, CUDA graphs, the batch description of a step and sampling
+// (repetition penalty and logprobs included). A step is described by a worker::StepPlan, the
+// message the coordinator sends its workers; the engine builds the same message in-process.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/model_files.h"
+#include "kernels/ops.h"
+#include "parallel/shard_plan.h"
+#include "worker.pb.h"
+#include "worker/kv_cache.h"
+#include "worker/model.h"
+
+namespace tpserve {
+
+class CudaGraphRunner;
+
+struct ShardRunnerOptions {
+  int block_size = 16;
+  // KV cache size, in this order of precedence: kv_cache_bytes, num_kv_blocks, else (on a
+  // device) what gpu_memory_utilization leaves after the weights and workspace
+  // (worker/kv_budget.h), else (CPU) room for 4 sequences of the full context.
+  int64_t kv_cache_bytes = 0;
+  int64_t num_kv_blocks = 0;
+  double gpu_memory_utilization = 0.90;  // fraction of the device's total memory, in (0, 1]
+  ModelOptions model;
+  // Replay decode-only steps as CUDA graphs. The rule (UsesGraphs): CUDA ops, tp = pp = 1 and
+  // this switch on; host-staged communicators cannot be captured.
+  bool cuda_graphs = true;
+  // Which ranks sample: the last stage's tp rank 0 (a worker: only its result is read), or
+  // every tp rank of the last stage (the in-process engine, whose ranks all need the ids to
+  // go on in lockstep; they sample the same all-gathered logits, so they agree).
+  bool sample_on_every_tp_rank = false;
+};
+
+class ShardRunner {
+ public:
+  // Loads rank `rank`'s shard of `plan` (files must outlive the runner) and allocates its KV
+  // cache. On CUDA the batch buffers are sized once, before the KV budget is measured, so that
+  // nothing moves after warm-up and decode steps can replay as graphs.
+  static absl::StatusOr<std::unique_ptr<ShardRunner>> Create(const ModelFiles& files,
+                                                             const ShardPlan& plan, int rank,
+                                                             Ops* ops, ParallelContext comms,
+                                                             const ShardRunnerOptions& options);
+  ~ShardRunner();
+
+  // The one builder of a step's BatchMeta: every sequence of `plan` in order, its tokens at
+  // positions [start_pos, start_pos + n) written through its block table, and one logits row
+  // for each sequence that samples. Checks every slot against a pool of `num_blocks`.
+  static absl::StatusOr<BatchMeta> MakeBatch(const worker::StepPlan& plan, int block_size,
+                                             int num_blocks);
+
+  // Runs one step: the forward and, on the sampling rank (last stage, tp rank 0), repetition
+  // penalties and sampling. The result holds the sampled ids (one per sampling sequence, in
+  // plan order) and the logprobs of the sequences that ask for them; empty on other ranks.
+  // When `logits` is not null the sampling rank also copies each sampled row's logits (before
+  // any penalty) to it, as f32 over the vocabulary (tests).
+  absl::StatusOr<worker::StepResult> Run(const worker::StepPlan& plan,
+                                         std::vector<std::vector<float>>* logits = nullptr);
+
+  // One forward over `meta`, whose block tables are already filled: a CUDA graph replay when
+  // `graphs` and UsesGraphs(meta), else the eager forward (op profiles time the eager one).
+  // Returns the last stage's logits on the device (an empty tensor elsewhere), valid until the
+  // next forward.
+  absl::StatusOr<Tensor> Forward(const BatchMeta& meta, bool graphs = true);
+  // Host f32 copies [rows][vocab] of device logits.
+  std::vector<std::vector<float>> LogitsToHost(const Tensor& logits) const;
+
+  // Drops the sampling history (repetition penalties) of sequences that ended.
+  void Forget(const std::vector<uint64_t>& seq_ids);
+
+  bool is_sampler() const { return sampler_; }
+  bool UsesGraphs(const BatchMeta& meta) const;
+  int num_graphs() const;
+  int num_blocks() const { return cache_->num_blocks(); }
+  int block_size() const { return cache_->block_size(); }
+  int64_t capacity_tokens() const { return cache_->capacity_tokens(); }
+  const LlamaModel& model() const { return *model_; }
+  Ops* ops() const { return ops_; }
+  const ShardRunnerOptions& options() const { return options_; }
+
+ private:
+  ShardRunner() = default;
+  // Divides / multiplies the logits of `history`'s tokens in row `row` (the Hugging Face rule).
+  absl::Status ApplyRepetitionPenalty(const Tensor& logits, int row, float penalty,
+                                      const std::vector<int32_t>& history);
+  absl::StatusOr<worker::StepResult> Sample(const worker::StepPlan& plan, const Tensor& logits,
+                                            std::vector<std::vector<float>>* host_logits);
+
+  Ops* ops_ = nullptr;
+  ShardRunnerOptions options_;
+  std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<KvCache> cache_;
+  std::unique_ptr<CudaGraphRunner> graphs_;
+  bool sampler_ = false;
+  // Sampling rank only: every token of each live sequence (for repetition penalties).
+  std::map<uint64_t, std::vector<int32_t>> history_;
+};
+
+}  // namespace tpserve
