@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/sampling.h"
+#include "common/status.h"
 #include "coordinator/tokenizer/tokenizer.h"
 
 namespace tpserve {
@@ -278,40 +280,25 @@ absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest&
   const int64_t prompt_len = static_cast<int64_t>(p.prompt.size());
 
   const v1::SamplingOptions& s = request.sampling();
-  if (s.has_temperature()) {
-    if (!std::isfinite(s.temperature()) || s.temperature() < 0) {
-      return Invalid(
-          absl::StrCat("sampling.temperature must be a number >= 0 (got ", s.temperature(), ")"));
-    }
-    p.temperature = s.temperature();
-  }
-  if (s.has_top_p()) {
-    if (!std::isfinite(s.top_p()) || s.top_p() <= 0 || s.top_p() > 1) {
-      return Invalid(absl::StrCat("sampling.top_p must be in (0, 1] (got ", s.top_p(), ")"));
-    }
-    p.top_p = s.top_p();
-  }
-  if (s.has_top_k()) {
-    if (s.top_k() < 0) {
-      return Invalid(absl::StrCat("sampling.top_k must be >= 0 (got ", s.top_k(), ")"));
-    }
-    p.top_k = s.top_k();
-  }
-  if (s.has_repetition_penalty()) {
-    if (!std::isfinite(s.repetition_penalty()) || s.repetition_penalty() <= 0) {
-      return Invalid(absl::StrCat("sampling.repetition_penalty must be > 0 (got ",
-                                  s.repetition_penalty(), "; 1 = off)"));
-    }
-    p.repetition_penalty = s.repetition_penalty();
-  }
+  SamplingParams sampling;  // the API's unset fields keep the defaults (greedy, all off)
+  if (s.has_temperature()) sampling.temperature = s.temperature();
+  if (s.has_top_p()) sampling.top_p = s.top_p();
+  if (s.has_top_k()) sampling.top_k = s.top_k();
+  if (s.has_repetition_penalty()) sampling.repetition_penalty = s.repetition_penalty();
   if (s.has_logprobs()) {
-    if (s.logprobs() < 0 || s.logprobs() > kMaxLogprobs) {
-      return Invalid(absl::StrCat("sampling.logprobs must be in [0, ", kMaxLogprobs, "] (got ",
-                                  s.logprobs(), ")"));
+    // Internally -1 means "none"; a set API field must be in range, -1 included.
+    if (s.logprobs() == -1) {
+      return Invalid(absl::StrCat("sampling.logprobs must be in [0, ", kMaxLogprobs, "] (got -1)"));
     }
-    p.logprobs = s.logprobs();
+    sampling.logprobs = s.logprobs();
   }
-  p.seed = s.has_seed() ? s.seed() : (p.temperature > 0 ? RandomSeed() : 0);
+  TP_RETURN_IF_ERROR(ValidateSampling(sampling, "sampling."));
+  p.temperature = sampling.temperature;
+  p.top_p = sampling.top_p;
+  p.top_k = sampling.top_k;
+  p.repetition_penalty = sampling.repetition_penalty;
+  p.logprobs = sampling.logprobs;
+  p.seed = s.has_seed() ? s.seed() : (IsGreedy(p.temperature) ? 0 : RandomSeed());
 
   const v1::StoppingOptions& st = request.stopping();
   if (prompt_len >= limits.context_length) {

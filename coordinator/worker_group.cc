@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "common/logprobs.h"
 #include "common/status.h"
 
 namespace tpserve {
@@ -146,6 +147,19 @@ grpc::Status WorkerGroup::Control(
           lock.unlock();
           Fail(rank, absl::StrCat("step ", r.step_id(), ": ", r.error()));
         } else if (rank == sampler_rank_) {
+          auto expected = expected_.find(r.step_id());
+          const absl::Status valid =
+              expected == expected_.end()
+                  ? absl::InternalError(
+                        absl::StrCat("a result for step ", r.step_id(), ", which is not in flight"))
+                  : ValidateStepResult(r, expected->second.first, expected->second.second,
+                                       config_.vocab_size);
+          if (!valid.ok()) {
+            lock.unlock();
+            Fail(rank, absl::StrCat("returned a malformed step result: ", valid.message()));
+            break;
+          }
+          expected_.erase(expected);
           results_[r.step_id()] = r;
           forward_seconds_[r.step_id()] = r.forward_seconds();
           lock.unlock();
@@ -281,6 +295,36 @@ absl::Status WorkerGroup::Start(std::chrono::seconds register_timeout,
   return absl::OkStatus();
 }
 
+absl::Status ValidateStepResult(const worker::StepResult& result, int sampled, int with_logprobs,
+                                int64_t vocab_size) {
+  if (result.token_ids_size() != sampled) {
+    return absl::InternalError(absl::StrCat("step ", result.step_id(), ": ",
+                                            result.token_ids_size(), " token ids for ", sampled,
+                                            " sampled sequences"));
+  }
+  auto check = [&](int32_t id) {
+    return id >= 0 && id < vocab_size ? absl::OkStatus()
+                                      : absl::InternalError(absl::StrCat(
+                                            "step ", result.step_id(), ": token id ", id,
+                                            " is outside the vocabulary [0, ", vocab_size, ")"));
+  };
+  for (int32_t id : result.token_ids()) TP_RETURN_IF_ERROR(check(id));
+  if (result.logprobs_size() != with_logprobs) {
+    return absl::InternalError(absl::StrCat("step ", result.step_id(), ": ", result.logprobs_size(),
+                                            " logprobs entries for ", with_logprobs,
+                                            " sequences that asked"));
+  }
+  for (const worker::SampledLogprobs& lp : result.logprobs()) {
+    if (lp.top_size() > kMaxLogprobs) {
+      return absl::InternalError(absl::StrCat("step ", result.step_id(), ": ", lp.top_size(),
+                                              " logprob alternatives (at most ", kMaxLogprobs,
+                                              ")"));
+    }
+    for (const worker::TokenLogprob& t : lp.top()) TP_RETURN_IF_ERROR(check(t.token_id()));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<worker::StepResult> WorkerGroup::Execute(const worker::StepPlan& plan) {
   TP_RETURN_IF_ERROR(Submit(plan));
   return Collect(plan.step_id());
@@ -297,6 +341,15 @@ absl::Status WorkerGroup::Submit(const worker::StepPlan& plan) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.ok()) return failure_;
     if (shutdown_) return absl::UnavailableError("the worker group is shut down");
+  }
+  {
+    int sampled = 0, with_logprobs = 0;
+    for (const worker::SeqStep& s : plan.seqs()) {
+      sampled += s.sample();
+      with_logprobs += s.sample() && s.sampling().has_logprobs();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    expected_[plan.step_id()] = {sampled, with_logprobs};
   }
   worker::CoordinatorMessage msg;
   *msg.mutable_step() = plan;

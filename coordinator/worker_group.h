@@ -42,6 +42,12 @@ struct WorkerGroupOptions {
   int comm_timeout_seconds = 60;
 };
 
+// OK when a sampling rank's result for a plan with `sampled` sampling sequences (`with_logprobs`
+// of them asking for logprobs) is well formed: one id per sampled sequence, every id (and every
+// logprob alternative) inside [0, vocab_size), one logprobs entry per asking sequence.
+absl::Status ValidateStepResult(const worker::StepResult& result, int sampled, int with_logprobs,
+                                int64_t vocab_size);
+
 class WorkerGroup final : public worker::WorkerControl::Service, public StepExecutor {
  public:
   WorkerGroup(const WorkerGroupOptions& options, const ModelConfig& config);
@@ -90,8 +96,10 @@ class WorkerGroup final : public worker::WorkerControl::Service, public StepExec
   absl::Status failure_;
   std::function<void(const absl::Status&)> on_failure_;
   std::map<uint64_t, worker::StepResult> results_;  // step id -> the sampler's result
-  std::map<uint64_t, double> forward_seconds_;      // step id -> the sampler's time
-  double last_forward_seconds_ = 0;                 // scheduler thread only
+  // step id -> (sampled sequences, of which asking for logprobs), to validate its result.
+  std::map<uint64_t, std::pair<int, int>> expected_;
+  std::map<uint64_t, double> forward_seconds_;  // step id -> the sampler's time
+  double last_forward_seconds_ = 0;             // scheduler thread only
   std::thread monitor_;
 };
 

@@ -352,6 +352,17 @@ TEST_F(CpuOpsTest, SamplingRules) {
     EXPECT_EQ(ids[r],
               std::max_element(&logits[r * vocab], &logits[(r + 1) * vocab]) - &logits[r * vocab]);
   }
+  // A positive temperature at or below kGreedyTemperature is greedy too (1e-38 used to overflow
+  // logits / T to +-inf and pick the least likely token), whatever the seed.
+  for (float tiny : {1e-38f, 1e-20f, kGreedyTemperature}) {
+    std::vector<SamplingParams> cold(3);
+    for (int r = 0; r < 3; ++r) {
+      cold[r].temperature = tiny;
+      cold[r].seed = 7 + r;
+      cold[r].position = 100 + r;
+    }
+    EXPECT_EQ(ops_->Sample(t, vocab, cold), ids) << "temperature " << tiny;
+  }
   // Padded columns past the vocabulary are never chosen.
   std::vector<float> padded(vocab + 6, -1.0f);
   padded[vocab + 2] = 100.0f;

@@ -12,6 +12,7 @@
 
 #include "coordinator/block_manager.h"
 #include "coordinator/inference_service.h"
+#include "coordinator/worker_group.h"
 
 namespace tpserve {
 namespace {
@@ -366,6 +367,40 @@ TEST(ValidateTest, DefaultsAndLimits) {
   text.set_text("hello");
   auto t = ValidateGenerateRequest(text, nullptr, limits);
   EXPECT_NE(t.status().message().find("tokenizer"), absl::string_view::npos) << t.status();
+}
+
+// What a sampling worker returns is checked before it reaches the scheduler: a wrong number of
+// ids, an id outside the vocabulary or a malformed logprobs entry fails the step.
+TEST(StepResultValidationTest, MalformedResultsAreRefused) {
+  worker::StepResult good;
+  good.set_step_id(7);
+  good.add_token_ids(0);
+  good.add_token_ids(99);
+  worker::SampledLogprobs* lp = good.add_logprobs();
+  lp->set_logprob(-0.5f);
+  lp->add_top()->set_token_id(3);
+  EXPECT_TRUE(ValidateStepResult(good, 2, 1, 100).ok());
+
+  auto refused = [](const worker::StepResult& r, int sampled, int with_logprobs,
+                    const std::string& what) {
+    const absl::Status st = ValidateStepResult(r, sampled, with_logprobs, 100);
+    EXPECT_FALSE(st.ok()) << what;
+    EXPECT_NE(st.message().find(what), std::string::npos) << st.message();
+  };
+  worker::StepResult r = good;
+  r.set_token_ids(1, 100);
+  refused(r, 2, 1, "token id 100 is outside the vocabulary [0, 100)");
+  r = good;
+  r.set_token_ids(0, -1);
+  refused(r, 2, 1, "token id -1 is outside the vocabulary");
+  refused(good, 3, 1, "2 token ids for 3 sampled sequences");
+  refused(good, 2, 0, "1 logprobs entries for 0 sequences that asked");
+  r = good;
+  r.mutable_logprobs(0)->mutable_top(0)->set_token_id(1000);
+  refused(r, 2, 1, "token id 1000 is outside the vocabulary");
+  r = good;
+  for (int i = 0; i < kMaxLogprobs; ++i) r.mutable_logprobs(0)->add_top()->set_token_id(1);
+  refused(r, 2, 1, "logprob alternatives (at most 20)");
 }
 
 }  // namespace

@@ -223,6 +223,39 @@ TEST_F(ServiceTest, GreedyMatchesInProcessEngine) {
   }
 }
 
+// The engine and the workers run the same shard runner, repetition penalty included: served
+// tokens with a penalty equal the in-process engine's (greedy and seeded).
+TEST_F(ServiceTest, RepetitionPenaltyMatchesInProcessEngine) {
+  EngineOptions options;
+  options.device = "cpu";
+  auto engine = Engine::Create(*model_dir_, options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  for (float temperature : {0.0f, 0.9f}) {
+    GenerateRequest req;
+    req.prompt = PromptIds(30, 4);
+    req.max_new_tokens = 24;
+    req.ignore_eos = true;
+    req.sampling.temperature = temperature;
+    req.sampling.seed = 11;
+    req.sampling.repetition_penalty = 1.8f;
+    auto expected = (*engine)->Generate({req});
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    GenerateRequest plain = req;
+    plain.sampling.repetition_penalty = 1.0f;
+    auto unpenalized = (*engine)->Generate({plain});
+    ASSERT_TRUE(unpenalized.ok()) << unpenalized.status();
+    EXPECT_NE(expected->at(0).output_ids, unpenalized->at(0).output_ids)
+        << "the penalty should change this output (T " << temperature << ")";
+    v1::GenerateRequest served = IdsRequest(req.prompt, req.max_new_tokens);
+    served.mutable_sampling()->set_repetition_penalty(1.8f);
+    served.mutable_sampling()->set_temperature(temperature);
+    served.mutable_sampling()->set_seed(11);
+    Result got = Unary(*stub_, served);
+    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+    EXPECT_EQ(Ids(got.response), expected->at(0).output_ids) << "T " << temperature;
+  }
+}
+
 TEST_F(ServiceTest, SixteenConcurrentClientsGetWhatTheyGetAlone) {
   constexpr int kClients = 16;
   std::vector<v1::GenerateRequest> reqs;

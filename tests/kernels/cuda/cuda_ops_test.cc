@@ -904,7 +904,9 @@ TEST_F(CudaOpsTest, OpProfilerTimesEagerOps) {
 // probabilities in double; the CPU reference sums in float, so near a boundary the two may
 // legitimately differ by rounding).
 int32_t RuleReference(const float* row, int vocab, const SamplingParams& p) {
-  if (p.temperature <= 0.0f) return static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+  if (IsGreedy(p.temperature)) {
+    return static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+  }
   std::vector<int32_t> order(vocab);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return row[a] > row[b]; });
@@ -946,7 +948,7 @@ void CheckSamples(const std::vector<int32_t>& got, const std::vector<int32_t>& c
     int32_t want = RuleReference(logits.data() + r * width, vocab, params[r]);
     EXPECT_EQ(got[r], want) << "row " << r << " T=" << params[r].temperature
                             << " top_k=" << params[r].top_k << " top_p=" << params[r].top_p;
-    if (params[r].temperature <= 0.0f) {
+    if (IsGreedy(params[r].temperature)) {
       EXPECT_EQ(got[r], cpu[r]) << "greedy row " << r;
     } else {
       ++*draws;
@@ -969,7 +971,8 @@ TEST_F(CudaOpsTest, SampleMatchesRuleAndCpuAndIsDeterministic) {
   const int top_ks[] = {0, 1, 5, 50};
   const float top_ps[] = {1.0f, 0.9f, 0.5f};
   for (int r = 0; r < rows; ++r) {
-    params[r].temperature = temps[r % 4];
+    // Every 8th row: a tiny positive temperature, which must be greedy (IsGreedy).
+    params[r].temperature = r % 8 == 5 ? 1e-38f : temps[r % 4];
     params[r].top_k = top_ks[(r / 4) % 4];
     params[r].top_p = top_ps[r % 3];
     params[r].seed = 1000 + r * 7919;
