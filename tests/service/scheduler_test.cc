@@ -680,10 +680,16 @@ void RandomizedWorkload(FakeExecutor& ex, int depth_label) {
         p.max_new_tokens = v.max_new[t];
         p.ignore_eos = true;
         p.cache_salt = v.salt;
-        if (disruption[c][t] == 1) p.deadline = Clock::now() + std::chrono::milliseconds(1 + t);
+        // Every other disruption is certain (cancelled before it is submitted, a deadline
+        // already past); the others land wherever the run is (waiting, prefill, decode).
+        const bool certain = c % 2 == 0;
+        if (disruption[c][t] == 1) {
+          p.deadline = certain ? Clock::now() : Clock::now() + std::chrono::milliseconds(1 + t);
+        }
         auto r = std::make_shared<RequestState>(p);
+        if (disruption[c][t] == 0 && certain) r->Cancel();
         ASSERT_TRUE(s.Submit(r).ok());
-        if (disruption[c][t] == 0) {
+        if (disruption[c][t] == 0 && !certain) {
           std::this_thread::sleep_for(std::chrono::microseconds(200 * (c % 5)));
           r->Cancel();
           s.Wake();
