@@ -248,6 +248,8 @@ void Scheduler::FailAll(const absl::Status& status) {
   for (auto& s : running_) Finish(*s, status, Finish::kNone);
   waiting_.clear();
   running_.clear();
+  // The workers' KV contents cannot be trusted after a failure (a restarted group starts empty).
+  blocks_.DropCached("", /*all=*/true);
   PublishStats();
 }
 
