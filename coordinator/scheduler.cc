@@ -329,7 +329,7 @@ void Scheduler::RegisterComputed(Seq& seq) {
     if (!blocks_.Register(seq.blocks, static_cast<int>(i), seq.hashes[i],
                           std::span<const int32_t>(seq.tokens).subspan(i * bs, bs),
                           seq.req->params().cache_salt)) {
-      seq.cacheable = false;  // a hash collision: the rest of its chain stays private
+      seq.cacheable = false;  // a hash collision (or a dropped chain): the rest stays private
       return;
     }
     ++seq.registered;
