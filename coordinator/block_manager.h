@@ -63,7 +63,7 @@ class BlockManager {
   // caching is off): later blocks of the table cannot be cached either.
   bool Register(std::vector<int32_t>& table, int i, uint64_t hash,
                 std::span<const int32_t> block_tokens, std::string_view salt);
-  // True when table[i] is a registered (shared or shareable) block.
+  // True when `block` is registered in the cache (shared or shareable: never written again).
   bool IsCached(int32_t block) const { return meta_[block].cached; }
   // Forgets every cached block of requests with salt `salt` (all salts when `all`): evictable
   // ones are freed, ones in use stay with their sequences as private blocks (freed when they

@@ -385,6 +385,9 @@ bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
       if (victim == s) break;
     }
     if (s->preempted || static_cast<int>(s->blocks.size()) < need) continue;
+    // Steps write only private blocks: the cached (shareable) ones hold computed tokens only.
+    TP_CHECK(!blocks_.IsCached(s->blocks[s->computed / blocks_.block_size()]))
+        << "sequence " << s->id << " would write into a cached KV block";
     worker::SeqStep* step = plan.add_seqs();
     step->set_seq_id(s->id);
     step->set_start_pos(static_cast<int32_t>(s->computed));
