@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <thread>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -140,31 +141,32 @@ void StopChild(pid_t pid) {
 
 absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::string>& args,
                                                          bool serve_command) {
-  auto parsed =
-      CliArgs::Parse(args,
-                     {"model",
-                      "port",
-                      "host",
-                      "workers",
-                      "tp",
-                      "pp",
-                      "device-map",
-                      "device",
-                      "worker-binary",
-                      "kv-cache-mb",
-                      "gpu-memory-utilization",
-                      "block-size",
-                      "max-num-seqs",
-                      "max-num-batched-tokens",
-                      "max-queued-requests",
-                      "default-max-new-tokens",
-                      "register-timeout",
-                      "load-timeout",
-                      "drain-timeout",
-                      "heartbeat-timeout",
-                      "step-timeout",
-                      "ready-file"},
-                     {"spawn-workers", "enable-prefix-caching", "no-enable-prefix-caching"});
+  const std::set<std::string> bool_flags = {"spawn-workers", "enable-prefix-caching",
+                                            "no-enable-prefix-caching"};
+  auto parsed = CliArgs::Parse(args,
+                               {"model",
+                                "port",
+                                "host",
+                                "workers",
+                                "tp",
+                                "pp",
+                                "device-map",
+                                "device",
+                                "worker-binary",
+                                "kv-cache-mb",
+                                "gpu-memory-utilization",
+                                "block-size",
+                                "max-num-seqs",
+                                "max-num-batched-tokens",
+                                "max-queued-requests",
+                                "default-max-new-tokens",
+                                "register-timeout",
+                                "load-timeout",
+                                "drain-timeout",
+                                "heartbeat-timeout",
+                                "step-timeout",
+                                "ready-file"},
+                               bool_flags);
   if (!parsed.ok()) {
     return absl::Status(parsed.status().code(),
                         absl::StrCat(parsed.status().message(), "\n", kCoordinatorUsage));

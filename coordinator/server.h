@@ -35,8 +35,9 @@ struct CoordinatorOptions {
   int drain_timeout_s = 30;
   double heartbeat_timeout_s = 4;
   int step_timeout_s = 120;
-  bool enable_prefix_caching = true;  // --enable-prefix-caching[=false], --no-enable-prefix-caching
-  std::string ready_file;             // written with "HOST:PORT" once the server is SERVING
+  std::string ready_file;  // written with "HOST:PORT" once the server is SERVING
+  // --enable-prefix-caching[=false], --no-enable-prefix-caching
+  bool enable_prefix_caching = true;
 };
 
 // Flags shared by tpserve-coordinator and `tpserve serve` (the latter spawns workers by
