@@ -356,6 +356,11 @@ absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest&
     p.stop_token_ids.push_back(id);
   }
   p.ignore_eos = st.ignore_eos();
+  if (request.cache_salt().size() > 256) {
+    return Invalid(absl::StrCat("cache_salt is ", request.cache_salt().size(),
+                                " bytes long; at most 256 are allowed"));
+  }
+  p.cache_salt = request.cache_salt();
   return p;
 }
 
@@ -486,7 +491,44 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   steps->set_step_seconds(s.step_seconds);
   steps->set_round_trip_seconds(s.execute_seconds);
   steps->set_forward_seconds(s.forward_seconds);
+  v1::PrefixCacheStats* pc = response->mutable_prefix_cache();
+  pc->set_enabled(s.prefix_caching);
+  pc->set_queries(s.prefix_cache_queries);
+  pc->set_hits(s.prefix_cache_hits);
+  pc->set_hit_rate(s.prefix_cache_queries > 0 ? static_cast<double>(s.prefix_cache_hits) /
+                                                    static_cast<double>(s.prefix_cache_queries)
+                                              : 0.0);
+  pc->set_cached_blocks(s.cached_blocks);
+  pc->set_evictable_blocks(s.evictable_blocks);
+  pc->set_evictions(s.prefix_cache_evictions);
   reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* InferenceService::DropPrefixCache(
+    grpc::CallbackServerContext* context, const v1::DropPrefixCacheRequest* request,
+    v1::DropPrefixCacheResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  Scheduler* scheduler = scheduler_.load(std::memory_order_acquire);
+  if (scheduler == nullptr) {
+    reactor->Finish(ToGrpc(NotReady()));
+    return reactor;
+  }
+  if (request->cache_salt().size() > 256) {
+    reactor->Finish(ToGrpc(Invalid(absl::StrCat("cache_salt is ", request->cache_salt().size(),
+                                                " bytes long; at most 256 are allowed"))));
+    return reactor;
+  }
+  if (request->all() && !request->cache_salt().empty()) {
+    reactor->Finish(ToGrpc(Invalid("give cache_salt or all, not both")));
+    return reactor;
+  }
+  // Answered from the scheduler thread once the blocks are forgotten.
+  scheduler->DropPrefixCache(request->cache_salt(), request->all(),
+                             [reactor, response](absl::StatusOr<int> dropped) {
+                               if (dropped.ok()) response->set_dropped_blocks(*dropped);
+                               reactor->Finish(ToGrpc(dropped.status()));
+                             });
   return reactor;
 }
 

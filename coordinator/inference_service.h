@@ -55,6 +55,9 @@ class InferenceService final : public v1::Inference::CallbackService {
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfo* response) override;
+  grpc::ServerUnaryReactor* DropPrefixCache(grpc::CallbackServerContext* context,
+                                            const v1::DropPrefixCacheRequest* request,
+                                            v1::DropPrefixCacheResponse* response) override;
 
  private:
   absl::StatusOr<std::shared_ptr<RequestState>> Admit(grpc::CallbackServerContext* context,

@@ -32,6 +32,8 @@ struct RequestParams {
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
   Clock::time_point deadline = Clock::time_point::max();
+  // Prefix caching: only requests with the same salt share cached KV blocks.
+  std::string cache_salt;
 };
 
 enum class Finish { kNone, kLength, kStop };

@@ -17,6 +17,13 @@ struct Scheduler::Seq {
   int prompt_len = 0;
   size_t computed = 0;          // tokens whose K/V are in the workers' cache
   std::vector<int32_t> blocks;  // block table
+  // Prefix cache: the chain hashes of the full blocks of `tokens` (as far as computed so far),
+  // how many leading blocks of the table are registered, whether this sequence may use and
+  // fill the cache, and whether the next step must tell the workers the skipped prefix.
+  std::vector<uint64_t> hashes;
+  size_t registered = 0;
+  bool cacheable = true;
+  bool send_prefix = false;
   uint64_t admit_order = 0;
   bool ever_admitted = false;
   int outputs = 0;
@@ -72,7 +79,7 @@ Scheduler::Scheduler(const SchedulerOptions& options, const Tokenizer* tokenizer
     : options_(options),
       tokenizer_(tokenizer),
       executor_(executor),
-      blocks_(options.num_blocks, options.block_size) {}
+      blocks_(options.num_blocks, options.block_size, options.enable_prefix_caching) {}
 
 Scheduler::~Scheduler() {
   {
@@ -83,6 +90,12 @@ Scheduler::~Scheduler() {
   if (thread_.joinable()) thread_.join();
   // The thread (if any) failed what it held; whatever arrived after is failed here.
   FailAll(absl::UnavailableError("the server is shutting down"));
+  std::deque<DropRequest> drops;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    drops.swap(drops_);
+  }
+  for (DropRequest& d : drops) d.done(absl::UnavailableError("the server is shutting down"));
 }
 
 void Scheduler::Start() {
@@ -143,6 +156,44 @@ void Scheduler::Fail(absl::Status status) {
   cv_.notify_all();
 }
 
+void Scheduler::DropPrefixCache(std::string cache_salt, bool all,
+                                std::function<void(absl::StatusOr<int>)> done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stop_) {
+      drops_.push_back({std::move(cache_salt), all, std::move(done)});
+      done = nullptr;
+    }
+  }
+  if (done) {
+    done(absl::UnavailableError("the server is shutting down"));
+    return;
+  }
+  cv_.notify_all();
+}
+
+void Scheduler::RunDrops() {
+  std::deque<DropRequest> drops;
+  auto forget = [&drops](Seq& s) {
+    for (const DropRequest& d : drops) {
+      if (d.all || s.req->params().cache_salt == d.salt) s.cacheable = false;
+    }
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    drops.swap(drops_);
+    // Requests already submitted with the salt neither use nor fill the cache any more.
+    for (auto& s : incoming_) forget(*s);
+  }
+  if (drops.empty()) return;
+  for (auto& s : waiting_) forget(*s);
+  for (auto& s : running_) forget(*s);
+  std::vector<int> dropped;
+  for (const DropRequest& d : drops) dropped.push_back(blocks_.DropCached(d.salt, d.all));
+  PublishStats();
+  for (size_t i = 0; i < drops.size(); ++i) drops[i].done(dropped[i]);
+}
+
 SchedulerStats Scheduler::stats() {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;
@@ -160,6 +211,12 @@ void Scheduler::PublishStats() {
   stats_.execute_seconds = execute_seconds_;
   stats_.forward_seconds = forward_seconds_;
   stats_.step_tokens = step_tokens_;
+  stats_.prefix_caching = blocks_.prefix_caching();
+  stats_.prefix_cache_queries = prefix_queries_;
+  stats_.prefix_cache_hits = prefix_hits_;
+  stats_.prefix_cache_evictions = blocks_.evictions();
+  stats_.cached_blocks = blocks_.cached_blocks();
+  stats_.evictable_blocks = blocks_.evictable_blocks();
 }
 
 void Scheduler::Finish(Seq& seq, absl::Status status, tpserve::Finish reason) {
@@ -191,6 +248,8 @@ void Scheduler::FailAll(const absl::Status& status) {
   for (auto& s : running_) Finish(*s, status, Finish::kNone);
   waiting_.clear();
   running_.clear();
+  // The workers' KV contents cannot be trusted after a failure (a restarted group starts empty).
+  blocks_.DropCached("", /*all=*/true);
   PublishStats();
 }
 
@@ -215,10 +274,29 @@ void Scheduler::Reap(std::vector<uint64_t>& finished_ids) {
 void Scheduler::Admit() {
   while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_num_seqs) {
     Seq& s = *waiting_.front();
+    const int64_t len = static_cast<int64_t>(s.tokens.size());
+    // The longest cached run of full blocks, short of the last token (its logits are needed):
+    // a fully cached prompt recomputes its last block into a block of its own, so that no step
+    // ever writes into a block another sequence reads.
+    std::vector<int32_t> matched;
+    if (blocks_.prefix_caching() && s.cacheable) {
+      const int max_blocks = static_cast<int>((len - 1) / blocks_.block_size());
+      ExtendHashes(s, static_cast<size_t>(max_blocks));
+      matched = blocks_.Match(s.hashes, s.tokens, s.req->params().cache_salt, max_blocks);
+    }
+    blocks_.Acquire(s.blocks, matched);
     // The whole known sequence gets its blocks now, so prefill chunks never wait for blocks;
     // decode growth takes one block at a time (and may preempt).
-    if (!blocks_.GrowTo(s.blocks, blocks_.BlocksFor(static_cast<int64_t>(s.tokens.size())))) {
+    if (!blocks_.GrowTo(s.blocks, blocks_.BlocksFor(len))) {
+      blocks_.Release(s.blocks);
       break;
+    }
+    s.computed = matched.size() * static_cast<size_t>(blocks_.block_size());
+    s.registered = matched.size();
+    s.send_prefix = s.computed > 0;
+    if (blocks_.prefix_caching()) {
+      prefix_queries_ += len;
+      prefix_hits_ += static_cast<int64_t>(s.computed);
     }
     if (!s.ever_admitted) {
       s.ever_admitted = true;
@@ -230,9 +308,39 @@ void Scheduler::Admit() {
   }
 }
 
+void Scheduler::ExtendHashes(Seq& seq, size_t full_blocks) {
+  const size_t bs = static_cast<size_t>(blocks_.block_size());
+  while (seq.hashes.size() < full_blocks && (seq.hashes.size() + 1) * bs <= seq.tokens.size()) {
+    const size_t i = seq.hashes.size();
+    const uint64_t parent =
+        i == 0 ? BlockManager::RootHash(seq.req->params().cache_salt) : seq.hashes[i - 1];
+    seq.hashes.push_back(
+        BlockManager::ChainHash(parent, std::span<const int32_t>(seq.tokens).subspan(i * bs, bs)));
+  }
+}
+
+void Scheduler::RegisterComputed(Seq& seq) {
+  if (!blocks_.prefix_caching() || !seq.cacheable) return;
+  const size_t bs = static_cast<size_t>(blocks_.block_size());
+  const size_t full = seq.computed / bs;
+  ExtendHashes(seq, full);
+  while (seq.registered < full) {
+    const size_t i = seq.registered;
+    if (!blocks_.Register(seq.blocks, static_cast<int>(i), seq.hashes[i],
+                          std::span<const int32_t>(seq.tokens).subspan(i * bs, bs),
+                          seq.req->params().cache_salt)) {
+      seq.cacheable = false;  // a hash collision (or a dropped chain): the rest stays private
+      return;
+    }
+    ++seq.registered;
+  }
+}
+
 void Scheduler::Preempt(Seq* seq) {
   blocks_.Release(seq->blocks);
   seq->computed = 0;
+  seq->registered = 0;
+  seq->send_prefix = false;
   seq->preempted = true;
   ++preemptions_;
   TP_LOG(DEBUG) << "preempted sequence " << seq->id << " (" << seq->tokens.size()
@@ -277,9 +385,17 @@ bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
       if (victim == s) break;
     }
     if (s->preempted || static_cast<int>(s->blocks.size()) < need) continue;
+    // Steps write only private blocks: the cached (shareable) ones hold computed tokens only.
+    TP_CHECK(!blocks_.IsCached(s->blocks[s->computed / blocks_.block_size()]))
+        << "sequence " << s->id << " would write into a cached KV block";
     worker::SeqStep* step = plan.add_seqs();
     step->set_seq_id(s->id);
     step->set_start_pos(static_cast<int32_t>(s->computed));
+    if (s->send_prefix) {
+      // The cached prefix this sequence skips: the sampling worker's token history.
+      for (size_t i = 0; i < s->computed; ++i) step->add_prefix_token_ids(s->tokens[i]);
+      s->send_prefix = false;
+    }
     for (int i = 0; i < chunk; ++i) step->add_token_ids(s->tokens[s->computed + i]);
     for (int32_t b : s->blocks) step->add_block_table(b);
     const bool sample = chunk == remaining;
@@ -363,7 +479,7 @@ void Scheduler::Loop() {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] {
         return stop_ || wake_ || !incoming_.empty() || !running_.empty() || !waiting_.empty() ||
-               !fail_.ok();
+               !fail_.ok() || !drops_.empty();
       });
       wake_ = false;
       if (stop_) break;
@@ -375,10 +491,12 @@ void Scheduler::Loop() {
     }
     if (!fail.ok()) {
       FailAll(fail);
+      RunDrops();
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !incoming_.empty(); });
+      cv_.wait(lock, [&] { return stop_ || !incoming_.empty() || !drops_.empty(); });
       continue;
     }
+    RunDrops();
     const Clock::time_point step_start = Clock::now();
     Reap(finished_ids_);
     Admit();
@@ -434,6 +552,7 @@ void Scheduler::Loop() {
       seq->computed += n;
       seq->in_flight = false;
       step_tokens_ += n;
+      RegisterComputed(*seq);
     }
     int next_logprobs = 0;
     for (size_t i = 0; i < p.sampled.size(); ++i) {

@@ -2,7 +2,9 @@
 // requests under --max-num-seqs, packs decode tokens then prefill chunks under
 // --max-num-batched-tokens, owns every block table (BlockManager), preempts the newest sequence
 // when blocks run out (it is recomputed later), sends each step to the executor (the worker
-// group), and turns sampled ids into text, stop decisions and answers.
+// group), and turns sampled ids into text, stop decisions and answers. With prefix caching, a
+// sequence starts from the longest cached run of full blocks of its tokens (prefill skips them)
+// and registers its own full blocks as they are computed.
 #pragma once
 
 #include <atomic>
@@ -54,6 +56,7 @@ struct SchedulerOptions {
   int block_size = 16;
   int64_t context_length = 2048;
   std::vector<int32_t> eos_token_ids;
+  bool enable_prefix_caching = true;
 };
 
 struct SchedulerStats {
@@ -69,6 +72,14 @@ struct SchedulerStats {
   double execute_seconds = 0;
   double forward_seconds = 0;
   int64_t step_tokens = 0;
+  // Prefix cache: tokens looked up at admission (queries) and found cached (hits), blocks
+  // evicted, blocks registered now (in use or evictable) and of those the evictable ones.
+  bool prefix_caching = false;
+  int64_t prefix_cache_queries = 0;
+  int64_t prefix_cache_hits = 0;
+  int64_t prefix_cache_evictions = 0;
+  int cached_blocks = 0;
+  int evictable_blocks = 0;
 };
 
 class Scheduler {
@@ -91,6 +102,12 @@ class Scheduler {
   void Fail(absl::Status status);
   SchedulerStats stats();
   const SchedulerOptions& options() const { return options_; }
+  // Forgets the cached blocks of requests with `cache_salt` (every salt when `all`) and stops
+  // the requests already submitted with it from caching more; `done` gets the number of blocks
+  // forgotten, from the scheduler thread (or UNAVAILABLE when the scheduler stops first). Must
+  // not block.
+  void DropPrefixCache(std::string cache_salt, bool all,
+                       std::function<void(absl::StatusOr<int>)> done);
 
  private:
   struct Seq;
@@ -105,6 +122,15 @@ class Scheduler {
   void Finish(Seq& seq, absl::Status status, Finish reason);
   void FailAll(const absl::Status& status);
   void PublishStats();
+  void ExtendHashes(Seq& seq, size_t full_blocks);
+  void RegisterComputed(Seq& seq);
+  void RunDrops();
+
+  struct DropRequest {
+    std::string salt;
+    bool all = false;
+    std::function<void(absl::StatusOr<int>)> done;
+  };
 
   // A submitted step whose result is not yet collected.
   struct Pending {
@@ -127,6 +153,7 @@ class Scheduler {
   absl::Status fail_;                          // guarded by mu_ (not OK: fail everything)
   SchedulerStats stats_;                       // guarded by mu_
   bool wake_ = false;                          // guarded by mu_
+  std::deque<DropRequest> drops_;              // guarded by mu_
 
   // Owned by the scheduler thread.
   std::deque<std::unique_ptr<Seq>> waiting_;
@@ -140,6 +167,7 @@ class Scheduler {
   int64_t steps_ = 0;
   double step_seconds_ = 0, execute_seconds_ = 0, forward_seconds_ = 0;
   int64_t step_tokens_ = 0;
+  int64_t prefix_queries_ = 0, prefix_hits_ = 0;
   std::atomic<int> queued_{0};  // submitted, never admitted
   std::thread thread_;
 };

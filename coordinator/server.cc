@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <thread>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -38,6 +39,7 @@ const char kCoordinatorUsage[] =
     "         [--gpu-memory-utilization F] [--kv-cache-mb MB] [--max-num-seqs N]\n"
     "         [--max-num-batched-tokens N] [--max-queued-requests N] [--register-timeout S]\n"
     "         [--drain-timeout S] [--heartbeat-timeout S] [--ready-file PATH]\n"
+    "         [--enable-prefix-caching[=false] | --no-enable-prefix-caching] (on by default)\n"
     "       tpserve serve --model DIR [--workers N | --tp T --pp P] [--device cpu|cuda|auto]\n"
     "         [--port P] (same flags; spawns the local workers)";
 
@@ -139,6 +141,8 @@ void StopChild(pid_t pid) {
 
 absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::string>& args,
                                                          bool serve_command) {
+  const std::set<std::string> bool_flags = {"spawn-workers", "enable-prefix-caching",
+                                            "no-enable-prefix-caching"};
   auto parsed = CliArgs::Parse(args,
                                {"model",
                                 "port",
@@ -162,7 +166,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
                                 "heartbeat-timeout",
                                 "step-timeout",
                                 "ready-file"},
-                               {"spawn-workers"});
+                               bool_flags);
   if (!parsed.ok()) {
     return absl::Status(parsed.status().code(),
                         absl::StrCat(parsed.status().message(), "\n", kCoordinatorUsage));
@@ -176,6 +180,12 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   o.worker_binary = a.GetOr("worker-binary", "");
   o.ready_file = a.GetOr("ready-file", "");
   o.spawn_workers = serve_command || a.Flag("spawn-workers");
+  // CliArgs drops a boolean flag given "=false"; look for that form to turn the default off.
+  o.enable_prefix_caching =
+      !a.Flag("no-enable-prefix-caching") &&
+      std::none_of(args.begin(), args.end(), [](const std::string& s) {
+        return s == "--enable-prefix-caching=false" || s == "--enable-prefix-caching=0";
+      });
   struct IntFlag {
     const char* name;
     int* value;
@@ -366,6 +376,7 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
   so.block_size = o.block_size;
   so.context_length = config.max_position_embeddings;
   so.eos_token_ids = eos;
+  so.enable_prefix_caching = o.enable_prefix_caching;
   auto scheduler = std::make_unique<Scheduler>(so, tokenizer.get(), group.get());
   scheduler->Start();
   Scheduler* sched = scheduler.get();

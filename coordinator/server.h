@@ -36,6 +36,8 @@ struct CoordinatorOptions {
   double heartbeat_timeout_s = 4;
   int step_timeout_s = 120;
   std::string ready_file;  // written with "HOST:PORT" once the server is SERVING
+  // --enable-prefix-caching[=false], --no-enable-prefix-caching
+  bool enable_prefix_caching = true;
 };
 
 // Flags shared by tpserve-coordinator and `tpserve serve` (the latter spawns workers by

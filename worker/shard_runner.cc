@@ -222,6 +222,9 @@ absl::StatusOr<worker::StepResult> ShardRunner::Run(const worker::StepPlan& plan
     for (uint64_t id : plan.finished_seq_ids()) history_.erase(id);
     for (const worker::SeqStep& s : plan.seqs()) {
       std::vector<int32_t>& h = history_[s.seq_id()];
+      // A cached prefix (prefix caching): this worker never computed those tokens.
+      if (s.prefix_token_ids_size() > 0)
+        h.assign(s.prefix_token_ids().begin(), s.prefix_token_ids().end());
       if (static_cast<int>(h.size()) < s.start_pos()) {
         return absl::InternalError(absl::StrCat("sequence ", s.seq_id(), " resumes at ",
                                                 s.start_pos(), " but this shard saw only ",

@@ -47,6 +47,12 @@ class FakeInference final : public v1::Inference::Service {
     info->set_pp(1);
     info->add_rank_devices("cpu");
     info->set_has_tokenizer(true);
+    // Made-up prefix cache counters: every prompt token is a query, every other one a hit.
+    std::lock_guard<std::mutex> lock(mu_);
+    info->mutable_prefix_cache()->set_enabled(true);
+    info->mutable_prefix_cache()->set_queries(cache_queries_);
+    info->mutable_prefix_cache()->set_hits(cache_queries_ / 2);
+    info->mutable_prefix_cache()->set_evictions(cache_queries_ / 10);
     return grpc::Status::OK;
   }
 
@@ -107,6 +113,7 @@ class FakeInference final : public v1::Inference::Service {
     s.max_new_tokens = req.stopping().max_new_tokens();
     s.ignore_eos = req.stopping().ignore_eos();
     s.arrival = arrival;
+    cache_queries_ += static_cast<int64_t>(s.ids.size());
     seen_[req.request_id()] = s;
     auto it = failures_.find(req.request_id());
     if (it != failures_.end()) return grpc::Status(it->second, "injected failure");
@@ -126,6 +133,7 @@ class FakeInference final : public v1::Inference::Service {
   std::mutex mu_;
   std::map<std::string, grpc::StatusCode> failures_;
   std::map<std::string, Seen> seen_;
+  int64_t cache_queries_ = 0;
 };
 
 class BenchFakeServerTest : public ::testing::Test {
@@ -364,6 +372,26 @@ TEST_F(BenchFakeServerTest, PresetsAndBadFlags) {
   EXPECT_EQ(chat["completed"], 4);
   EXPECT_EQ(chat["config"]["concurrency"], 8);
   EXPECT_EQ(chat["total_input_tokens"], 2 * (8 + 8 + 3 + 4));
+  // The hit rate over the measured run: the difference of the server's counters.
+  EXPECT_EQ(chat["prefix_cache"]["enabled"], true);
+  EXPECT_EQ(chat["prefix_cache"]["queries"], 2 * (8 + 8 + 3 + 4));
+  EXPECT_EQ(chat["prefix_cache"]["hits"], 2 * (8 + 8 + 3 + 4) / 2);
+  EXPECT_DOUBLE_EQ(chat["prefix_cache"]["hit_rate"].get<double>(), 0.5);
+
+  // The shared-prefix preset, shortened: one 40-token prefix in front of every prompt. With a
+  // warm-up request, whose prompt tokens are not in the run's counters.
+  const nlohmann::json shared =
+      Bench({"--preset", "shared-prefix", "--num-requests", "3", "--concurrency", "2",
+             "--shared-prefix-len", "40", "--prompt-len", "6", "--output-len", "2"});
+  EXPECT_EQ(shared["preset"], "shared-prefix");
+  EXPECT_EQ(shared["config"]["shared_prefix_len"], 40);
+  EXPECT_EQ(shared["total_input_tokens"], 3 * 46);
+  EXPECT_EQ(shared["prefix_cache"]["queries"], 3 * 46);
+  const auto seen = service_.seen();
+  ASSERT_EQ(seen.at("bench-0").ids.size(), 46u);
+  EXPECT_EQ(
+      std::vector<int32_t>(seen.at("bench-0").ids.begin(), seen.at("bench-0").ids.begin() + 40),
+      std::vector<int32_t>(seen.at("bench-2").ids.begin(), seen.at("bench-2").ids.begin() + 40));
 
   for (const std::vector<std::string>& bad :
        {std::vector<std::string>{"--prompt-len-dist", "zipf:1:2"},
@@ -373,7 +401,10 @@ TEST_F(BenchFakeServerTest, PresetsAndBadFlags) {
         std::vector<std::string>{"--prompt-kind", "bytes"},
         std::vector<std::string>{"--prompt-len", "4000", "--output-len", "200"},
         std::vector<std::string>{"--preset", "chat", "--num-requests", "5"},
-        std::vector<std::string>{"--user-turn-len", "5"}, std::vector<std::string>{"--bogus"}}) {
+        std::vector<std::string>{"--user-turn-len", "5"},
+        std::vector<std::string>{"--shared-prefix-len", "-1"},
+        std::vector<std::string>{"--shared-prefix-len", "4000"},
+        std::vector<std::string>{"--bogus"}}) {
     absl::Status status;
     Bench(bad, &status);
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad[0] << ": " << status;

@@ -89,6 +89,22 @@ TEST_F(BenchServiceTest, ChatAndOpenLoop) {
   EXPECT_EQ(j["failed"], 0);
   EXPECT_EQ(j["total_input_tokens"], 2 * (16 + 26 + 36));
   EXPECT_EQ(j["total_output_tokens"], 6 * 6);
+  // Prefix caching (blocks of 16 tokens): turns 2 and 3 find the first block of their history
+  // cached (turn 2's second block is not full when it ends: 26 + 5 computed tokens).
+  EXPECT_EQ(j["prefix_cache"]["enabled"], true);
+  EXPECT_EQ(j["prefix_cache"]["queries"], 2 * (16 + 26 + 36));
+  EXPECT_EQ(j["prefix_cache"]["hits"], 2 * (16 + 16));
+
+  // The shared-prefix preset, shortened: 48 shared tokens (3 blocks) + 8; requests 3 and 4 at
+  // least start after the first two registered the shared blocks.
+  j = Bench({"--preset", "shared-prefix", "--num-requests", "4", "--concurrency", "2",
+             "--shared-prefix-len", "48", "--prompt-len", "8", "--output-len", "4", "--warmup",
+             "0"});
+  EXPECT_EQ(j["completed"], 4);
+  EXPECT_EQ(j["total_input_tokens"], 4 * 56);
+  EXPECT_EQ(j["prefix_cache"]["queries"], 4 * 56);
+  EXPECT_GE(j["prefix_cache"]["hits"].get<int64_t>(), 2 * 48);
+  EXPECT_LE(j["prefix_cache"]["hits"].get<int64_t>(), 3 * 48);
 
   j = Bench({"--request-rate", "20", "--num-requests", "6", "--prompt-len-dist", "uniform:4:32",
              "--output-len", "5", "--warmup", "0", "--seed", "2"});

@@ -156,10 +156,18 @@ TEST(PresetsTest, TheGuideScenarios) {
   EXPECT_GT(chat->turns, 1);
   EXPECT_GT(chat->conversations, chat->concurrency);
   EXPECT_GT(chat->user_turn_len, 0);
+  auto shared = FindPreset("shared-prefix");
+  ASSERT_TRUE(shared.ok());
+  EXPECT_EQ(shared->concurrency, 64);
+  EXPECT_EQ(shared->shared_prefix_len, 1024);
+  EXPECT_EQ(shared->prompt_len, 128);
+  EXPECT_EQ(shared->output_len, 128);
+  EXPECT_GE(shared->num_requests, 2 * shared->concurrency);
+  EXPECT_EQ(shared->turns, 0);
   auto bad = FindPreset("nope");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("latency"), std::string::npos);
-  EXPECT_EQ(Presets().size(), 4u);
+  EXPECT_EQ(Presets().size(), 5u);
 }
 
 WorkloadSpec Spec() {
@@ -236,6 +244,55 @@ TEST(PlanRequestsTest, ChatTurns) {
   auto too_long = PlanRequests(s);
   ASSERT_FALSE(too_long.ok());
   EXPECT_NE(too_long.status().message().find("turn 5"), std::string::npos) << too_long.status();
+}
+
+TEST(PlanRequestsTest, SharedPrefixIsTheSameInFrontOfEveryPrompt) {
+  WorkloadSpec s = Spec();
+  s.prompt_len = LengthDist::Fixed(10);
+  s.output_len = LengthDist::Fixed(4);
+  s.shared_prefix_len = 30;
+  auto plan = PlanRequests(s);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  WorkloadSpec plain = s;
+  plain.shared_prefix_len = 0;
+  auto unique = PlanRequests(plain);
+  ASSERT_TRUE(unique.ok());
+  const std::vector<int32_t> prefix(plan->front().prompt.begin(),
+                                    plan->front().prompt.begin() + 30);
+  std::set<std::vector<int32_t>> tails;
+  for (size_t i = 0; i < plan->size(); ++i) {
+    const std::vector<int32_t>& p = (*plan)[i].prompt;
+    ASSERT_EQ(p.size(), 40u);
+    EXPECT_EQ(std::vector<int32_t>(p.begin(), p.begin() + 30), prefix) << i;
+    // The unique part is what the plan without a shared prefix draws.
+    EXPECT_EQ(std::vector<int32_t>(p.begin() + 30, p.end()), (*unique)[i].prompt) << i;
+    tails.insert(std::vector<int32_t>(p.begin() + 30, p.end()));
+  }
+  EXPECT_GT(tails.size(), 40u);
+  // The context check counts the shared prefix: 30 + 10 + 4 = 44 fits 64; 30 + 10 + 30 not.
+  s.output_len = LengthDist::Fixed(30);
+  auto too_long = PlanRequests(s);
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_NE(too_long.status().message().find("prompt of 40 tokens"), std::string::npos)
+      << too_long.status();
+  // A chat's first turn carries it too.
+  WorkloadSpec chat;
+  chat.vocab_size = 100;
+  chat.turns = 2;
+  chat.conversations = 3;
+  chat.prompt_len = LengthDist::Fixed(5);
+  chat.user_turn_len = LengthDist::Fixed(3);
+  chat.output_len = LengthDist::Fixed(2);
+  chat.shared_prefix_len = 8;
+  auto c = PlanRequests(chat);
+  ASSERT_TRUE(c.ok()) << c.status();
+  for (const PlannedRequest& r : *c) {
+    EXPECT_EQ(r.prompt.size(), r.turn == 0 ? 13u : 3u);
+    if (r.turn == 0) {
+      EXPECT_EQ(std::vector<int32_t>(r.prompt.begin(), r.prompt.begin() + 8),
+                std::vector<int32_t>(c->front().prompt.begin(), c->front().prompt.begin() + 8));
+    }
+  }
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // The coordinator's flags that size the workers: --gpu-memory-utilization (forwarded to every
-// worker in its Assignment) and --kv-cache-mb.
+// worker in its Assignment) and --kv-cache-mb; --enable-prefix-caching.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -33,6 +33,31 @@ TEST(CoordinatorFlagsTest, GpuMemoryUtilizationIsParsedAndRangeChecked) {
   o = ParseCoordinatorFlags({"--model", "m", "--gpu-memory-utilization", "most"}, true);
   EXPECT_FALSE(o.ok());
   EXPECT_THAT(std::string(kCoordinatorUsage), HasSubstr("--gpu-memory-utilization F"));
+}
+
+TEST(CoordinatorFlagsTest, PrefixCachingIsOnByDefaultAndCanBeTurnedOff) {
+  auto o = ParseCoordinatorFlags({"--model", "m"}, true);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_TRUE(o->enable_prefix_caching);
+  for (const std::vector<std::string>& on :
+       {std::vector<std::string>{"--enable-prefix-caching"},
+        std::vector<std::string>{"--enable-prefix-caching=true"},
+        std::vector<std::string>{"--enable-prefix-caching=1"}}) {
+    std::vector<std::string> args = {"--model", "m"};
+    args.insert(args.end(), on.begin(), on.end());
+    o = ParseCoordinatorFlags(args, true);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_TRUE(o->enable_prefix_caching) << on[0];
+  }
+  for (const char* off : {"--no-enable-prefix-caching", "--enable-prefix-caching=false",
+                          "--enable-prefix-caching=0"}) {
+    o = ParseCoordinatorFlags({"--model", "m", off}, false);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_FALSE(o->enable_prefix_caching) << off;
+  }
+  o = ParseCoordinatorFlags({"--model", "m", "--enable-prefix-caching=maybe"}, true);
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(kCoordinatorUsage), HasSubstr("--enable-prefix-caching"));
 }
 
 }  // namespace

@@ -3,9 +3,13 @@
 // chunking or preemption must give exactly what a request gets alone.
 #include "coordinator/scheduler.h"
 
+#include <atomic>
 #include <chrono>
+#include <future>
 #include <map>
+#include <random>
 #include <set>
+#include <span>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -19,40 +23,66 @@ namespace {
 
 constexpr int kVocab = 50;
 
-// Next token = hash of the whole context, mod kVocab, and so are the logprobs of sequences that
-// ask for them. Checks every plan: tokens continue the sequence, slots are in the sequence's own
-// blocks, no block is shared by two live sequences.
+// A worker with a simulated KV cache: every computed token is written to its slot (block table
+// x block size), and the next token is a hash of the context READ BACK from the cache through the
+// block table (so a wrong or stale shared block changes the output), mod kVocab; so are the
+// logprobs of sequences that ask for them. Checks every plan: tokens continue the sequence (the
+// cached prefix included: prefix_token_ids), the cache holds exactly the sequence's tokens, and no
+// step writes into a block that another sequence of the plan reads.
 class FakeExecutor : public StepExecutor {
  public:
   explicit FakeExecutor(int num_blocks, int block_size)
-      : num_blocks_(num_blocks), block_size_(block_size) {}
+      : num_blocks_(num_blocks),
+        block_size_(block_size),
+        kv_(static_cast<size_t>(num_blocks) * block_size, -1) {}
 
   absl::StatusOr<worker::StepResult> Execute(const worker::StepPlan& plan) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (fail_) return absl::UnavailableError("worker rank 1 failed: killed by the test");
-    for (uint64_t id : plan.finished_seq_ids()) {
-      history_.erase(id);
-      owner_blocks_.erase(id);
-    }
+    for (uint64_t id : plan.finished_seq_ids()) history_.erase(id);
     int tokens = 0;
     worker::StepResult out;
-    std::map<int32_t, uint64_t> owner;
+    std::map<int32_t, std::set<uint64_t>> readers;  // block -> sequences of this plan using it
+    for (const worker::SeqStep& s : plan.seqs()) {
+      for (int32_t b : s.block_table()) readers[b].insert(s.seq_id());
+    }
     for (const worker::SeqStep& s : plan.seqs()) {
       std::vector<int32_t>& h = history_[s.seq_id()];
+      if (s.prefix_token_ids_size() > 0) {
+        EXPECT_EQ(s.prefix_token_ids_size(), s.start_pos());
+        h.assign(s.prefix_token_ids().begin(), s.prefix_token_ids().end());
+      }
       EXPECT_LE(s.start_pos(), static_cast<int>(h.size()));
       h.resize(s.start_pos());
       h.insert(h.end(), s.token_ids().begin(), s.token_ids().end());
       tokens += s.token_ids_size();
       const int need = (static_cast<int>(h.size()) + block_size_ - 1) / block_size_;
       EXPECT_GE(s.block_table_size(), need);
+      if (s.block_table_size() < need) continue;
       for (int b = 0; b < need; ++b) {
         const int32_t block = s.block_table(b);
         EXPECT_TRUE(block >= 0 && block < num_blocks_);
-        EXPECT_TRUE(owner.emplace(block, s.seq_id()).second) << "block " << block << " shared";
+        if (block < 0 || block >= num_blocks_) return absl::InternalError("bad block");
       }
+      for (int i = 0; i < s.token_ids_size(); ++i) {
+        const int pos = s.start_pos() + i;
+        const int32_t block = s.block_table(pos / block_size_);
+        EXPECT_EQ(readers[block].size(), 1u)
+            << "step " << plan.step_id() << " writes into block " << block << " shared by "
+            << readers[block].size() << " sequences";
+        written_blocks_.insert(block);
+        kv_[static_cast<size_t>(block) * block_size_ + pos % block_size_] = s.token_ids(i);
+      }
+      std::vector<int32_t> context;
+      for (int pos = 0; pos < static_cast<int>(h.size()); ++pos) {
+        const int32_t block = s.block_table(pos / block_size_);
+        context.push_back(kv_[static_cast<size_t>(block) * block_size_ + pos % block_size_]);
+      }
+      EXPECT_EQ(context, h) << "sequence " << s.seq_id()
+                            << ": the KV cache does not hold its tokens";
       if (s.sample()) {
         uint64_t x = 1469598103934665603ull;
-        for (int32_t t : h) x = (x ^ static_cast<uint64_t>(t)) * 1099511628211ull;
+        for (int32_t t : context) x = (x ^ static_cast<uint64_t>(t)) * 1099511628211ull;
         out.add_token_ids(static_cast<int32_t>(3 + x % (kVocab - 3)));
         if (s.sampling().has_logprobs()) {
           worker::SampledLogprobs* lp = out.add_logprobs();
@@ -65,6 +95,7 @@ class FakeExecutor : public StepExecutor {
         }
       }
     }
+    computed_tokens_ += tokens;
     max_tokens_ = std::max(max_tokens_, tokens);
     max_seqs_ = std::max(max_seqs_, plan.seqs_size());
     ++steps_;
@@ -74,15 +105,18 @@ class FakeExecutor : public StepExecutor {
 
   std::mutex mu_;
   int num_blocks_, block_size_;
+  std::vector<int32_t> kv_;  // token id at each slot; -1: never written
   std::map<uint64_t, std::vector<int32_t>> history_;
-  std::map<uint64_t, std::vector<int32_t>> owner_blocks_;
+  std::set<int32_t> written_blocks_;
+  int64_t computed_tokens_ = 0;
   int max_tokens_ = 0, max_seqs_ = 0, steps_ = 0;
   int delay_ms_ = 0;
   bool fail_ = false;
 };
 
 // A pipeline of `depth` stages: up to `depth` plans in flight, collected in order. Checks that
-// no sequence and no KV block is in two plans in flight at once.
+// no sequence is in two plans in flight at once, and that no block a plan writes is in another
+// plan in flight (cached blocks that are only read may be).
 class PipelinedFakeExecutor : public FakeExecutor {
  public:
   PipelinedFakeExecutor(int num_blocks, int block_size, int depth)
@@ -93,16 +127,24 @@ class PipelinedFakeExecutor : public FakeExecutor {
       std::lock_guard<std::mutex> lock(mu_);
       auto& mine = in_flight_[plan.step_id()];
       for (const worker::SeqStep& s : plan.seqs()) {
-        for (const auto& [id, other] : in_flight_) {
-          if (id == plan.step_id()) continue;
-          EXPECT_EQ(other.seqs.count(s.seq_id()), 0u)
-              << "sequence " << s.seq_id() << " in steps " << id << " and " << plan.step_id();
-          for (int32_t b : s.block_table()) {
-            EXPECT_EQ(other.blocks.count(b), 0u) << "block " << b << " in two steps in flight";
-          }
-        }
         mine.seqs.insert(s.seq_id());
         mine.blocks.insert(s.block_table().begin(), s.block_table().end());
+        for (int i = 0; i < s.token_ids_size(); ++i) {
+          mine.written.insert(s.block_table((s.start_pos() + i) / block_size_));
+        }
+      }
+      for (const auto& [id, other] : in_flight_) {
+        if (id == plan.step_id()) continue;
+        for (uint64_t seq : mine.seqs) {
+          EXPECT_EQ(other.seqs.count(seq), 0u)
+              << "sequence " << seq << " in steps " << id << " and " << plan.step_id();
+        }
+        for (int32_t b : mine.written) {
+          EXPECT_EQ(other.blocks.count(b), 0u) << "block " << b << " written while in flight";
+        }
+        for (int32_t b : other.written) {
+          EXPECT_EQ(mine.blocks.count(b), 0u) << "block " << b << " written while in flight";
+        }
       }
       max_in_flight_seen_ = std::max(max_in_flight_seen_, static_cast<int>(in_flight_.size()));
     }
@@ -121,7 +163,7 @@ class PipelinedFakeExecutor : public FakeExecutor {
 
   struct Step {
     std::set<uint64_t> seqs;
-    std::set<int32_t> blocks;
+    std::set<int32_t> blocks, written;
   };
   const int depth_;
   std::map<uint64_t, Step> in_flight_;
@@ -218,7 +260,9 @@ void ExpectSoloResults(Scheduler& s, int n) {
   std::vector<std::vector<float>> solo_logprobs;
   for (int i = 0; i < n; ++i) {
     FakeExecutor ex(1000, 4);
-    Scheduler alone(Options(1000, 1, 1000), nullptr, &ex);
+    SchedulerOptions o = Options(1000, 1, 1000);
+    o.enable_prefix_caching = false;
+    Scheduler alone(o, nullptr, &ex);
     alone.Start();
     auto r = BatchTestRequest(i);
     ASSERT_TRUE(alone.Submit(r).ok());
@@ -327,6 +371,406 @@ TEST(SchedulerTest, WorkerFailureEndsEverythingUnavailable) {
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(st.message().find("rank 1"), absl::string_view::npos);
   EXPECT_EQ(s.Submit(MakeRequest(3, 3, 3)).code(), absl::StatusCode::kUnavailable);
+}
+
+std::shared_ptr<RequestState> RequestFor(const std::vector<int32_t>& prompt, int max_new,
+                                         const std::string& cache_salt = "", int logprobs = -1) {
+  RequestParams p;
+  p.prompt = prompt;
+  p.max_new_tokens = max_new;
+  p.ignore_eos = true;
+  p.logprobs = logprobs;
+  p.cache_salt = cache_salt;
+  return std::make_shared<RequestState>(p);
+}
+
+std::vector<int32_t> Tokens(int n, int seed) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i) t.push_back(3 + (i * 13 + seed * 29 + (i * i) % 7) % (kVocab - 3));
+  return t;
+}
+
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// Runs `prompts` (together) to the end; their outputs and logprobs, flattened.
+std::vector<std::vector<float>> RunBatch(Scheduler& s, const std::vector<std::vector<int32_t>>& ps,
+                                         int max_new, const std::string& salt = "") {
+  std::vector<std::shared_ptr<RequestState>> reqs;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    reqs.push_back(RequestFor(ps[i], max_new, salt, i % 2 ? 2 : -1));
+    EXPECT_TRUE(s.Submit(reqs.back()).ok());
+  }
+  EXPECT_TRUE(WaitFinished(reqs, 10));
+  std::vector<std::vector<float>> out;
+  for (auto& r : reqs) {
+    EXPECT_TRUE(r->Take().status.ok());
+    std::vector<float> v;
+    for (int32_t id : Output(*r)) v.push_back(static_cast<float>(id));
+    for (float f : OutputLogprobs(*r)) v.push_back(f);
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+// Waits until the scheduler holds no sequence (its stats are published after each step).
+bool WaitIdle(Scheduler& s, double seconds) {
+  const auto end = std::chrono::steady_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  while (std::chrono::steady_clock::now() < end) {
+    const SchedulerStats st = s.stats();
+    if (s.Idle() && st.free_blocks == st.total_blocks) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return false;
+}
+
+TEST(BlockManagerTest, ChainedHashesMatchTheLongestCachedPrefix) {
+  constexpr int kBs = 4;
+  BlockManager m(16, kBs, /*enable_prefix_caching=*/true);
+  const std::vector<int32_t> a = Tokens(14, 1);  // 3 full blocks + 2 tokens
+  auto hashes = [&](const std::vector<int32_t>& t, const std::string& salt) {
+    std::vector<uint64_t> h;
+    uint64_t parent = BlockManager::RootHash(salt);
+    for (size_t i = 0; (i + 1) * kBs <= t.size(); ++i) {
+      parent = BlockManager::ChainHash(parent, std::span<const int32_t>(t).subspan(i * kBs, kBs));
+      h.push_back(parent);
+    }
+    return h;
+  };
+  std::vector<int32_t> ta;
+  ASSERT_TRUE(m.GrowTo(ta, 4));
+  const std::vector<uint64_t> ha = hashes(a, "");
+  ASSERT_EQ(ha.size(), 3u);
+  EXPECT_FALSE(m.Register(ta, 1, ha[1], std::span<const int32_t>(a).subspan(4, 4), ""))
+      << "a block whose parent is not cached cannot be cached";
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(m.Register(ta, i, ha[i], std::span<const int32_t>(a).subspan(i * kBs, kBs), ""));
+  }
+  EXPECT_EQ(m.cached_blocks(), 3);
+  EXPECT_EQ(m.free_blocks(), 12);
+  // The same tokens: all three; a prompt differing in block 1: only block 0; in block 0: none.
+  EXPECT_EQ(m.Match(ha, a, "", 3), std::vector<int32_t>(ta.begin(), ta.begin() + 3));
+  EXPECT_EQ(m.Match(ha, a, "", 2).size(), 2u);
+  std::vector<int32_t> b = a;
+  b[5] = b[5] == 3 ? 4 : 3;
+  EXPECT_EQ(m.Match(hashes(b, ""), b, "", 3), std::vector<int32_t>{ta[0]});
+  std::vector<int32_t> c = a;
+  c[0] = c[0] == 3 ? 4 : 3;
+  EXPECT_TRUE(m.Match(hashes(c, ""), c, "", 3).empty());
+  // Another salt shares nothing, although the tokens are the same.
+  EXPECT_TRUE(m.Match(hashes(a, "tenant-b"), a, "tenant-b", 3).empty());
+  // A colliding hash (the test passes block 1's hash for other tokens) is a miss, never a
+  // wrong block: the tokens are compared.
+  std::vector<int32_t> td;
+  ASSERT_TRUE(m.GrowTo(td, 2));
+  std::vector<int32_t> d = a;
+  d[6] = d[6] == 3 ? 4 : 3;
+  std::vector<int32_t> td2;
+  m.Acquire(td2, m.Match(ha, d, "", 1));
+  ASSERT_EQ(td2.size(), 1u);
+  ASSERT_TRUE(m.GrowTo(td2, 2));
+  EXPECT_FALSE(m.Register(td2, 1, ha[1], std::span<const int32_t>(d).subspan(4, 4), ""));
+  std::vector<uint64_t> forged = {ha[0], ha[1]};
+  EXPECT_EQ(m.Match(forged, d, "", 2).size(), 1u);
+  m.Release(ta);
+  m.Release(td);
+  m.Release(td2);
+  EXPECT_EQ(m.free_blocks(), 16);
+  EXPECT_EQ(m.cached_blocks(), 3) << "released cached blocks stay cached (evictable)";
+  EXPECT_EQ(m.evictable_blocks(), 3);
+}
+
+TEST(BlockManagerTest, RefcountsLruEvictionAndDuplicates) {
+  constexpr int kBs = 2;
+  BlockManager m(6, kBs, true);
+  auto chain = [&](std::vector<int32_t>& table, const std::vector<int32_t>& t,
+                   const std::string& salt) {
+    uint64_t parent = BlockManager::RootHash(salt);
+    for (size_t i = 0; i < table.size(); ++i) {
+      auto span = std::span<const int32_t>(t).subspan(i * kBs, kBs);
+      parent = BlockManager::ChainHash(parent, span);
+      ASSERT_TRUE(m.Register(table, static_cast<int>(i), parent, span, salt));
+    }
+  };
+  auto hashes = [&](const std::vector<int32_t>& t, const std::string& salt) {
+    std::vector<uint64_t> h;
+    uint64_t parent = BlockManager::RootHash(salt);
+    for (size_t i = 0; (i + 1) * kBs <= t.size(); ++i) {
+      parent = BlockManager::ChainHash(parent, std::span<const int32_t>(t).subspan(i * kBs, kBs));
+      h.push_back(parent);
+    }
+    return h;
+  };
+  const std::vector<int32_t> x = {5, 6, 7, 8}, y = {9, 10, 11, 12};
+  std::vector<int32_t> tx, tx2, ty;
+  ASSERT_TRUE(m.GrowTo(tx, 2));
+  chain(tx, x, "");
+  // A second sequence shares x's blocks: they stay in use until both release them.
+  tx2.clear();
+  m.Acquire(tx2, m.Match(hashes(x, ""), x, "", 2));
+  EXPECT_EQ(tx2, tx);
+  EXPECT_EQ(m.free_blocks(), 4);
+  m.Release(tx);
+  EXPECT_EQ(m.free_blocks(), 4) << "still used by the second sequence";
+  EXPECT_EQ(m.evictable_blocks(), 0);
+  m.Release(tx2);
+  EXPECT_EQ(m.free_blocks(), 6);
+  EXPECT_EQ(m.evictable_blocks(), 2);
+  // y: cached too (x's blocks are older, so they are evicted first).
+  ASSERT_TRUE(m.GrowTo(ty, 2));
+  chain(ty, y, "");
+  m.Release(ty);
+  EXPECT_EQ(m.cached_blocks(), 4);
+  // A recomputed duplicate of y's first block becomes y's cached block; its own is freed.
+  std::vector<int32_t> dup;
+  ASSERT_TRUE(m.GrowTo(dup, 1));
+  const int32_t own = dup[0];
+  chain(dup, {9, 10}, "");
+  EXPECT_NE(dup[0], own);
+  EXPECT_TRUE(m.IsCached(dup[0]));
+  m.Release(dup);
+  EXPECT_EQ(m.free_blocks(), 6);
+  // Taking fresh blocks: the 2 truly free ones, then the least recently used cached blocks,
+  // x's, its last block first (the prefix it extends stays matchable longer).
+  std::vector<int32_t> fresh;
+  ASSERT_TRUE(m.GrowTo(fresh, 3));
+  EXPECT_EQ(m.evictions(), 1);
+  EXPECT_EQ(m.Match(hashes(x, ""), x, "", 2).size(), 1u);
+  ASSERT_TRUE(m.GrowTo(fresh, 4));
+  EXPECT_EQ(m.evictions(), 2);
+  EXPECT_TRUE(m.Match(hashes(x, ""), x, "", 2).empty());
+  EXPECT_EQ(m.Match(hashes(y, ""), y, "", 2).size(), 2u);
+  EXPECT_EQ(m.free_blocks(), 2);
+  EXPECT_FALSE(m.GrowTo(fresh, 7));
+  EXPECT_EQ(fresh.size(), 4u) << "a refused GrowTo changes nothing";
+  m.Release(fresh);
+  EXPECT_EQ(m.free_blocks(), 6);
+  // Dropping by salt: another salt's blocks stay.
+  std::vector<int32_t> ts;
+  ASSERT_TRUE(m.GrowTo(ts, 1));
+  chain(ts, {1, 2}, "s");
+  m.Release(ts);
+  EXPECT_EQ(m.DropCached("s", false), 1);
+  EXPECT_EQ(m.Match(hashes(y, ""), y, "", 2).size(), 2u);
+  EXPECT_EQ(m.DropCached("", true), 2);
+  EXPECT_EQ(m.cached_blocks(), 0);
+  EXPECT_EQ(m.free_blocks(), 6);
+}
+
+// Multi-turn conversations, a shared system prompt, prompts that are exact prefixes of cached
+// ones (block-aligned: the last block is recomputed), one token longer, and repeated prompts:
+// with prefix caching the tokens and logprobs are those of the uncached scheduler, with fewer
+// tokens computed.
+TEST(PrefixCacheTest, CachedRunsGiveTheUncachedTokens) {
+  auto run = [](bool caching, int64_t* computed, SchedulerStats* stats) {
+    FakeExecutor ex(200, 4);
+    SchedulerOptions o = Options(200, 8, 32);
+    o.enable_prefix_caching = caching;
+    Scheduler s(o, nullptr, &ex);
+    s.Start();
+    std::vector<std::vector<float>> out;
+    auto add = [&](const std::vector<std::vector<float>>& r) {
+      out.insert(out.end(), r.begin(), r.end());
+    };
+    // A conversation of 4 turns: each resends the history and the output.
+    std::vector<int32_t> history = Tokens(10, 1);
+    for (int t = 0; t < 4; ++t) {
+      auto r = RequestFor(history, 6);
+      EXPECT_TRUE(s.Submit(r).ok());
+      EXPECT_TRUE(WaitFinished({r}, 10));
+      std::vector<float> v;
+      for (int32_t id : Output(*r)) v.push_back(static_cast<float>(id));
+      out.push_back(v);
+      history = Concat(Concat(history, Output(*r)), Tokens(5, 10 + t));
+    }
+    // A shared 16-token system prompt: one request first, then five together.
+    const std::vector<int32_t> sys = Tokens(16, 2);
+    add(RunBatch(s, {Concat(sys, Tokens(3, 20))}, 5));
+    std::vector<std::vector<int32_t>> batch;
+    for (int i = 0; i < 5; ++i) batch.push_back(Concat(sys, Tokens(2 + i, 21 + i)));
+    add(RunBatch(s, batch, 7));
+    // Exact prefixes of the cached prompt (block-aligned and not), one token longer, the
+    // whole system prompt, and the same prompt twice at once.
+    for (int n : {12, 13, 16, 17, 8, 4, 3}) {
+      add(RunBatch(s, {std::vector<int32_t>(sys.begin(), sys.begin() + std::min(n, 16))}, 5));
+    }
+    add(RunBatch(s, {Concat(sys, {7})}, 5));
+    add(RunBatch(s, {Concat(sys, Tokens(3, 20)), Concat(sys, Tokens(3, 20))}, 6));
+    EXPECT_TRUE(WaitIdle(s, 5));
+    *stats = s.stats();
+    std::lock_guard<std::mutex> lock(ex.mu_);
+    *computed = ex.computed_tokens_;
+    return out;
+  };
+  int64_t computed_off = 0, computed_on = 0;
+  SchedulerStats off_stats, on_stats;
+  const auto off = run(false, &computed_off, &off_stats);
+  const auto on = run(true, &computed_on, &on_stats);
+  ASSERT_EQ(on.size(), off.size());
+  for (size_t i = 0; i < on.size(); ++i) EXPECT_EQ(on[i], off[i]) << "request " << i;
+  EXPECT_FALSE(off_stats.prefix_caching);
+  EXPECT_EQ(off_stats.prefix_cache_hits, 0);
+  EXPECT_EQ(off_stats.cached_blocks, 0);
+  EXPECT_TRUE(on_stats.prefix_caching);
+  EXPECT_GT(on_stats.prefix_cache_queries, 0);
+  EXPECT_GT(on_stats.prefix_cache_hits, on_stats.prefix_cache_queries / 3);
+  EXPECT_EQ(computed_off - computed_on, on_stats.prefix_cache_hits)
+      << "every token found in the cache is one the workers did not compute";
+  EXPECT_EQ(on_stats.free_blocks, on_stats.total_blocks);
+  EXPECT_GT(on_stats.cached_blocks, 0);
+  EXPECT_EQ(on_stats.evictable_blocks, on_stats.cached_blocks) << "idle: every cached block "
+                                                                  "is evictable";
+}
+
+// Many short conversations (some with a shared prefix, two salts) under a small KV pool with
+// preemption, cancellations and deadlines: every request that completes gets the uncached
+// tokens, and the pool returns to idle.
+void RandomizedWorkload(FakeExecutor& ex, int depth_label) {
+  constexpr int kConversations = 24, kTurns = 3;
+  std::mt19937 rng(1234 + depth_label);
+  struct Conv {
+    std::vector<std::vector<int32_t>> prompts;  // turn t's prompt (uncached history)
+    std::vector<std::vector<int32_t>> outputs;  // the uncached outputs
+    std::vector<int> max_new;
+    std::string salt;
+  };
+  std::vector<Conv> convs(kConversations);
+  const std::vector<int32_t> shared = Tokens(9, 77);
+  {
+    // The reference: no caching, a pool that never preempts.
+    FakeExecutor ref_ex(2000, 4);
+    SchedulerOptions o = Options(2000, 64, 512);
+    o.enable_prefix_caching = false;
+    Scheduler ref(o, nullptr, &ref_ex);
+    ref.Start();
+    for (int c = 0; c < kConversations; ++c) {
+      Conv& v = convs[c];
+      v.salt = c % 3 == 0 ? "tenant-b" : "";
+      std::vector<int32_t> history = Tokens(3 + static_cast<int>(rng() % 6), c);
+      if (c % 2 == 0) history = Concat(shared, history);
+      for (int t = 0; t < kTurns; ++t) {
+        v.prompts.push_back(history);
+        v.max_new.push_back(8 + static_cast<int>(rng() % 17));
+        auto r = RequestFor(history, v.max_new.back(), v.salt);
+        ASSERT_TRUE(ref.Submit(r).ok());
+        ASSERT_TRUE(WaitFinished({r}, 10));
+        v.outputs.push_back(Output(*r));
+        history = Concat(Concat(history, v.outputs.back()),
+                         Tokens(2 + static_cast<int>(rng() % 4), 100 + c * 7 + t));
+      }
+    }
+  }
+  // Disruptions drawn up front (the RNG is not thread-safe).
+  std::vector<std::vector<int>> disruption(kConversations, std::vector<int>(kTurns));
+  for (auto& d : disruption)
+    for (int& x : d) x = static_cast<int>(rng() % 12);  // 0: cancel, 1: deadline, else none
+  SchedulerOptions o = Options(28, 8, 16);  // 28 blocks of 4 tokens for 8 running sequences
+  Scheduler s(o, nullptr, &ex);
+  s.Start();
+  std::atomic<int> completed{0}, disrupted{0};
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kConversations; ++c) {
+    threads.emplace_back([&, c] {
+      const Conv& v = convs[c];
+      for (int t = 0; t < kTurns; ++t) {
+        RequestParams p;
+        p.prompt = v.prompts[t];
+        p.max_new_tokens = v.max_new[t];
+        p.ignore_eos = true;
+        p.cache_salt = v.salt;
+        // Every other disruption is certain (cancelled before it is submitted, a deadline
+        // already past); the others land wherever the run is (waiting, prefill, decode).
+        const bool certain = c % 2 == 0;
+        if (disruption[c][t] == 1) {
+          p.deadline = certain ? Clock::now() : Clock::now() + std::chrono::milliseconds(1 + t);
+        }
+        auto r = std::make_shared<RequestState>(p);
+        if (disruption[c][t] == 0 && certain) r->Cancel();
+        ASSERT_TRUE(s.Submit(r).ok());
+        if (disruption[c][t] == 0 && !certain) {
+          std::this_thread::sleep_for(std::chrono::microseconds(200 * (c % 5)));
+          r->Cancel();
+          s.Wake();
+        }
+        ASSERT_TRUE(WaitFinished({r}, 20));
+        const RequestState::Taken taken = r->Take();
+        if (taken.status.ok()) {
+          EXPECT_EQ(Output(*r), v.outputs[t]) << "conversation " << c << " turn " << t;
+          ++completed;
+        } else {
+          EXPECT_TRUE(taken.status.code() == absl::StatusCode::kCancelled ||
+                      taken.status.code() == absl::StatusCode::kDeadlineExceeded)
+              << taken.status;
+          ++disrupted;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_TRUE(WaitIdle(s, 5)) << "the KV pool did not return to idle";
+  const SchedulerStats st = s.stats();
+  EXPECT_EQ(st.free_blocks, 28);
+  EXPECT_EQ(st.evictable_blocks, st.cached_blocks);
+  EXPECT_GT(st.preemptions, 0) << "the test should exercise preemption";
+  EXPECT_GT(st.prefix_cache_hits, 0);
+  EXPECT_GT(st.prefix_cache_evictions, 0) << "the test should exercise eviction";
+  EXPECT_GT(completed.load(), kConversations * kTurns / 2);
+  EXPECT_GT(disrupted.load(), 0) << "the test should exercise cancels and deadlines";
+}
+
+TEST(PrefixCacheTest, RandomizedConversationsUnderPressureMatchUncached) {
+  FakeExecutor ex(28, 4);
+  ASSERT_NO_FATAL_FAILURE(RandomizedWorkload(ex, 1));
+}
+
+TEST(PrefixCacheTest, RandomizedConversationsThroughAPipelineMatchUncached) {
+  PipelinedFakeExecutor ex(28, 4, 3);
+  ASSERT_NO_FATAL_FAILURE(RandomizedWorkload(ex, 3));
+  EXPECT_GE(ex.max_in_flight_seen_, 2);
+}
+
+// Two salts never share a block; the same salt does; DropPrefixCache forgets one salt's blocks
+// (and only those), or all of them.
+TEST(PrefixCacheTest, SaltsIsolateAndDropForgets) {
+  FakeExecutor ex(100, 4);
+  Scheduler s(Options(100, 8, 64), nullptr, &ex);
+  s.Start();
+  const std::vector<int32_t> prompt = Tokens(13, 5);
+  auto run = [&](const std::string& salt) {
+    const int64_t before = s.stats().prefix_cache_hits;
+    auto r = RequestFor(prompt, 4, salt);
+    EXPECT_TRUE(s.Submit(r).ok());
+    EXPECT_TRUE(WaitFinished({r}, 10));
+    EXPECT_TRUE(WaitIdle(s, 5));
+    return s.stats().prefix_cache_hits - before;
+  };
+  EXPECT_EQ(run("tenant-a"), 0);
+  EXPECT_EQ(run("tenant-b"), 0) << "another salt must not see tenant-a's blocks";
+  EXPECT_EQ(run(""), 0);
+  EXPECT_EQ(run("tenant-a"), 12);
+  EXPECT_EQ(run("tenant-b"), 12);
+  EXPECT_EQ(run(""), 12);
+  auto drop = [&](const std::string& salt, bool all) {
+    std::promise<absl::StatusOr<int>> done;
+    auto f = done.get_future();
+    s.DropPrefixCache(salt, all, [&done](absl::StatusOr<int> n) { done.set_value(n); });
+    EXPECT_EQ(f.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+    absl::StatusOr<int> n = f.get();
+    EXPECT_TRUE(n.ok()) << n.status();
+    return n.ok() ? *n : -1;
+  };
+  const int cached = s.stats().cached_blocks;
+  EXPECT_EQ(cached % 3, 0);
+  EXPECT_EQ(drop("tenant-a", false), cached / 3);
+  EXPECT_EQ(run("tenant-a"), 0) << "dropped";
+  EXPECT_EQ(run("tenant-b"), 12) << "another salt's blocks stay";
+  EXPECT_GT(drop("", true), 0);
+  EXPECT_EQ(s.stats().cached_blocks, 0);
+  EXPECT_EQ(s.stats().free_blocks, 100);
+  EXPECT_EQ(run(""), 0);
 }
 
 TEST(ValidateTest, DefaultsAndLimits) {

@@ -27,13 +27,14 @@ namespace {
 using bench::LengthDist;
 
 constexpr char kBenchUsage[] =
-    "usage: tpserve bench --server ADDR [--preset latency|batch32|batch64|chat]\n"
+    "usage: tpserve bench --server ADDR [--preset latency|batch32|batch64|chat|shared-prefix]\n"
     "  load:     [--concurrency N] [--request-rate R|inf (open loop, Poisson)] [--num-requests N]\n"
     "            [--warmup N (1)] [--timeout S (600, per request)]\n"
     "            [--info-timeout S (60): wait this long for the server to answer GetModelInfo]\n"
     "  lengths:  [--prompt-len N|DIST] [--output-len N|DIST]   DIST: uniform:LO:HI,\n"
     "            normal:MEAN:STD[:MIN:MAX]  (also --prompt-len-dist / --output-len-dist)\n"
     "  chat:     [--turns T] [--num-conversations C] [--user-turn-len N|DIST]\n"
+    "  prefix:   [--shared-prefix-len N (0): one shared prefix in front of every prompt]\n"
     "  prompts:  [--prompt-kind ids|text] (random token ids below the model's vocab size, or\n"
     "            their text) [--seed S (0): prompts, lengths and arrivals]\n"
     "  sampling: [--temperature T] [--top-p P] [--top-k K] [--sampling-seed S]\n"
@@ -113,6 +114,8 @@ absl::StatusOr<Flags> ParseFlags(const CliArgs& a) {
     return absl::InvalidArgumentError(
         "--num-requests does not apply to chat: it sends --num-conversations x --turns requests");
   }
+  TP_ASSIGN_OR_RETURN(s.shared_prefix_len,
+                      PositiveInt(a, "shared-prefix-len", preset.shared_prefix_len, 0));
   TP_ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
   s.seed = static_cast<uint64_t>(seed);
 
@@ -172,13 +175,32 @@ absl::StatusOr<Flags> ParseFlags(const CliArgs& a) {
   return f;
 }
 
+// The server's prefix cache over the measured run (the difference of its counters).
+struct PrefixCacheReport {
+  bool known = false;  // both readings of GetModelInfo succeeded
+  bool enabled = false;
+  int64_t queries = 0, hits = 0, evictions = 0;
+  double hit_rate = 0;
+};
+
+PrefixCacheReport PrefixCacheDelta(const v1::ModelInfo& before, const v1::ModelInfo& after) {
+  PrefixCacheReport r;
+  r.known = true;
+  r.enabled = after.prefix_cache().enabled();
+  r.queries = after.prefix_cache().queries() - before.prefix_cache().queries();
+  r.hits = after.prefix_cache().hits() - before.prefix_cache().hits();
+  r.evictions = after.prefix_cache().evictions() - before.prefix_cache().evictions();
+  r.hit_rate = r.queries > 0 ? static_cast<double>(r.hits) / static_cast<double>(r.queries) : 0;
+  return r;
+}
+
 nlohmann::json SummaryJson(const bench::Summary& s) {
   return {{"count", s.count}, {"mean", s.mean}, {"median", s.median}, {"p90", s.p90},
           {"p99", s.p99},     {"min", s.min},   {"max", s.max}};
 }
 
 nlohmann::json ReportJson(const Flags& f, const v1::ModelInfo& info, const bench::Report& r,
-                          const bench::LoadResult& result) {
+                          const bench::LoadResult& result, const PrefixCacheReport& pc) {
   nlohmann::json j;
   j["tool"] = "tpserve bench";
   j["backend"] = "tpserve";
@@ -207,6 +229,7 @@ nlohmann::json ReportJson(const Flags& f, const v1::ModelInfo& info, const bench
       {"num_conversations", chat ? s.conversations : 0},
       {"user_turn_len",
        chat ? nlohmann::json(s.user_turn_len.ToString()) : nlohmann::json(nullptr)},
+      {"shared_prefix_len", s.shared_prefix_len},
       {"prompt_kind", f.load.text_prompts ? "text" : "ids"},
       {"stream", f.load.stream},
       {"ignore_eos", f.load.ignore_eos},
@@ -235,6 +258,13 @@ nlohmann::json ReportJson(const Flags& f, const v1::ModelInfo& info, const bench
   j["itl_ms"] = SummaryJson(r.itl_ms);
   j["e2e_ms"] = SummaryJson(r.e2e_ms);
   j["server_ttft_ms"] = SummaryJson(r.server_ttft_ms);
+  // Prompt tokens the server looked up in its prefix cache during the run and found there.
+  j["prefix_cache"] = pc.known ? nlohmann::json{{"enabled", pc.enabled},
+                                                {"queries", pc.queries},
+                                                {"hits", pc.hits},
+                                                {"hit_rate", pc.hit_rate},
+                                                {"evictions", pc.evictions}}
+                               : nlohmann::json(nullptr);
   if (f.per_request) {
     nlohmann::json reqs = nlohmann::json::array();
     for (const bench::RequestRecord& q : result.records) {
@@ -262,7 +292,8 @@ nlohmann::json ReportJson(const Flags& f, const v1::ModelInfo& info, const bench
   return j;
 }
 
-void PrintTable(const Flags& f, const v1::ModelInfo& info, const bench::Report& r) {
+void PrintTable(const Flags& f, const v1::ModelInfo& info, const bench::Report& r,
+                const PrefixCacheReport& pc) {
   const bench::WorkloadSpec& s = f.spec;
   std::printf("===== tpserve bench%s%s =====\n", f.preset.empty() ? "" : ": preset ",
               f.preset.c_str());
@@ -301,6 +332,13 @@ void PrintTable(const Flags& f, const v1::ModelInfo& info, const bench::Report& 
   std::printf("%-30s %.3f\n", "request throughput (req/s)", r.request_throughput);
   std::printf("%-30s %.2f\n", "output throughput (tok/s)", r.output_throughput);
   std::printf("%-30s %.2f\n", "total throughput (tok/s)", r.total_token_throughput);
+  if (pc.known && pc.enabled) {
+    std::printf("%-30s %.1f%% (%lld of %lld prompt tokens cached, %lld blocks evicted)\n",
+                "prefix cache hit rate", 100 * pc.hit_rate, static_cast<long long>(pc.hits),
+                static_cast<long long>(pc.queries), static_cast<long long>(pc.evictions));
+  } else if (pc.known) {
+    std::printf("%-30s off\n", "prefix cache");
+  }
   std::printf("%-30s %10s %10s %10s %10s %8s\n", "latency (ms)", "mean", "median", "p90", "p99",
               "n");
   auto row = [](const char* name, const bench::Summary& x) {
@@ -389,7 +427,8 @@ absl::Status RunBenchCommand(const std::vector<std::string>& args) {
                                 "warmup",
                                 "json",
                                 "label",
-                                "info-timeout"},
+                                "info-timeout",
+                                "shared-prefix-len"},
                                {"no-stream", "no-ignore-eos", "per-request", "progress",
                                 "no-progress", "allow-errors", "list-presets", "help"});
   if (!parsed.ok()) return Annotate(parsed.status(), kBenchUsage);
@@ -399,7 +438,7 @@ absl::Status RunBenchCommand(const std::vector<std::string>& args) {
   }
   if (parsed->Flag("list-presets")) {
     for (const bench::Preset& p : bench::Presets()) {
-      std::printf("%-10s %s\n", p.name.c_str(), p.description.c_str());
+      std::printf("%-14s %s\n", p.name.c_str(), p.description.c_str());
     }
     return absl::OkStatus();
   }
@@ -423,6 +462,9 @@ absl::Status RunBenchCommand(const std::vector<std::string>& args) {
   f.spec.context_length = info.context_length();
   TP_ASSIGN_OR_RETURN(auto plan, bench::PlanRequests(f.spec));
 
+  // The prefix cache counters right before the measured run (after the warm-up) and after it.
+  absl::StatusOr<v1::ModelInfo> info_before = absl::UnknownError("not read");
+  f.load.before_run = [&] { info_before = bench::FetchModelInfo(f.server, 10); };
   bench::Progress progress;
   absl::StatusOr<bench::LoadResult> result;
   {
@@ -433,11 +475,16 @@ absl::Status RunBenchCommand(const std::vector<std::string>& args) {
   }
   TP_RETURN_IF_ERROR(result.status());
   const bench::Report report = bench::ComputeReport(result->records, result->duration_s);
-  const nlohmann::json j = ReportJson(f, info, report, *result);
+  PrefixCacheReport pc;
+  if (info_before.ok()) {
+    absl::StatusOr<v1::ModelInfo> info_after = bench::FetchModelInfo(f.server, 10);
+    if (info_after.ok()) pc = PrefixCacheDelta(*info_before, *info_after);
+  }
+  const nlohmann::json j = ReportJson(f, info, report, *result, pc);
   if (f.json_path == "-") {
     std::cout << j.dump(2) << std::endl;
   } else {
-    PrintTable(f, info, report);
+    PrintTable(f, info, report, pc);
     if (!f.json_path.empty()) {
       std::ofstream out(f.json_path);
       out << j.dump(2) << "\n";

@@ -256,6 +256,7 @@ class Runner {
 
   LoadResult Run() {
     Warmup();
+    if (o_.before_run) o_.before_run();
     const std::vector<Unit> units = Units();
     const Clock::time_point start = Clock::now();
     if (!o_.open_loop) {

@@ -31,6 +31,8 @@ struct LoadOptions {
   v1::SamplingOptions sampling;  // per request; a set seed becomes seed + request index
   double timeout_s = 600;        // per request
   int64_t warmup = 0;            // requests sent (one at a time) before the measured run
+  // Called after the warm-up, right before the measured run (e.g. to read server counters).
+  std::function<void()> before_run;
 };
 
 // Client-side measurements of one request (seconds from the start of the run).

@@ -176,6 +176,10 @@ const std::vector<Preset>& Presets() {
        "(previous prompt + previous output) + a 128-token user turn; 256-token first prompt, 128 "
        "new tokens per turn",
        256, 128, 8, 0, /*turns=*/4, /*conversations=*/16, /*user_turn_len=*/128},
+      {"shared-prefix",
+       "one long system prompt in front of every request: 64 concurrent clients, 1024 shared "
+       "tokens + 128 unique tokens, 128 new tokens",
+       128, 128, 64, 256, 0, 0, 0, /*shared_prefix_len=*/1024},
   };
   return *presets;
 }
@@ -204,6 +208,17 @@ absl::StatusOr<std::vector<PlannedRequest>> PlanRequests(const WorkloadSpec& spe
     }
     return ids;
   };
+  // The shared prefix has its own stream: the unique parts are the same with or without it.
+  Rng shared_rng(StreamSeed(spec.seed, 4));
+  std::vector<int32_t> shared(static_cast<size_t>(std::max<int64_t>(spec.shared_prefix_len, 0)));
+  for (int32_t& id : shared) {
+    id = static_cast<int32_t>(shared_rng.UniformInt(spec.first_token_id, spec.vocab_size - 1));
+  }
+  auto with_shared = [&shared](std::vector<int32_t> ids) {
+    ids.insert(ids.begin(), shared.begin(), shared.end());
+    return ids;
+  };
+  const int64_t shared_len = static_cast<int64_t>(shared.size());
   std::vector<PlannedRequest> plan;
   const bool chat = spec.turns > 0;
   if (chat) {
@@ -222,9 +237,9 @@ absl::StatusOr<std::vector<PlannedRequest>> PlanRequests(const WorkloadSpec& spe
         const int64_t len =
             t == 0 ? spec.prompt_len.Draw(length_rng) : spec.user_turn_len.Draw(length_rng);
         r.max_new_tokens = spec.output_len.Draw(length_rng);
-        r.prompt = draw_ids(len);
+        r.prompt = t == 0 ? with_shared(draw_ids(len)) : draw_ids(len);
         r.arrival_s = t == 0 ? arrivals[static_cast<size_t>(c)] : 0;
-        history += len;
+        history += len + (t == 0 ? shared_len : 0);
         if (spec.context_length > 0 && history + r.max_new_tokens > spec.context_length) {
           return absl::InvalidArgumentError(
               absl::StrCat("chat conversation ", c, " turn ", t, ": history of ", history,
@@ -246,13 +261,13 @@ absl::StatusOr<std::vector<PlannedRequest>> PlanRequests(const WorkloadSpec& spe
     r.index = i;
     const int64_t len = spec.prompt_len.Draw(length_rng);
     r.max_new_tokens = spec.output_len.Draw(length_rng);
-    if (spec.context_length > 0 && len + r.max_new_tokens > spec.context_length) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("request ", i, ": prompt of ", len, " tokens + ", r.max_new_tokens,
-                       " new tokens exceeds the model's context length ", spec.context_length,
-                       "; lower --prompt-len / --output-len"));
+    if (spec.context_length > 0 && shared_len + len + r.max_new_tokens > spec.context_length) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request ", i, ": prompt of ", shared_len + len, " tokens + ", r.max_new_tokens,
+          " new tokens exceeds the model's context length ", spec.context_length,
+          "; lower --shared-prefix-len / --prompt-len / --output-len"));
     }
-    r.prompt = draw_ids(len);
+    r.prompt = with_shared(draw_ids(len));
     r.arrival_s = arrivals[static_cast<size_t>(i)];
     plan.push_back(std::move(r));
   }

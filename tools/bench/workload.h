@@ -61,6 +61,9 @@ struct Preset {
   int64_t turns = 0;
   int64_t conversations = 0;
   int64_t user_turn_len = 0;
+  // Tokens of one shared prefix (a system prompt) in front of every prompt (a chat's first
+  // turn); prompt_len counts the unique part after it.
+  int64_t shared_prefix_len = 0;
 };
 const std::vector<Preset>& Presets();
 absl::StatusOr<Preset> FindPreset(const std::string& name);
@@ -77,6 +80,7 @@ struct WorkloadSpec {
   int64_t turns = 0;
   int64_t conversations = 0;
   LengthDist user_turn_len = LengthDist::Fixed(128);
+  int64_t shared_prefix_len = 0;  // drawn once, in front of every prompt (a chat's first turn)
   uint64_t seed = 0;
 };
 
