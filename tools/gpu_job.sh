@@ -4,9 +4,11 @@
 # checkpoint, compares it with transformers bf16, runs the engine benchmark and the HF
 # baselines. Logs and JSON go to $OUT (or ./gpu-out).
 # Usage: bash tools/gpu_job.sh [tests] [ds67] [refs] [bench] [hf] [pp] [kernels] [serve] [trace]
+#          [presets]
 #   (default: tests ds67 bench hf; refs: the transformers references alone, without tpserve's
 #   test; `refs hf` needs no tpserve binary but `tpserve random-model`; kernels: the kernel
-#   benchmark tpserve-cuda-bench; serve: tools/serve_check.sh, served vs engine tokens)
+#   benchmark tpserve-cuda-bench; serve: tools/serve_check.sh, served vs engine tokens;
+#   presets: `tpserve bench` presets against `tpserve serve` in each SERVE_AB configuration)
 #   BENCH_ARGS adds arguments to the engine benchmark (e.g. --profile).
 #   BENCH_AB="VAR=value ...[;VAR=value ...]" runs the engine benchmark again with each of those
 #   environments (baselines of an A/B comparison in the same job), with BENCH_AB_ARGS.
@@ -40,7 +42,7 @@ if has tests; then
     log "rc=$rc"
   done
 fi
-if has ds67 || has refs || has bench || has hf || has serve || has trace; then
+if has ds67 || has refs || has bench || has hf || has serve || has trace || has presets; then
   log "random DeepSeek-Coder-6.7B-shaped model"
   /usr/bin/time -v "$stage/bin/tpserve" random-model \
     --config tests/data/deepseek-coder-6.7b-instruct.config.json --out $ds --seed 1 --dtype bf16 \
@@ -128,6 +130,41 @@ if has serve; then
     MODEL=$1 TPSERVE_WORKER_CUDA_GRAPHS=$2 TPSERVE_CUBLASLT_AUTOTUNE=$3 \
       OUT="$out/serve_check_$(basename $1)_$2_$3" timeout 200 \
       bash tools/serve_check.sh 2>&1 | tail -3 | tee -a "$out/summary.txt"
+  done
+fi
+if has presets; then
+  # Served presets on the 6.7B shape, each server configuration in SERVE_AB ("label:flags;..."),
+  # beside the engine figures of the `bench` step of the same job. PRESETS names the presets.
+  IFS=';' read -ra configs <<<"${SERVE_AB:-default:}"
+  for c in "${configs[@]}"; do
+    label=${c%%:*}
+    flags=${c#*:}
+    log "serve $label (${flags:-no extra flags}): presets ${PRESETS:-latency batch64 chat}"
+    rm -f "$out/ready_$label"
+    "$stage/bin/tpserve" serve --model $ds --device cuda --port 50078 \
+      --worker-binary "$stage/bin/tpserve-worker" --ready-file "$out/ready_$label" $flags \
+      >"$out/serve_$label.log" 2>&1 &
+    spid=$!
+    for _ in $(seq 240); do [ -f "$out/ready_$label" ] && break; sleep 0.5; done
+    for preset in ${PRESETS:-latency batch64 chat}; do
+      timeout 400 "$stage/bin/tpserve" bench --server 127.0.0.1:50078 --preset $preset \
+        --no-progress --label "$label" --json "$out/preset_${label}_$preset.json" \
+        >"$out/preset_${label}_$preset.log" 2>&1
+      python3 - "$out/preset_${label}_$preset.json" "$label" "$preset" <<'PY' | tee -a "$out/summary.txt"
+import json, sys
+try:
+    j = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(json.dumps({"label": sys.argv[2], "preset": sys.argv[3], "error": str(e)})); sys.exit()
+keep = {k: j.get(k) for k in ("completed", "failed", "output_throughput", "duration_s")}
+for k in ("tpot_ms", "ttft_ms", "e2e_ms"):
+    keep[k + "_p50"] = (j.get(k) or {}).get("median")
+keep.update({k: v for k, v in j.items() if k.startswith("prefix") or k.startswith("engine")})
+print(json.dumps({"label": sys.argv[2], "preset": sys.argv[3], **keep}))
+PY
+    done
+    "$stage/bin/tpserve" info --server 127.0.0.1:50078 >"$out/info_$label.txt" 2>&1
+    kill -TERM $spid; wait $spid
   done
 fi
 if has hf; then
