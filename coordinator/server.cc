@@ -28,18 +28,8 @@
 #include "coordinator/tokenizer/tokenizer.h"
 #include "coordinator/worker_group.h"
 #include "parallel/shard_plan.h"
-#include "tools/cli_args.h"
 
 namespace tpserve {
-
-const char kCoordinatorUsage[] =
-    "usage: tpserve-coordinator --model DIR [--port P] [--host H] [--workers N | --tp T --pp P]\n"
-    "         [--device-map MAP] [--spawn-workers [--device cpu|cuda|auto] [--worker-binary B]]\n"
-    "         [--gpu-memory-utilization F] [--kv-cache-mb MB] [--max-num-seqs N]\n"
-    "         [--max-num-batched-tokens N] [--max-queued-requests N] [--register-timeout S]\n"
-    "         [--drain-timeout S] [--heartbeat-timeout S] [--ready-file PATH]\n"
-    "       tpserve serve --model DIR [--workers N | --tp T --pp P] [--device cpu|cuda|auto]\n"
-    "         [--port P] (same flags; spawns the local workers)";
 
 namespace {
 
@@ -136,99 +126,6 @@ void StopChild(pid_t pid) {
 }
 
 }  // namespace
-
-absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::string>& args,
-                                                         bool serve_command) {
-  auto parsed = CliArgs::Parse(args,
-                               {"model",
-                                "port",
-                                "host",
-                                "workers",
-                                "tp",
-                                "pp",
-                                "device-map",
-                                "device",
-                                "worker-binary",
-                                "kv-cache-mb",
-                                "gpu-memory-utilization",
-                                "block-size",
-                                "max-num-seqs",
-                                "max-num-batched-tokens",
-                                "max-queued-requests",
-                                "default-max-new-tokens",
-                                "register-timeout",
-                                "load-timeout",
-                                "drain-timeout",
-                                "heartbeat-timeout",
-                                "step-timeout",
-                                "ready-file"},
-                               {"spawn-workers"});
-  if (!parsed.ok()) {
-    return absl::Status(parsed.status().code(),
-                        absl::StrCat(parsed.status().message(), "\n", kCoordinatorUsage));
-  }
-  const CliArgs& a = *parsed;
-  CoordinatorOptions o;
-  TP_ASSIGN_OR_RETURN(o.model_dir, a.Required("model"));
-  o.host = a.GetOr("host", o.host);
-  o.device_map = a.GetOr("device-map", "");
-  o.device = a.GetOr("device", "auto");
-  o.worker_binary = a.GetOr("worker-binary", "");
-  o.ready_file = a.GetOr("ready-file", "");
-  o.spawn_workers = serve_command || a.Flag("spawn-workers");
-  struct IntFlag {
-    const char* name;
-    int* value;
-    int64_t min, max;
-  };
-  int64_t kv_mb = 0;
-  TP_ASSIGN_OR_RETURN(kv_mb, a.GetInt("kv-cache-mb", 0));
-  if (kv_mb < 0) return absl::InvalidArgumentError("--kv-cache-mb must be >= 0");
-  o.kv_cache_mb = kv_mb;
-  TP_ASSIGN_OR_RETURN(o.gpu_memory_utilization,
-                      a.GetDouble("gpu-memory-utilization", o.gpu_memory_utilization));
-  if (!(o.gpu_memory_utilization > 0 && o.gpu_memory_utilization <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--gpu-memory-utilization must be in (0, 1] (got ", o.gpu_memory_utilization, ")"));
-  }
-  const IntFlag ints[] = {
-      {"port", &o.port, 0, 65535},
-      {"workers", &o.world_size, 1, 4096},
-      {"tp", &o.tp, 1, 4096},
-      {"pp", &o.pp, 1, 4096},
-      {"block-size", &o.block_size, 1, 1024},
-      {"max-num-seqs", &o.max_num_seqs, 1, 1 << 16},
-      {"max-num-batched-tokens", &o.max_num_batched_tokens, 1, 1 << 20},
-      {"max-queued-requests", &o.max_queued_requests, 0, 1 << 20},
-      {"default-max-new-tokens", &o.default_max_new_tokens, 1, 1 << 20},
-      {"register-timeout", &o.register_timeout_s, 1, 86400},
-      {"load-timeout", &o.load_timeout_s, 1, 86400},
-      {"drain-timeout", &o.drain_timeout_s, 0, 86400},
-      {"step-timeout", &o.step_timeout_s, 1, 86400},
-  };
-  for (const IntFlag& f : ints) {
-    if (!a.Has(f.name)) continue;
-    TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt(f.name, 0));
-    if (v < f.min || v > f.max) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", f.name, " must be between ", f.min, " and ", f.max, " (got ", v, ")"));
-    }
-    *f.value = static_cast<int>(v);
-  }
-  TP_ASSIGN_OR_RETURN(o.heartbeat_timeout_s, a.GetDouble("heartbeat-timeout", 4.0));
-  if (o.heartbeat_timeout_s < 0.5) {
-    return absl::InvalidArgumentError("--heartbeat-timeout must be at least 0.5 seconds");
-  }
-  if (a.Has("workers") && a.Has("tp") && o.world_size != o.tp * o.pp) {
-    return absl::InvalidArgumentError(absl::StrCat("--workers ", o.world_size, " but --tp ", o.tp,
-                                                   " x --pp ", o.pp, " = ", o.tp * o.pp));
-  }
-  if (!a.Has("tp") && a.Has("pp")) {
-    return absl::InvalidArgumentError("--pp needs --tp as well");
-  }
-  if (o.tp > 0 && o.world_size == 0) o.world_size = o.tp * o.pp;
-  return o;
-}
 
 absl::Status RunCoordinator(const CoordinatorOptions& opts) {
   CoordinatorOptions o = opts;

@@ -36,13 +36,8 @@ struct CoordinatorOptions {
   double heartbeat_timeout_s = 4;
   int step_timeout_s = 120;
   std::string ready_file;  // written with "HOST:PORT" once the server is SERVING
+  bool help = false;       // --help was given: print the usage, run nothing
 };
-
-// Flags shared by tpserve-coordinator and `tpserve serve` (the latter spawns workers by
-// default); `args` excludes the program / subcommand name.
-absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::string>& args,
-                                                         bool serve_command);
-extern const char kCoordinatorUsage[];
 
 // Runs until SIGTERM / SIGINT (then drains) or a startup failure.
 absl::Status RunCoordinator(const CoordinatorOptions& options);

@@ -7,7 +7,7 @@ add_library(tpserve_step_runner STATIC
 target_link_libraries(tpserve_step_runner PUBLIC tpserve_worker tpserve_proto gRPC::grpc++)
 
 add_executable(tpserve-worker ${CMAKE_CURRENT_LIST_DIR}/worker_main.cc)
-target_link_libraries(tpserve-worker PRIVATE tpserve_step_runner tpserve_cli_args MPI::MPI_CXX)
+target_link_libraries(tpserve-worker PRIVATE tpserve_step_runner MPI::MPI_CXX)
 if(TARGET tpserve_kernels_cuda)
   target_link_libraries(tpserve-worker PRIVATE tpserve_kernels_cuda)
   target_compile_definitions(tpserve-worker PRIVATE TPSERVE_HAVE_CUDA=1)

@@ -18,12 +18,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/flags.h"
 #include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
 #include "parallel/process_groups.h"
 #include "parallel/shard_plan.h"
-#include "tools/cli_args.h"
 #include "worker/control_client.h"
 #include "worker/engine.h"
 #include "worker/step_runner.h"
@@ -34,9 +34,23 @@
 namespace tpserve {
 namespace {
 
-constexpr char kUsage[] =
-    "usage: tpserve-worker --coordinator HOST:PORT [--rank R --world-size N]\n"
-    "                      [--device cpu|cuda|auto] [--gpu INDEX] [--connect-timeout S]";
+const CommandSpec& WorkerFlagSpec() {
+  static const CommandSpec* const spec = new CommandSpec{
+      "tpserve-worker",
+      "One rank of the model: registers with the coordinator, loads its shard, runs steps.",
+      {StringFlag("coordinator", "HOST:PORT", "the coordinator's control-plane address [required]"),
+       IntFlag("rank", 0, 1 << 20,
+               "this worker's rank (default: MPI, TPSERVE_RANK, SLURM_PROCID or 0)", "R"),
+       IntFlag("world-size", 1, 1 << 20,
+               "number of workers (default: MPI, TPSERVE_WORLD_SIZE, SLURM_NTASKS or 1)"),
+       StringFlag("device", "cpu|cuda|auto", "where to run (default auto)"),
+       IntFlag("gpu", 0, 1023, "CUDA device index (default: the node-local rank)", "INDEX"),
+       IntFlag("connect-timeout", 1, 86400,
+               "seconds to wait for the coordinator to accept the connection (default 60)", "S")},
+      "Under mpirun the rank and world size come from MPI (a coordinator in the same MPMD job\n"
+      "is left out by a split of MPI_COMM_WORLD)."};
+  return *spec;
+}
 
 bool UnderMpi() {
   return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
@@ -188,16 +202,15 @@ void HandleTerminationSignals() {
 int Main(int argc, char** argv) {
   HandleTerminationSignals();
   std::vector<std::string> args(argv + 1, argv + argc);
-  auto parsed = CliArgs::Parse(
-      args, {"coordinator", "rank", "world-size", "device", "gpu", "connect-timeout"}, {});
+  auto parsed = Flags::Parse(WorkerFlagSpec(), args);
   if (!parsed.ok()) {
-    std::fprintf(stderr, "tpserve-worker: %s\n%s\n", std::string(parsed.status().message()).c_str(),
-                 kUsage);
+    std::fprintf(stderr, "%s\n", std::string(parsed.status().message()).c_str());
     return 2;
   }
-  const CliArgs& a = *parsed;
+  const Flags& a = *parsed;
+  if (a.help()) return PrintUsage(WorkerFlagSpec()).ok() ? 0 : 1;
   if (!a.Has("coordinator")) {
-    std::fprintf(stderr, "tpserve-worker: --coordinator is required\n%s\n", kUsage);
+    std::fprintf(stderr, "tpserve-worker: --coordinator is required (see --help)\n");
     return 2;
   }
   const bool mpi = UnderMpi();
@@ -220,26 +233,27 @@ int Main(int argc, char** argv) {
     MPI_Comm_rank(local, &local_rank);
     MPI_Comm_free(&local);
   } else {
-    auto r = a.GetInt("rank", EnvInt("TPSERVE_RANK", EnvInt("SLURM_PROCID", 0)));
-    auto n = a.GetInt("world-size", EnvInt("TPSERVE_WORLD_SIZE", EnvInt("SLURM_NTASKS", 1)));
-    if (!r.ok() || !n.ok() || *n < 1 || *r < 0 || *r >= *n) {
-      std::fprintf(stderr, "tpserve-worker: --rank must be in [0, --world-size)\n%s\n", kUsage);
+    const int64_t r = a.GetInt("rank", EnvInt("TPSERVE_RANK", EnvInt("SLURM_PROCID", 0)));
+    const int64_t n =
+        a.GetInt("world-size", EnvInt("TPSERVE_WORLD_SIZE", EnvInt("SLURM_NTASKS", 1)));
+    if (n < 1 || r < 0 || r >= n) {
+      std::fprintf(stderr, "tpserve-worker: rank %lld is not in [0, world size %lld)\n",
+                   static_cast<long long>(r), static_cast<long long>(n));
       return 2;
     }
-    rank = static_cast<int>(*r);
-    world_size = static_cast<int>(*n);
+    rank = static_cast<int>(r);
+    world_size = static_cast<int>(n);
     local_rank = static_cast<int>(EnvInt("LOCAL_RANK", EnvInt("SLURM_LOCALID", rank)));
   }
   SetLogPrefix(absl::StrCat("worker ", rank));
   const std::string device = ResolveDevice(a.GetOr("device", "auto"));
-  auto gpu = a.GetInt("gpu", local_rank);
-  const int gpu_index = gpu.ok() ? static_cast<int>(*gpu) : 0;
-  auto timeout = a.GetInt("connect-timeout", 60);
+  const int gpu_index = static_cast<int>(a.GetInt("gpu", local_rank));
+  const int64_t connect_timeout_s = a.GetInt("connect-timeout", 60);
   int code = 0;
   {
     auto ops = MakeOps(device, gpu_index);
-    auto client = ControlClient::Connect(*a.Get("coordinator"),
-                                         std::chrono::seconds(timeout.ok() ? *timeout : 60));
+    auto client =
+        ControlClient::Connect(*a.Get("coordinator"), std::chrono::seconds(connect_timeout_s));
     absl::Status st = !ops.ok() ? ops.status() : client.status();
     if (st.ok()) {
       worker::WorkerMessage reg;
