@@ -7,15 +7,17 @@
 #include <cstring>
 #include <mutex>
 
+#include "common/env.h"
+
 namespace tpserve {
 namespace {
 
 LogLevel ParseLevel() {
-  const char* env = std::getenv("TPSERVE_LOG_LEVEL");
-  if (env == nullptr) return LogLevel::kInfo;
-  if (std::strcmp(env, "debug") == 0) return LogLevel::kDebug;
-  if (std::strcmp(env, "warning") == 0) return LogLevel::kWarning;
-  if (std::strcmp(env, "error") == 0) return LogLevel::kError;
+  // Without logging the registry's notes: they are logged through this very threshold.
+  const std::string level = EnvWithoutLogging().String(env::kLogLevel);
+  if (level == "debug") return LogLevel::kDebug;
+  if (level == "warning") return LogLevel::kWarning;
+  if (level == "error") return LogLevel::kError;
   return LogLevel::kInfo;
 }
 

@@ -2,9 +2,8 @@
 // and in the split that gives the workers their own communicator (color 0 = workers).
 #include <mpi.h>
 
-#include <cstdlib>
-
 #include "absl/strings/str_cat.h"
+#include "common/env.h"
 #include "coordinator/server.h"
 
 namespace tpserve {
@@ -13,10 +12,7 @@ bool g_mpi = false;
 }
 
 absl::Status MaybeJoinMpi(int* argc, char*** argv) {
-  if (std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr && std::getenv("PMI_SIZE") == nullptr &&
-      std::getenv("PMIX_RANK") == nullptr) {
-    return absl::OkStatus();
-  }
+  if (!UnderMpi()) return absl::OkStatus();
   int provided = 0;
   if (MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS) {
     return absl::UnavailableError("MPI_Init_thread failed in the coordinator");

@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/env.h"
 #include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
@@ -44,7 +45,7 @@ std::string SelfDir() {
 
 std::string FindWorkerBinary(const std::string& flag) {
   if (!flag.empty()) return flag;
-  if (const char* env = std::getenv("TPSERVE_WORKER")) return env;
+  if (EnvIsSet(env::kWorker)) return EnvString(env::kWorker);
   const std::string dir = SelfDir();
   for (const std::string& c : {dir + "/tpserve-worker", dir + "/../worker/tpserve-worker"}) {
     if (access(c.c_str(), X_OK) == 0) return c;
@@ -59,8 +60,8 @@ int VisibleGpuCount() {
        !ec && it != std::filesystem::directory_iterator(); ++it) {
     ++n;
   }
-  if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES")) {
-    const std::string s(v);
+  if (EnvIsSet(env::kCudaVisibleDevices)) {
+    const std::string s = EnvString(env::kCudaVisibleDevices);
     if (s.empty()) return 0;
     int listed = 1;
     for (char c : s) listed += c == ',';
@@ -75,8 +76,7 @@ absl::StatusOr<pid_t> SpawnWorkers(const CoordinatorOptions& o, int world, const
   const std::string worker = FindWorkerBinary(o.worker_binary);
   std::vector<std::string> args;
   if (world > 1) {
-    const char* mpirun = std::getenv("TPSERVE_MPIRUN");
-    args = {mpirun ? mpirun : "mpirun",
+    args = {EnvString(env::kMpirun),
             "--allow-run-as-root",
             "--oversubscribe",
             "-np",
@@ -94,8 +94,9 @@ absl::StatusOr<pid_t> SpawnWorkers(const CoordinatorOptions& o, int world, const
     args = {worker, "--coordinator", addr, "--rank", "0", "--world-size", "1", "--device", device};
   }
   TP_LOG(INFO) << "spawning workers: " << absl::StrJoin(args, " ");
-  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) setenv("OPENBLAS_NUM_THREADS", "1", 0);
-  if (std::getenv("TPSERVE_LOG_LEVEL") == nullptr) setenv("TPSERVE_LOG_LEVEL", "info", 0);
+  // For the children (overwrite = 0 keeps what the user set, even a value we ignore).
+  if (!EnvIsSet(env::kOpenblasNumThreads)) setenv(env::kOpenblasNumThreads.name, "1", 0);
+  if (!EnvIsSet(env::kLogLevel)) setenv(env::kLogLevel.name, "info", 0);
   const pid_t pid = fork();
   if (pid < 0) return absl::InternalError("fork failed while spawning the workers");
   if (pid == 0) {

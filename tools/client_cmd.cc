@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/env.h"
 #include "common/flags.h"
 #include "common/status.h"
 #include "coordinator/coordinator_flags.h"
@@ -69,11 +70,7 @@ const CommandSpec& HealthSpec() {
   return *spec;
 }
 
-std::string ServerAddress(const Flags& a) {
-  if (a.Has("server")) return *a.Get("server");
-  if (const char* env = std::getenv("TPSERVE_SERVER")) return env;
-  return "localhost:50051";
-}
+std::string ServerAddress(const Flags& a) { return a.GetOr("server", EnvString(env::kServer)); }
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& server) {
   if (s.ok()) return absl::OkStatus();

@@ -27,6 +27,9 @@
 #include "tools/engine_profile.h"
 #include "tools/hw_limits.h"
 #include "worker/engine.h"
+#ifdef TPSERVE_HAVE_CUDA
+#include "kernels/cuda/bench_knobs.h"
+#endif
 
 namespace tpserve {
 namespace {
@@ -123,6 +126,10 @@ absl::Status Main(const std::vector<std::string>& args) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   TP_ASSIGN_OR_RETURN(auto engine, Engine::Create(model_dir, options));
+#ifdef TPSERVE_HAVE_CUDA
+  // Before the first step: decode graphs are captured lazily with what is set then.
+  if (auto* cuda = dynamic_cast<CudaOps*>(engine->ops())) TP_RETURN_IF_ERROR(ApplyBenchKnobs(cuda));
+#endif
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const ModelConfig& cfg = engine->config();

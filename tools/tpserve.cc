@@ -6,6 +6,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/env.h"
+#include "common/flags.h"
 #include "tools/bench/bench_cmd.h"
 #include "tools/client_cmd.h"
 #include "tools/random_model.h"
@@ -13,6 +15,25 @@
 #include "tools/tokenize_cmd.h"
 
 namespace {
+
+// `tpserve env`: the declared environment switches with their current values (common/env.h).
+absl::Status RunEnvCommand(const std::vector<std::string>& args) {
+  static const tpserve::CommandSpec* const spec = new tpserve::CommandSpec{
+      "tpserve env",
+      "Lists the environment variables tpserve reads: name, type, default, current value, "
+      "meaning.",
+      {},
+      ""};
+  absl::StatusOr<tpserve::Flags> flags = tpserve::Flags::Parse(*spec, args);
+  if (!flags.ok()) return flags.status();
+  if (flags->help()) return tpserve::PrintUsage(*spec);
+  const std::string table = tpserve::EnvWithoutLogging().Table();
+  std::fwrite(table.data(), 1, table.size(), stdout);
+  for (const std::string& w : tpserve::EnvWithoutLogging().warnings()) {
+    std::fprintf(stderr, "warning: %s\n", w.c_str());
+  }
+  return absl::OkStatus();
+}
 
 struct Command {
   const char* name;
@@ -33,6 +54,7 @@ const Command kCommands[] = {
     {"tokenize", "print the token ids of stdin as a JSON array", tpserve::RunTokenizeCommand},
     {"detokenize", "print the text of a JSON array of ids read from stdin",
      tpserve::RunDetokenizeCommand},
+    {"env", "list the environment switches (type, default, current value, meaning)", RunEnvCommand},
 };
 
 void PrintUsage(FILE* out) {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/env.h"
 #include "common/flags.h"
 #include "common/logging.h"
 #include "common/model_files.h"
@@ -52,14 +53,12 @@ const CommandSpec& WorkerFlagSpec() {
   return *spec;
 }
 
-bool UnderMpi() {
-  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
-         std::getenv("PMIX_RANK") != nullptr;
-}
-
-int64_t EnvInt(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return v ? std::atoll(v) : fallback;
+// The first of `vars` that is set, else `fallback`.
+int64_t FirstSetInt(std::initializer_list<const EnvVar*> vars, int64_t fallback) {
+  for (const EnvVar* v : vars) {
+    if (EnvIsSet(*v)) return EnvInt(*v);
+  }
+  return fallback;
 }
 
 int64_t AvailableHostMemory() {
@@ -138,8 +137,7 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   if (a.gpu_memory_utilization() > 0) so.gpu_memory_utilization = a.gpu_memory_utilization();
   so.model.max_batch_tokens = a.max_num_batched_tokens();
   so.model.max_batch_seqs = a.max_num_seqs();
-  if (const char* g = std::getenv("TPSERVE_WORKER_CUDA_GRAPHS"))
-    so.cuda_graphs = std::string(g) != "0";
+  if (EnvIsSet(env::kWorkerCudaGraphs)) so.cuda_graphs = EnvBool(env::kWorkerCudaGraphs);
   ParallelContext comms{groups.tp_comm.get(), groups.pp_comm.get()};
   TP_ASSIGN_OR_RETURN(auto runner, StepRunner::Create(files, plan, rank, ops, comms, so));
   worker::WorkerMessage report;
@@ -233,9 +231,9 @@ int Main(int argc, char** argv) {
     MPI_Comm_rank(local, &local_rank);
     MPI_Comm_free(&local);
   } else {
-    const int64_t r = a.GetInt("rank", EnvInt("TPSERVE_RANK", EnvInt("SLURM_PROCID", 0)));
+    const int64_t r = a.GetInt("rank", FirstSetInt({&env::kRank, &env::kSlurmProcid}, 0));
     const int64_t n =
-        a.GetInt("world-size", EnvInt("TPSERVE_WORLD_SIZE", EnvInt("SLURM_NTASKS", 1)));
+        a.GetInt("world-size", FirstSetInt({&env::kWorldSize, &env::kSlurmNtasks}, 1));
     if (n < 1 || r < 0 || r >= n) {
       std::fprintf(stderr, "tpserve-worker: rank %lld is not in [0, world size %lld)\n",
                    static_cast<long long>(r), static_cast<long long>(n));
@@ -243,7 +241,7 @@ int Main(int argc, char** argv) {
     }
     rank = static_cast<int>(r);
     world_size = static_cast<int>(n);
-    local_rank = static_cast<int>(EnvInt("LOCAL_RANK", EnvInt("SLURM_LOCALID", rank)));
+    local_rank = static_cast<int>(FirstSetInt({&env::kLocalRank, &env::kSlurmLocalid}, rank));
   }
   SetLogPrefix(absl::StrCat("worker ", rank));
   const std::string device = ResolveDevice(a.GetOr("device", "auto"));

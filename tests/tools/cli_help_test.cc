@@ -9,6 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "common/env.h"
 #include "coordinator/coordinator_flags.h"
 #include "tools/run_cmd.h"
 
@@ -114,6 +115,22 @@ TEST(CliHelpTest, WorkerRefusesABadGpuOrConnectTimeout) {
   ExpectUsageError(worker + " --gpu -1", "--gpu expects an integer");
   ExpectUsageError(worker + " --connect-timeout 0", "--connect-timeout expects an integer");
   ExpectUsageError(worker + " --connect-timeout soon", "--connect-timeout expects an integer");
+}
+
+TEST(CliHelpTest, EnvListsTheSwitchesWithTheirCurrentValues) {
+  const Result r = RunCli("TPSERVE_PDL=0 TPSERVE_LOG_LEVEL=loud " + kCli + " env");
+  EXPECT_EQ(r.code, 0);
+  for (const EnvVar* v : DeclaredEnvVars()) EXPECT_THAT(r.out, HasSubstr(v->name));
+  // name, type, default, current value: TPSERVE_PDL is set to 0, the bad level is not taken.
+  EXPECT_THAT(r.out, ::testing::ContainsRegex("TPSERVE_PDL +bool +1 +0 "));
+  const size_t level = r.out.find("TPSERVE_LOG_LEVEL ");
+  ASSERT_NE(level, std::string::npos);
+  const std::string line = r.out.substr(level, r.out.find('\n', level) - level);
+  EXPECT_THAT(line, ::testing::ContainsRegex("choice +info"));
+  EXPECT_THAT(line, HasSubstr("(unset)"));
+  const Result err = RunCli("TPSERVE_LOG_LEVEL=loud " + kCli + " env", /*want_stderr=*/true);
+  EXPECT_THAT(err.out, HasSubstr("TPSERVE_LOG_LEVEL='loud' is ignored"));
+  EXPECT_EQ(RunCli(kCli + " env --help").code, 0);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/env.h"
 #include "common/flags.h"
 #include "common/status.h"
 #include "tools/bench/load_gen.h"
@@ -104,13 +105,7 @@ absl::StatusOr<int64_t> PositiveInt(const Flags& a, const std::string& name, int
 
 absl::StatusOr<BenchFlags> ParseFlags(const Flags& a) {
   BenchFlags f;
-  if (a.Has("server")) {
-    f.server = *a.Get("server");
-  } else if (const char* env = std::getenv("TPSERVE_SERVER")) {
-    f.server = env;
-  } else {
-    f.server = "localhost:50051";
-  }
+  f.server = a.GetOr("server", EnvString(env::kServer));
   bench::Preset preset;  // defaults when no preset is named
   preset.name = "";
   preset.prompt_len = 512;
