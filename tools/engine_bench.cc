@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/flags.h"
+#include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
 #include "tools/engine_profile.h"
@@ -300,6 +301,7 @@ absl::Status Main(const std::vector<std::string>& args) {
 }  // namespace tpserve
 
 int main(int argc, char** argv) {
+  tpserve::SetLogPrefix("engine");
   absl::Status s = tpserve::Main(std::vector<std::string>(argv + 1, argv + argc));
   if (!s.ok()) {
     std::fprintf(stderr, "tpserve-engine-bench: %s\n", std::string(s.message()).c_str());

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "common/env.h"
 #include "common/flags.h"
+#include "common/logging.h"
 #include "tools/bench/bench_cmd.h"
 #include "tools/client_cmd.h"
 #include "tools/random_model.h"
@@ -74,6 +75,8 @@ int main(int argc, char** argv) {
   for (const Command& c : kCommands) {
     if (std::strcmp(argv[1], c.name) == 0) {
       std::vector<std::string> args(argv + 2, argv + argc);
+      // The role on log lines: `run` loads the engine here, `serve` names itself coordinator.
+      tpserve::SetLogPrefix(std::strcmp(c.name, "run") == 0 ? "engine" : "cli");
       absl::Status status = c.run(args);
       if (!status.ok()) {
         std::fprintf(stderr, "tpserve %s: %s\n", c.name, std::string(status.message()).c_str());

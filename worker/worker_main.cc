@@ -243,7 +243,7 @@ int Main(int argc, char** argv) {
     world_size = static_cast<int>(n);
     local_rank = static_cast<int>(FirstSetInt({&env::kLocalRank, &env::kSlurmLocalid}, rank));
   }
-  SetLogPrefix(absl::StrCat("worker ", rank));
+  SetLogPrefix(absl::StrCat("worker rank ", rank));
   const std::string device = ResolveDevice(a.GetOr("device", "auto"));
   const int gpu_index = static_cast<int>(a.GetInt("gpu", local_rank));
   const int64_t connect_timeout_s = a.GetInt("connect-timeout", 60);
