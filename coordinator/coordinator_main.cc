@@ -5,6 +5,7 @@
 
 #include "coordinator/coordinator_flags.h"
 #include "coordinator/server.h"
+#include "parallel/bootstrap.h"
 
 int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
@@ -14,9 +15,9 @@ int main(int argc, char** argv) {
   }
   // Under an MPMD mpirun the workers' communicator split needs this rank even when the flags
   // are wrong, so MPI is joined before the flag error is reported.
-  absl::Status status = tpserve::MaybeJoinMpi(&argc, &argv);
+  absl::Status status = tpserve::JoinMpiAsCoordinator(&argc, &argv);
   if (status.ok()) status = options.ok() ? tpserve::RunCoordinator(*options) : options.status();
-  tpserve::MaybeFinalizeMpi();
+  tpserve::LeaveMpiAsCoordinator();
   if (!status.ok()) {
     std::fprintf(stderr, "tpserve-coordinator: %s\n", std::string(status.message()).c_str());
     return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;

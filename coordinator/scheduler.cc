@@ -134,6 +134,13 @@ bool Scheduler::Idle() {
   return incoming_.empty() && stats_.running == 0 && stats_.waiting == 0;
 }
 
+bool Scheduler::WaitIdle(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return idle_cv_.wait_until(lock, deadline, [&] {
+    return incoming_.empty() && stats_.running == 0 && stats_.waiting == 0;
+  });
+}
+
 void Scheduler::Fail(absl::Status status) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -160,6 +167,7 @@ void Scheduler::PublishStats() {
   stats_.execute_seconds = execute_seconds_;
   stats_.forward_seconds = forward_seconds_;
   stats_.step_tokens = step_tokens_;
+  idle_cv_.notify_all();
 }
 
 void Scheduler::Finish(Seq& seq, absl::Status status, tpserve::Finish reason) {

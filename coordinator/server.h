@@ -42,9 +42,4 @@ struct CoordinatorOptions {
 // Runs until SIGTERM / SIGINT (then drains) or a startup failure.
 absl::Status RunCoordinator(const CoordinatorOptions& options);
 
-// MPI, when this process was started by mpirun (MPMD with the workers): joins MPI_COMM_WORLD's
-// split so that the workers can form their own communicator. No-op otherwise.
-absl::Status MaybeJoinMpi(int* argc, char*** argv);
-void MaybeFinalizeMpi();
-
 }  // namespace tpserve

@@ -23,6 +23,7 @@
 #include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
+#include "parallel/bootstrap.h"
 #include "parallel/process_groups.h"
 #include "parallel/shard_plan.h"
 #include "worker/control_client.h"
@@ -108,20 +109,24 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   } else if (mpi) {
     TP_ASSIGN_OR_RETURN(groups, MakeProcessGroupsFromMpi(workers, go, ops));
   } else {
-    NcclGroupIds ids;
-    if (a.make_nccl_ids()) {
-      TP_ASSIGN_OR_RETURN(ids, NewNcclGroupIds(a.tp(), a.pp()));
+    NcclIdChannel channel;
+    channel.send = [&client](const NcclGroupIds& ids) {
       worker::WorkerMessage out;
       for (const auto& id : ids.tp_ids) out.mutable_nccl_ids()->add_tp_ids(id);
       for (const auto& id : ids.pp_ids) out.mutable_nccl_ids()->add_pp_ids(id);
-      if (!client.Send(out)) return absl::UnavailableError("could not send the NCCL ids");
-    } else {
-      if (!client.Read(&msg) || !msg.has_nccl_ids()) {
-        return absl::UnavailableError("expected the NCCL ids from the coordinator");
-      }
-      ids.tp_ids.assign(msg.nccl_ids().tp_ids().begin(), msg.nccl_ids().tp_ids().end());
-      ids.pp_ids.assign(msg.nccl_ids().pp_ids().begin(), msg.nccl_ids().pp_ids().end());
-    }
+      return client.Send(out);
+    };
+    channel.receive = [&client](NcclGroupIds* ids) {
+      worker::CoordinatorMessage in;
+      if (!client.Read(&in) || !in.has_nccl_ids()) return false;
+      ids->tp_ids.assign(in.nccl_ids().tp_ids().begin(), in.nccl_ids().tp_ids().end());
+      ids->pp_ids.assign(in.nccl_ids().pp_ids().begin(), in.nccl_ids().pp_ids().end());
+      return true;
+    };
+    TP_ASSIGN_OR_RETURN(
+        NcclGroupIds ids,
+        RelayNcclIds(
+            a.make_nccl_ids(), [&a] { return NewNcclGroupIds(a.tp(), a.pp()); }, channel));
     TP_ASSIGN_OR_RETURN(groups, MakeProcessGroupsFromNcclIds(rank, go, ids, ops));
   }
   TP_ASSIGN_OR_RETURN(ModelFiles files, ModelFiles::Open(a.model_dir()));
@@ -213,23 +218,17 @@ int Main(int argc, char** argv) {
   }
   const bool mpi = UnderMpi();
   int rank = 0, world_size = 1, local_rank = 0;
-  MPI_Comm workers = MPI_COMM_NULL;
+  MpiWorkers mpi_workers;
   if (mpi) {
-    absl::Status st = InitMpi(&argc, &argv);
-    if (!st.ok()) {
-      std::fprintf(stderr, "tpserve-worker: %s\n", std::string(st.message()).c_str());
+    absl::StatusOr<MpiWorkers> joined = JoinMpiAsWorker(&argc, &argv);
+    if (!joined.ok()) {
+      std::fprintf(stderr, "tpserve-worker: %s\n", std::string(joined.status().message()).c_str());
       return 1;
     }
-    int world_rank = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-    // Color 0 = workers; a coordinator in the same MPMD job splits off with color 1.
-    MPI_Comm_split(MPI_COMM_WORLD, 0, world_rank, &workers);
-    MPI_Comm_rank(workers, &rank);
-    MPI_Comm_size(workers, &world_size);
-    MPI_Comm local = MPI_COMM_NULL;
-    MPI_Comm_split_type(workers, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
-    MPI_Comm_rank(local, &local_rank);
-    MPI_Comm_free(&local);
+    mpi_workers = *joined;
+    rank = mpi_workers.rank;
+    world_size = mpi_workers.world_size;
+    local_rank = mpi_workers.local_rank;
   } else {
     const int64_t r = a.GetInt("rank", FirstSetInt({&env::kRank, &env::kSlurmProcid}, 0));
     const int64_t n =
@@ -268,7 +267,7 @@ int Main(int argc, char** argv) {
         st = absl::UnavailableError("could not register with the coordinator");
       } else {
         (*client)->StartHeartbeats(std::chrono::milliseconds(1000), std::chrono::seconds(5));
-        st = Serve(**client, rank, world_size, mpi, workers, ops->get(), device);
+        st = Serve(**client, rank, world_size, mpi, mpi_workers.comm, ops->get(), device);
         if (!st.ok()) {
           worker::WorkerMessage fatal;
           fatal.set_fatal_error(std::string(st.message()));
@@ -282,11 +281,7 @@ int Main(int argc, char** argv) {
       code = 1;
     }
   }
-  if (mpi) {
-    if (code != 0) MPI_Abort(MPI_COMM_WORLD, code);  // the job cannot continue without this rank
-    MPI_Comm_free(&workers);
-    MPI_Finalize();
-  }
+  if (mpi) LeaveMpiAsWorker(&mpi_workers, /*failed=*/code != 0);
   return code;
 }
 
