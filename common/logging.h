@@ -1,7 +1,11 @@
-// Minimal leveled logging to stderr: TP_LOG(INFO) << "..."; TP_LOG(FATAL) aborts.
-// TPSERVE_LOG_LEVEL=debug|info|warning|error sets the threshold (default info).
+// Minimal leveled logging to stderr: TP_LOG(INFO) << "..."; TP_LOG(FATAL) aborts. Every line
+// reads "2026-12-03T15:04:05.123Z I coordinator server.cc:120] message": UTC time with
+// milliseconds, level, the process role (SetLogPrefix: "coordinator", "worker rank 3",
+// "engine", "cli"; the program name until one is set), file:line.
+// TPSERVE_LOG_LEVEL=debug|info|warning|error sets the threshold (default info; common/env.h).
 #pragma once
 
+#include <chrono>
 #include <sstream>
 #include <string>
 
@@ -10,7 +14,12 @@ namespace tpserve {
 enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3, kFatal = 4 };
 
 LogLevel MinLogLevel();
-void SetLogPrefix(std::string prefix);  // e.g. "worker 3", shown on every line
+void SetLogPrefix(std::string prefix);  // the process role, shown on every line
+
+// One log line (with its newline), as LogMessage writes it.
+std::string FormatLogLine(LogLevel level, std::chrono::system_clock::time_point time,
+                          const std::string& role, const char* file, int line,
+                          const std::string& message);
 
 class LogMessage {
  public:

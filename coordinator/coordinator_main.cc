@@ -1,25 +1,23 @@
-// tpserve-coordinator: the coordinator process (see server.h for the flags).
+// tpserve-coordinator: the coordinator process (flags: coordinator_flags.h, --help).
 #include <cstdio>
-#include <cstring>
 #include <string>
 #include <vector>
 
+#include "coordinator/coordinator_flags.h"
 #include "coordinator/server.h"
+#include "parallel/bootstrap.h"
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
-      std::printf("%s\n", tpserve::kCoordinatorUsage);
-      return 0;
-    }
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  auto options = tpserve::ParseCoordinatorFlags(args, /*serve_command=*/false);
+  if (options.ok() && options->help) {
+    return tpserve::PrintUsage(tpserve::CoordinatorFlagSpec(false)).ok() ? 0 : 1;
   }
-  absl::Status status = tpserve::MaybeJoinMpi(&argc, &argv);
-  if (status.ok()) {
-    std::vector<std::string> args(argv + 1, argv + argc);
-    auto options = tpserve::ParseCoordinatorFlags(args, /*serve_command=*/false);
-    status = options.ok() ? tpserve::RunCoordinator(*options) : options.status();
-  }
-  tpserve::MaybeFinalizeMpi();
+  // Under an MPMD mpirun the workers' communicator split needs this rank even when the flags
+  // are wrong, so MPI is joined before the flag error is reported.
+  absl::Status status = tpserve::JoinMpiAsCoordinator(&argc, &argv);
+  if (status.ok()) status = options.ok() ? tpserve::RunCoordinator(*options) : options.status();
+  tpserve::LeaveMpiAsCoordinator();
   if (!status.ok()) {
     std::fprintf(stderr, "tpserve-coordinator: %s\n", std::string(status.message()).c_str());
     return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;

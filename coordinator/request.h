@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -92,6 +93,7 @@ class RequestState {
       status_ = std::move(status);
       final_ = info;
     }
+    finished_cv_.notify_all();
     Notify();
   }
 
@@ -127,6 +129,11 @@ class RequestState {
     std::lock_guard<std::mutex> lock(mu_);
     return finished_;
   }
+  // Waits until Complete or `deadline`; true when finished (the coordinator's warm-up).
+  bool WaitFinished(Clock::time_point deadline) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return finished_cv_.wait_until(lock, deadline, [&] { return finished_; });
+  }
 
   void Cancel() { cancelled_.store(true); }
   bool cancelled() const { return cancelled_.load(); }
@@ -145,6 +152,7 @@ class RequestState {
   const Clock::time_point arrival_;
   std::atomic<bool> cancelled_{false};
   mutable std::mutex mu_;
+  std::condition_variable finished_cv_;
   std::weak_ptr<RequestListener> listener_;
   std::string pending_text_, full_text_;
   std::vector<int32_t> pending_ids_, all_ids_;

@@ -147,6 +147,13 @@ bool Scheduler::Idle() {
   return incoming_.empty() && stats_.running == 0 && stats_.waiting == 0;
 }
 
+bool Scheduler::WaitIdle(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return idle_cv_.wait_until(lock, deadline, [&] {
+    return incoming_.empty() && stats_.running == 0 && stats_.waiting == 0;
+  });
+}
+
 void Scheduler::Fail(absl::Status status) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -217,6 +224,7 @@ void Scheduler::PublishStats() {
   stats_.prefix_cache_evictions = blocks_.evictions();
   stats_.cached_blocks = blocks_.cached_blocks();
   stats_.evictable_blocks = blocks_.evictable_blocks();
+  idle_cv_.notify_all();
 }
 
 void Scheduler::Finish(Seq& seq, absl::Status status, tpserve::Finish reason) {

@@ -98,6 +98,8 @@ class Scheduler {
   void StopAccepting(absl::Status reason);
   // True when nothing is running or waiting.
   bool Idle();
+  // Waits until Idle() or `deadline`; true when idle (the drain after SIGTERM).
+  bool WaitIdle(std::chrono::steady_clock::time_point deadline);
   // Ends every request with `status` and refuses new ones (the worker group failed).
   void Fail(absl::Status status);
   SchedulerStats stats();
@@ -147,6 +149,7 @@ class Scheduler {
 
   std::mutex mu_;
   std::condition_variable cv_;
+  std::condition_variable idle_cv_;            // PublishStats notifies it (WaitIdle)
   std::deque<std::unique_ptr<Seq>> incoming_;  // guarded by mu_
   bool stop_ = false;                          // guarded by mu_
   absl::Status refuse_;                        // guarded by mu_ (not OK: refuse new requests)

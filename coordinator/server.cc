@@ -1,26 +1,33 @@
-// The coordinator process (see server.h).
+// The coordinator process (see server.h): RunCoordinator wires named parts together (resolve
+// the layout, start the servers, start the workers, warm up, activate, serve until a signal,
+// drain, shut down); the waits in between are notifications, not polls.
 #include "coordinator/server.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
-#include <set>
 #include <thread>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/env.h"
 #include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
@@ -29,24 +36,9 @@
 #include "coordinator/tokenizer/tokenizer.h"
 #include "coordinator/worker_group.h"
 #include "parallel/shard_plan.h"
-#include "tools/cli_args.h"
 
 namespace tpserve {
-
-const char kCoordinatorUsage[] =
-    "usage: tpserve-coordinator --model DIR [--port P] [--host H] [--workers N | --tp T --pp P]\n"
-    "         [--device-map MAP] [--spawn-workers [--device cpu|cuda|auto] [--worker-binary B]]\n"
-    "         [--gpu-memory-utilization F] [--kv-cache-mb MB] [--max-num-seqs N]\n"
-    "         [--max-num-batched-tokens N] [--max-queued-requests N] [--register-timeout S]\n"
-    "         [--drain-timeout S] [--heartbeat-timeout S] [--ready-file PATH]\n"
-    "         [--enable-prefix-caching[=false] | --no-enable-prefix-caching] (on by default)\n"
-    "       tpserve serve --model DIR [--workers N | --tp T --pp P] [--device cpu|cuda|auto]\n"
-    "         [--port P] (same flags; spawns the local workers)";
-
 namespace {
-
-std::atomic<int> g_signal{0};
-void OnSignal(int sig) { g_signal.store(sig); }
 
 std::string SelfDir() {
   std::error_code ec;
@@ -56,7 +48,7 @@ std::string SelfDir() {
 
 std::string FindWorkerBinary(const std::string& flag) {
   if (!flag.empty()) return flag;
-  if (const char* env = std::getenv("TPSERVE_WORKER")) return env;
+  if (EnvIsSet(env::kWorker)) return EnvString(env::kWorker);
   const std::string dir = SelfDir();
   for (const std::string& c : {dir + "/tpserve-worker", dir + "/../worker/tpserve-worker"}) {
     if (access(c.c_str(), X_OK) == 0) return c;
@@ -71,8 +63,8 @@ int VisibleGpuCount() {
        !ec && it != std::filesystem::directory_iterator(); ++it) {
     ++n;
   }
-  if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES")) {
-    const std::string s(v);
+  if (EnvIsSet(env::kCudaVisibleDevices)) {
+    const std::string s = EnvString(env::kCudaVisibleDevices);
     if (s.empty()) return 0;
     int listed = 1;
     for (char c : s) listed += c == ',';
@@ -87,8 +79,7 @@ absl::StatusOr<pid_t> SpawnWorkers(const CoordinatorOptions& o, int world, const
   const std::string worker = FindWorkerBinary(o.worker_binary);
   std::vector<std::string> args;
   if (world > 1) {
-    const char* mpirun = std::getenv("TPSERVE_MPIRUN");
-    args = {mpirun ? mpirun : "mpirun",
+    args = {EnvString(env::kMpirun),
             "--allow-run-as-root",
             "--oversubscribe",
             "-np",
@@ -106,8 +97,9 @@ absl::StatusOr<pid_t> SpawnWorkers(const CoordinatorOptions& o, int world, const
     args = {worker, "--coordinator", addr, "--rank", "0", "--world-size", "1", "--device", device};
   }
   TP_LOG(INFO) << "spawning workers: " << absl::StrJoin(args, " ");
-  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) setenv("OPENBLAS_NUM_THREADS", "1", 0);
-  if (std::getenv("TPSERVE_LOG_LEVEL") == nullptr) setenv("TPSERVE_LOG_LEVEL", "info", 0);
+  // For the children (overwrite = 0 keeps what the user set, even a value we ignore).
+  if (!EnvIsSet(env::kOpenblasNumThreads)) setenv(env::kOpenblasNumThreads.name, "1", 0);
+  if (!EnvIsSet(env::kLogLevel)) setenv(env::kLogLevel.name, "info", 0);
   const pid_t pid = fork();
   if (pid < 0) return absl::InternalError("fork failed while spawning the workers");
   if (pid == 0) {
@@ -125,164 +117,207 @@ absl::StatusOr<pid_t> SpawnWorkers(const CoordinatorOptions& o, int world, const
   return pid;
 }
 
-void StopChild(pid_t pid) {
-  if (pid <= 0) return;
-  int status = 0;
-  for (int i = 0; i < 100; ++i) {  // 10 s for a clean exit after the shutdown message
-    if (waitpid(pid, &status, WNOHANG) == pid) return;
-    if (i == 30) kill(pid, SIGTERM);
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, &status, 0);
+// The write end of the signal self-pipe: the handler only writes the signal number to it.
+int g_signal_pipe = -1;
+void OnSignal(int sig) {
+  const unsigned char c = static_cast<unsigned char>(sig);
+  [[maybe_unused]] const ssize_t n = write(g_signal_pipe, &c, 1);
 }
 
-}  // namespace
-
-absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::string>& args,
-                                                         bool serve_command) {
-  const std::set<std::string> bool_flags = {"spawn-workers", "enable-prefix-caching",
-                                            "no-enable-prefix-caching"};
-  auto parsed = CliArgs::Parse(args,
-                               {"model",
-                                "port",
-                                "host",
-                                "workers",
-                                "tp",
-                                "pp",
-                                "device-map",
-                                "device",
-                                "worker-binary",
-                                "kv-cache-mb",
-                                "gpu-memory-utilization",
-                                "block-size",
-                                "max-num-seqs",
-                                "max-num-batched-tokens",
-                                "max-queued-requests",
-                                "default-max-new-tokens",
-                                "register-timeout",
-                                "load-timeout",
-                                "drain-timeout",
-                                "heartbeat-timeout",
-                                "step-timeout",
-                                "ready-file"},
-                               bool_flags);
-  if (!parsed.ok()) {
-    return absl::Status(parsed.status().code(),
-                        absl::StrCat(parsed.status().message(), "\n", kCoordinatorUsage));
-  }
-  const CliArgs& a = *parsed;
-  CoordinatorOptions o;
-  TP_ASSIGN_OR_RETURN(o.model_dir, a.Required("model"));
-  o.host = a.GetOr("host", o.host);
-  o.device_map = a.GetOr("device-map", "");
-  o.device = a.GetOr("device", "auto");
-  o.worker_binary = a.GetOr("worker-binary", "");
-  o.ready_file = a.GetOr("ready-file", "");
-  o.spawn_workers = serve_command || a.Flag("spawn-workers");
-  // CliArgs drops a boolean flag given "=false"; look for that form to turn the default off.
-  o.enable_prefix_caching =
-      !a.Flag("no-enable-prefix-caching") &&
-      std::none_of(args.begin(), args.end(), [](const std::string& s) {
-        return s == "--enable-prefix-caching=false" || s == "--enable-prefix-caching=0";
-      });
-  struct IntFlag {
-    const char* name;
-    int* value;
-    int64_t min, max;
-  };
-  int64_t kv_mb = 0;
-  TP_ASSIGN_OR_RETURN(kv_mb, a.GetInt("kv-cache-mb", 0));
-  if (kv_mb < 0) return absl::InvalidArgumentError("--kv-cache-mb must be >= 0");
-  o.kv_cache_mb = kv_mb;
-  TP_ASSIGN_OR_RETURN(o.gpu_memory_utilization,
-                      a.GetDouble("gpu-memory-utilization", o.gpu_memory_utilization));
-  if (!(o.gpu_memory_utilization > 0 && o.gpu_memory_utilization <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--gpu-memory-utilization must be in (0, 1] (got ", o.gpu_memory_utilization, ")"));
-  }
-  const IntFlag ints[] = {
-      {"port", &o.port, 0, 65535},
-      {"workers", &o.world_size, 1, 4096},
-      {"tp", &o.tp, 1, 4096},
-      {"pp", &o.pp, 1, 4096},
-      {"block-size", &o.block_size, 1, 1024},
-      {"max-num-seqs", &o.max_num_seqs, 1, 1 << 16},
-      {"max-num-batched-tokens", &o.max_num_batched_tokens, 1, 1 << 20},
-      {"max-queued-requests", &o.max_queued_requests, 0, 1 << 20},
-      {"default-max-new-tokens", &o.default_max_new_tokens, 1, 1 << 20},
-      {"register-timeout", &o.register_timeout_s, 1, 86400},
-      {"load-timeout", &o.load_timeout_s, 1, 86400},
-      {"drain-timeout", &o.drain_timeout_s, 0, 86400},
-      {"step-timeout", &o.step_timeout_s, 1, 86400},
-  };
-  for (const IntFlag& f : ints) {
-    if (!a.Has(f.name)) continue;
-    TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt(f.name, 0));
-    if (v < f.min || v > f.max) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", f.name, " must be between ", f.min, " and ", f.max, " (got ", v, ")"));
+// What the coordinator's main thread waits for: SIGTERM / SIGINT (a thread reads them from a
+// self-pipe) and the exit of the spawned workers (a thread blocked in waitpid). While an abort
+// action is set (startup, warm-up), the first of these events runs it so that the wait ends.
+class ProcessEvents {
+ public:
+  ProcessEvents() {
+    if (pipe2(pipe_, O_CLOEXEC) != 0) {
+      TP_LOG(ERROR) << "pipe2 failed: SIGTERM / SIGINT will not drain";
+      return;
     }
-    *f.value = static_cast<int>(v);
+    g_signal_pipe = pipe_[1];
+    struct sigaction sa = {};
+    sa.sa_handler = OnSignal;
+    sigaction(SIGTERM, &sa, &old_term_);
+    sigaction(SIGINT, &sa, &old_int_);
+    signal_thread_ = std::thread([this] {
+      while (true) {
+        unsigned char c = 0;
+        const ssize_t n = read(pipe_[0], &c, 1);
+        if (n < 0 && errno == EINTR) continue;  // a signal landed on this thread
+        if (n != 1 || c == 0) break;            // 0: the destructor stops the thread
+        Notify(c, /*child_status=*/-1);
+      }
+    });
   }
-  TP_ASSIGN_OR_RETURN(o.heartbeat_timeout_s, a.GetDouble("heartbeat-timeout", 4.0));
-  if (o.heartbeat_timeout_s < 0.5) {
-    return absl::InvalidArgumentError("--heartbeat-timeout must be at least 0.5 seconds");
+  ~ProcessEvents() {
+    StopChild();
+    if (signal_thread_.joinable()) {
+      sigaction(SIGTERM, &old_term_, nullptr);
+      sigaction(SIGINT, &old_int_, nullptr);
+      const unsigned char stop = 0;
+      [[maybe_unused]] const ssize_t n = write(pipe_[1], &stop, 1);
+      signal_thread_.join();
+      g_signal_pipe = -1;
+      close(pipe_[0]);
+      close(pipe_[1]);
+    }
   }
-  if (a.Has("workers") && a.Has("tp") && o.world_size != o.tp * o.pp) {
-    return absl::InvalidArgumentError(absl::StrCat("--workers ", o.world_size, " but --tp ", o.tp,
-                                                   " x --pp ", o.pp, " = ", o.tp * o.pp));
-  }
-  if (!a.Has("tp") && a.Has("pp")) {
-    return absl::InvalidArgumentError("--pp needs --tp as well");
-  }
-  if (o.tp > 0 && o.world_size == 0) o.world_size = o.tp * o.pp;
-  return o;
-}
+  ProcessEvents(const ProcessEvents&) = delete;
+  ProcessEvents& operator=(const ProcessEvents&) = delete;
 
-absl::Status RunCoordinator(const CoordinatorOptions& opts) {
-  CoordinatorOptions o = opts;
-  SetLogPrefix("coordinator");
+  // Watches a spawned child process until it exits.
+  void WatchChild(pid_t pid) {
+    {
+      absl::MutexLock lock(&mu_);
+      child_ = pid;
+    }
+    child_thread_ = std::thread([this, pid] {
+      int status = 0;
+      while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
+      Notify(0, status);
+    });
+  }
+
+  // Runs `abort` on the first signal or child exit from now on (at once if one already came);
+  // nullptr clears it.
+  void SetAbort(std::function<void(const std::string& reason)> abort) {
+    std::string reason;
+    {
+      absl::MutexLock lock(&mu_);
+      abort_ = std::move(abort);
+      if (abort_ == nullptr || last_event_.empty()) return;
+      reason = last_event_;
+    }
+    RunAbort(reason);
+  }
+
+  // Blocks until SIGTERM or SIGINT; returns the signal.
+  int WaitForSignal() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](int* signal) { return *signal != 0; }, &signal_));
+    return signal_;
+  }
+
+  // After the workers were told to shut down: waits for the spawned child to exit, then
+  // SIGTERM, then SIGKILL (3 s, 7 s, then as long as the kernel takes).
+  void StopChild() {
+    pid_t pid = -1;
+    {
+      absl::MutexLock lock(&mu_);
+      pid = child_;
+    }
+    if (pid <= 0) return;
+    auto exited = [this](absl::Duration timeout) {
+      absl::MutexLock lock(&mu_);
+      return mu_.AwaitWithTimeout(absl::Condition(&child_exited_), timeout);
+    };
+    if (!exited(absl::Seconds(3))) {
+      kill(pid, SIGTERM);
+      if (!exited(absl::Seconds(7))) {
+        TP_LOG(WARNING) << "the spawned workers (pid " << pid << ") ignored SIGTERM; killing them";
+        kill(pid, SIGKILL);
+      }
+    }
+    child_thread_.join();
+    absl::MutexLock lock(&mu_);
+    child_ = -1;
+  }
+
+ private:
+  // A signal (`sig` > 0) or the child's exit (`child_status` >= 0).
+  void Notify(int sig, int child_status) {
+    std::string reason;
+    {
+      absl::MutexLock lock(&mu_);
+      if (sig > 0) {
+        if (signal_ == 0) signal_ = sig;
+        reason = absl::StrCat("signal ", sig);
+      } else {
+        child_exited_ = true;
+        reason = absl::StrCat("the spawned workers exited (status ", child_status, ")");
+      }
+      if (last_event_.empty()) last_event_ = reason;
+      if (abort_ == nullptr) return;
+    }
+    RunAbort(reason);
+  }
+
+  void RunAbort(const std::string& reason) {
+    std::function<void(const std::string&)> abort;
+    {
+      absl::MutexLock lock(&mu_);
+      abort.swap(abort_);  // once
+    }
+    if (abort) abort(reason);
+  }
+
+  absl::Mutex mu_;
+  int signal_ ABSL_GUARDED_BY(mu_) = 0;
+  pid_t child_ ABSL_GUARDED_BY(mu_) = -1;
+  bool child_exited_ ABSL_GUARDED_BY(mu_) = false;
+  std::string last_event_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const std::string&)> abort_ ABSL_GUARDED_BY(mu_);
+  int pipe_[2] = {-1, -1};
+  struct sigaction old_term_ = {}, old_int_ = {};
+  std::thread signal_thread_;
+  std::thread child_thread_;
+};
+
+// The model and the layout it is served with.
+struct Layout {
+  CoordinatorOptions options;  // world_size resolved
+  ModelConfig config;
+  std::vector<int32_t> eos;
+  std::unique_ptr<Tokenizer> tokenizer;  // null: token-id prompts only
+  std::string spawn_device;
+};
+
+absl::StatusOr<Layout> ResolveLayout(const CoordinatorOptions& opts) {
+  Layout l;
+  l.options = opts;
+  CoordinatorOptions& o = l.options;
   TP_ASSIGN_OR_RETURN(ModelFiles files, ModelFiles::Open(o.model_dir));
-  const ModelConfig config = files.config();
-  std::vector<int32_t> eos = files.generation_config().eos_token_ids;
-  if (eos.empty()) eos = config.eos_token_ids;
-  std::unique_ptr<Tokenizer> tokenizer;
+  l.config = files.config();
+  l.eos = files.generation_config().eos_token_ids;
+  if (l.eos.empty()) l.eos = l.config.eos_token_ids;
   if (std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
-    TP_ASSIGN_OR_RETURN(tokenizer, Tokenizer::Load(o.model_dir));
+    TP_ASSIGN_OR_RETURN(l.tokenizer, Tokenizer::Load(o.model_dir));
   } else {
     TP_LOG(WARNING) << o.model_dir << " has no tokenizer.json: only token-id prompts are served";
   }
-
-  std::string spawn_device = o.device;
+  l.spawn_device = o.device;
   if (o.world_size == 0) {
     if (o.spawn_workers) {
       const int gpus = (o.device == "cpu") ? 0 : VisibleGpuCount();
       if (gpus > 0) {
         o.world_size = gpus;
       } else {
-        const auto valid = ValidTpValues(config);
+        const auto valid = ValidTpValues(l.config);
         o.world_size = std::find(valid.begin(), valid.end(), 2) != valid.end() ? 2 : 1;
       }
     } else {
       o.world_size = 1;
     }
   }
-  if (o.spawn_workers && spawn_device == "auto" && VisibleGpuCount() == 0) spawn_device = "cpu";
-
-  {
-    // Refuse a layout the planner cannot split before waiting for any worker.
-    PlanOptions check;
-    check.tp = o.tp > 0 ? o.tp : o.world_size;
-    check.pp = o.tp > 0 ? o.pp : 1;
-    check.device_map = o.device_map;
-    if (check.tp * check.pp != o.world_size) {
-      return absl::InvalidArgumentError(absl::StrCat("--tp ", check.tp, " x --pp ", check.pp,
-                                                     " does not match --workers ", o.world_size));
-    }
-    auto plan = PlanShards(config, check);
-    if (!plan.ok()) return plan.status();
+  if (o.spawn_workers && l.spawn_device == "auto" && VisibleGpuCount() == 0) {
+    l.spawn_device = "cpu";
   }
+  // Refuse a layout the planner cannot split before waiting for any worker.
+  PlanOptions check;
+  check.tp = o.tp > 0 ? o.tp : o.world_size;
+  check.pp = o.tp > 0 ? o.pp : 1;
+  check.device_map = o.device_map;
+  if (check.tp * check.pp != o.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("--tp ", check.tp, " x --pp ", check.pp,
+                                                   " does not match --workers ", o.world_size));
+  }
+  TP_RETURN_IF_ERROR(PlanShards(l.config, check).status());
+  return l;
+}
+
+WorkerGroupOptions GroupOptions(const CoordinatorOptions& o) {
   WorkerGroupOptions g;
   g.model_dir = std::filesystem::absolute(o.model_dir).string();
   g.world_size = o.world_size;
@@ -297,133 +332,133 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
   g.heartbeat_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(o.heartbeat_timeout_s * 1000));
   g.step_timeout = std::chrono::seconds(o.step_timeout_s);
-  auto group = std::make_unique<WorkerGroup>(g, config);
-  InferenceService service(tokenizer.get());
+  return g;
+}
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  int port = 0;
-  const std::string listen = absl::StrCat(o.host, ":", o.port);
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(64 << 20);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
-  builder.RegisterService(group.get());
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    return absl::UnavailableError(absl::StrCat("could not listen on ", listen));
+// The listening servers and their health state.
+class Servers {
+ public:
+  // The gRPC server: public API, the workers' control plane, health, reflection. (The HTTP
+  // front end, when there is one, starts here beside it.)
+  static absl::StatusOr<std::unique_ptr<Servers>> Start(const CoordinatorOptions& o,
+                                                        WorkerGroup* group,
+                                                        InferenceService* service) {
+    auto s = std::unique_ptr<Servers>(new Servers());
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    const std::string listen = absl::StrCat(o.host, ":", o.port);
+    builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &s->port_);
+    builder.SetMaxReceiveMessageSize(64 << 20);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+    builder.RegisterService(group);
+    builder.RegisterService(service);
+    s->grpc_ = builder.BuildAndStart();
+    if (s->grpc_ == nullptr || s->port_ == 0) {
+      return absl::UnavailableError(absl::StrCat("could not listen on ", listen));
+    }
+    s->SetHealth(false);
+    return s;
   }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  auto set_health = [&](bool serving) {
+
+  int port() const { return port_; }
+  void SetHealth(bool serving) {
+    grpc::HealthCheckServiceInterface* health = grpc_->GetHealthCheckService();
     health->SetServingStatus(serving);
     health->SetServingStatus("tpserve.v1.Inference", serving);
-  };
-  set_health(false);
-  TP_LOG(INFO) << "listening on " << o.host << ":" << port << " (" << config.architecture << ", "
-               << o.world_size << " worker" << (o.world_size > 1 ? "s" : "") << ")";
-
-  struct sigaction sa = {};
-  sa.sa_handler = OnSignal;
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
-
-  pid_t child = -1;
-  if (o.spawn_workers) {
-    TP_ASSIGN_OR_RETURN(
-        child, SpawnWorkers(o, o.world_size, absl::StrCat("127.0.0.1:", port), spawn_device));
   }
-  std::atomic<bool> started{false};
-  std::thread watcher([&] {
-    // During startup: a signal or the spawned workers exiting abort the wait.
-    while (!started.load()) {
-      if (g_signal.load() != 0) {
-        group->Shutdown("signal during startup");
-        return;
-      }
-      int status = 0;
-      if (child > 0 && waitpid(child, &status, WNOHANG) == child) {
-        child = -1;
-        group->Shutdown("the spawned workers exited during startup");
-        TP_LOG(ERROR) << "the spawned worker processes exited during startup (status " << status
-                      << "); see their log above";
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  });
-  auto cleanup = [&](absl::Status status) {
-    started.store(true);
-    if (watcher.joinable()) watcher.join();
-    group->Shutdown("the coordinator is exiting");
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    StopChild(child);
-    return status;
-  };
+  void Shutdown() { grpc_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2)); }
 
+ private:
+  Servers() = default;
+  std::unique_ptr<grpc::Server> grpc_;
+  int port_ = 0;
+};
+
+// Spawns the local workers (when asked) and waits until every worker registered and loaded
+// its shard; a signal or the spawned workers exiting end the wait.
+absl::Status StartWorkers(const Layout& layout, const Servers& servers, WorkerGroup* group,
+                          ProcessEvents* events) {
+  const CoordinatorOptions& o = layout.options;
+  if (o.spawn_workers) {
+    TP_ASSIGN_OR_RETURN(const pid_t child,
+                        SpawnWorkers(o, o.world_size, absl::StrCat("127.0.0.1:", servers.port()),
+                                     layout.spawn_device));
+    events->WatchChild(child);
+  }
+  events->SetAbort([group](const std::string& reason) {
+    TP_LOG(ERROR) << "startup aborted: " << reason;
+    group->Shutdown(absl::StrCat(reason, " during startup"));
+  });
   absl::Status st = group->Start(std::chrono::seconds(o.register_timeout_s),
                                  std::chrono::seconds(o.load_timeout_s));
-  started.store(true);
-  watcher.join();
-  if (!st.ok()) return cleanup(Annotate(st, "starting the workers"));
+  events->SetAbort(nullptr);
+  return Annotate(st, "starting the workers");
+}
 
+std::unique_ptr<Scheduler> StartScheduler(const Layout& layout, WorkerGroup* group,
+                                          Servers* servers) {
+  const CoordinatorOptions& o = layout.options;
   SchedulerOptions so;
   so.max_num_seqs = o.max_num_seqs;
   so.max_num_batched_tokens = o.max_num_batched_tokens;
   so.max_queued_requests = o.max_queued_requests;
   so.num_blocks = group->num_blocks();
   so.block_size = o.block_size;
-  so.context_length = config.max_position_embeddings;
-  so.eos_token_ids = eos;
+  so.context_length = layout.config.max_position_embeddings;
+  so.eos_token_ids = layout.eos;
   so.enable_prefix_caching = o.enable_prefix_caching;
-  auto scheduler = std::make_unique<Scheduler>(so, tokenizer.get(), group.get());
+  auto scheduler = std::make_unique<Scheduler>(so, layout.tokenizer.get(), group);
   scheduler->Start();
   Scheduler* sched = scheduler.get();
-  group->SetFailureCallback([&, sched](const absl::Status& status) {
-    set_health(false);
+  group->SetFailureCallback([servers, sched](const absl::Status& status) {
+    servers->SetHealth(false);
     sched->Fail(status);
   });
-  if (!group->failure().ok()) {
-    scheduler.reset();
-    return cleanup(group->failure());
-  }
+  return scheduler;
+}
 
-  // Warm-up: one short request through the whole path before reporting SERVING.
-  {
-    RequestParams w;
-    w.request_id = "warm-up";
-    for (int i = 0; i < 8; ++i)
-      w.prompt.push_back(static_cast<int32_t>((i + 1) % config.vocab_size));
-    w.max_new_tokens = 2;
-    w.ignore_eos = true;
-    auto state = std::make_shared<RequestState>(w);
-    const auto t0 = std::chrono::steady_clock::now();
-    absl::Status submitted = scheduler->Submit(state);
-    while (submitted.ok() && !state->finished() && g_signal.load() == 0 &&
-           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(o.load_timeout_s)) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    const absl::Status warm = !submitted.ok() ? submitted
-                              : state->finished()
-                                  ? state->Take().status
-                                  : absl::DeadlineExceededError("warm-up timed out");
-    if (!warm.ok()) {
-      scheduler.reset();
-      return cleanup(Annotate(warm, "warm-up"));
-    }
-    TP_LOG(INFO) << "warm-up done in "
-                 << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
-                 << " s";
+// One short request through the whole path before reporting SERVING; it waits on the request's
+// completion (a signal fails it at once).
+absl::Status WarmUp(const Layout& layout, Scheduler* scheduler, ProcessEvents* events) {
+  RequestParams w;
+  w.request_id = "warm-up";
+  for (int i = 0; i < 8; ++i) {
+    w.prompt.push_back(static_cast<int32_t>((i + 1) % layout.config.vocab_size));
   }
+  w.max_new_tokens = 2;
+  w.ignore_eos = true;
+  auto state = std::make_shared<RequestState>(w);
+  const auto t0 = std::chrono::steady_clock::now();
+  TP_RETURN_IF_ERROR(Annotate(scheduler->Submit(state), "warm-up"));
+  events->SetAbort([scheduler](const std::string& reason) {
+    scheduler->Fail(absl::UnavailableError(absl::StrCat(reason, " during the warm-up")));
+  });
+  const bool finished =
+      state->WaitFinished(t0 + std::chrono::seconds(layout.options.load_timeout_s));
+  events->SetAbort(nullptr);
+  const absl::Status warm =
+      finished ? state->Take().status : absl::DeadlineExceededError("warm-up timed out");
+  TP_RETURN_IF_ERROR(Annotate(warm, "warm-up"));
+  TP_LOG(INFO) << "warm-up done in "
+               << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
+               << " s";
+  return absl::OkStatus();
+}
 
+// Opens the public API: model info and limits, health SERVING, the ready file.
+void Activate(const Layout& layout, WorkerGroup* group, Scheduler* scheduler,
+              InferenceService* service, Servers* servers) {
+  const CoordinatorOptions& o = layout.options;
+  const ModelConfig& config = layout.config;
   ServiceLimits limits;
   limits.context_length = config.max_position_embeddings;
   limits.vocab_size = config.vocab_size;
   limits.kv_capacity_tokens = static_cast<int64_t>(group->num_blocks()) * o.block_size;
   limits.default_max_new_tokens = o.default_max_new_tokens;
   v1::ModelInfo info;
-  info.set_model(std::filesystem::path(g.model_dir).filename().string());
+  info.set_model(std::filesystem::path(std::filesystem::absolute(o.model_dir)).filename().string());
   info.set_architecture(config.architecture);
   info.set_context_length(config.max_position_embeddings);
   info.set_vocab_size(config.vocab_size);
@@ -432,39 +467,67 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
   info.set_device_map(group->plan().DeviceMapString());
   for (const std::string& d : group->rank_devices()) info.add_rank_devices(d);
   info.set_kv_capacity_tokens(limits.kv_capacity_tokens);
-  info.set_has_tokenizer(tokenizer != nullptr);
+  info.set_has_tokenizer(layout.tokenizer != nullptr);
   info.set_max_num_seqs(o.max_num_seqs);
   info.set_max_num_batched_tokens(o.max_num_batched_tokens);
-  service.Activate(sched, limits, info);
-  if (group->failure().ok()) set_health(true);
+  service->Activate(scheduler, limits, info);
+  if (group->failure().ok()) servers->SetHealth(true);
   if (!o.ready_file.empty()) {
     const std::string tmp = o.ready_file + ".tmp";
-    std::ofstream(tmp) << o.host << ":" << port << "\n";
+    std::ofstream(tmp) << o.host << ":" << servers->port() << "\n";
     std::filesystem::rename(tmp, o.ready_file);
   }
-  TP_LOG(INFO) << "SERVING on port " << port << ": KV cache " << group->num_blocks() << " blocks x "
-               << o.block_size << " tokens";
+  TP_LOG(INFO) << "SERVING on port " << servers->port() << ": KV cache " << group->num_blocks()
+               << " blocks x " << o.block_size << " tokens";
+}
 
-  int status = 0;
-  while (g_signal.load() == 0) {
-    if (child > 0 && waitpid(child, &status, WNOHANG) == child) child = -1;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  TP_LOG(INFO) << "signal " << g_signal.load() << ": draining (up to " << o.drain_timeout_s
+// After a signal: refuse new requests and let the running ones finish, up to --drain-timeout.
+void Drain(const CoordinatorOptions& o, int signal, Scheduler* scheduler, Servers* servers) {
+  TP_LOG(INFO) << "signal " << signal << ": draining (up to " << o.drain_timeout_s
                << " s), accepting nothing new";
-  set_health(false);
+  servers->SetHealth(false);
   scheduler->StopAccepting(absl::UnavailableError("the server is draining (shutting down)"));
-  const auto drain_end = std::chrono::steady_clock::now() + std::chrono::seconds(o.drain_timeout_s);
-  while (!scheduler->Idle() && std::chrono::steady_clock::now() < drain_end) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (!scheduler->WaitIdle(std::chrono::steady_clock::now() +
+                           std::chrono::seconds(o.drain_timeout_s))) {
+    TP_LOG(WARNING) << "drain timed out: the requests still running end UNAVAILABLE";
   }
-  scheduler->Fail(absl::UnavailableError("the server shut down before this request finished"));
-  group->Shutdown("the coordinator is shutting down");
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+}
+
+}  // namespace
+
+absl::Status RunCoordinator(const CoordinatorOptions& options) {
+  SetLogPrefix("coordinator");
+  TP_ASSIGN_OR_RETURN(Layout layout, ResolveLayout(options));
+  auto group = std::make_unique<WorkerGroup>(GroupOptions(layout.options), layout.config);
+  InferenceService service(layout.tokenizer.get());
+  TP_ASSIGN_OR_RETURN(std::unique_ptr<Servers> servers,
+                      Servers::Start(layout.options, group.get(), &service));
+  TP_LOG(INFO) << "listening on " << layout.options.host << ":" << servers->port() << " ("
+               << layout.config.architecture << ", " << layout.options.world_size << " worker"
+               << (layout.options.world_size > 1 ? "s" : "") << ")";
+  ProcessEvents events;
+  std::unique_ptr<Scheduler> scheduler;
+  absl::Status status = StartWorkers(layout, *servers, group.get(), &events);
+  if (status.ok()) {
+    scheduler = StartScheduler(layout, group.get(), servers.get());
+    status = group->failure();
+  }
+  if (status.ok()) status = WarmUp(layout, scheduler.get(), &events);
+  if (status.ok()) {
+    Activate(layout, group.get(), scheduler.get(), &service, servers.get());
+    Drain(layout.options, events.WaitForSignal(), scheduler.get(), servers.get());
+  }
+  // Shut down (after a drain or a failed start): end what is left, stop the workers and the
+  // servers, then the spawned processes.
+  if (scheduler != nullptr) {
+    scheduler->Fail(absl::UnavailableError("the server shut down before this request finished"));
+  }
+  group->Shutdown(status.ok() ? "the coordinator is shutting down" : "the coordinator is exiting");
+  servers->Shutdown();
   scheduler.reset();
-  StopChild(child);
-  TP_LOG(INFO) << "shut down";
-  return absl::OkStatus();
+  events.StopChild();
+  if (status.ok()) TP_LOG(INFO) << "shut down";
+  return status;
 }
 
 }  // namespace tpserve

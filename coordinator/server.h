@@ -38,20 +38,10 @@ struct CoordinatorOptions {
   std::string ready_file;  // written with "HOST:PORT" once the server is SERVING
   // --enable-prefix-caching[=false], --no-enable-prefix-caching
   bool enable_prefix_caching = true;
+  bool help = false;       // --help was given: print the usage, run nothing
 };
-
-// Flags shared by tpserve-coordinator and `tpserve serve` (the latter spawns workers by
-// default); `args` excludes the program / subcommand name.
-absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::string>& args,
-                                                         bool serve_command);
-extern const char kCoordinatorUsage[];
 
 // Runs until SIGTERM / SIGINT (then drains) or a startup failure.
 absl::Status RunCoordinator(const CoordinatorOptions& options);
-
-// MPI, when this process was started by mpirun (MPMD with the workers): joins MPI_COMM_WORLD's
-// split so that the workers can form their own communicator. No-op otherwise.
-absl::Status MaybeJoinMpi(int* argc, char*** argv);
-void MaybeFinalizeMpi();
 
 }  // namespace tpserve

@@ -8,12 +8,12 @@ add_library(tpserve_coordinator STATIC
   ${CMAKE_CURRENT_LIST_DIR}/worker_group.cc
   ${CMAKE_CURRENT_LIST_DIR}/inference_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/server.cc
-  ${CMAKE_CURRENT_LIST_DIR}/mpi_bootstrap.cc
+  ${CMAKE_CURRENT_LIST_DIR}/coordinator_flags.cc
 )
 target_link_libraries(tpserve_coordinator
-  PUBLIC tpserve_proto tpserve_planner tpserve_tokenizer tpserve_common tpserve_cli_args
+  PUBLIC tpserve_proto tpserve_planner tpserve_tokenizer tpserve_common
          gRPC::grpc++ absl::status absl::statusor
-  PRIVATE tpserve_grpc_reflection MPI::MPI_CXX absl::strings Threads::Threads)
+  PRIVATE tpserve_grpc_reflection absl::strings absl::synchronization absl::time Threads::Threads)
 
 add_executable(tpserve-coordinator ${CMAKE_CURRENT_LIST_DIR}/coordinator_main.cc)
-target_link_libraries(tpserve-coordinator PRIVATE tpserve_coordinator)
+target_link_libraries(tpserve-coordinator PRIVATE tpserve_coordinator tpserve_bootstrap)

@@ -2,6 +2,8 @@
 // staged through host buffers, a rank-ordered (deterministic) f32/bf16 all-reduce.
 #include "parallel/mpi_communicator.h"
 
+#include "parallel/bootstrap.h"
+
 #include <climits>
 #include <cstring>
 #include <thread>
@@ -25,13 +27,6 @@ constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 // this long before backing off to sleeps.
 constexpr absl::Duration kSpinTime = absl::Milliseconds(20);
 
-std::string MpiErrorString(int rc) {
-  char msg[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, msg, &len);
-  return std::string(msg, len);
-}
-
 std::string SecondsText(absl::Duration d) {
   return absl::StrFormat("%.3gs", absl::ToDoubleSeconds(d));
 }
@@ -48,7 +43,7 @@ absl::Status WaitImpl(MPI_Request* request, absl::Time deadline, const std::stri
     int done = 0;
     const int rc = MPI_Test(request, &done, st);
     if (rc != MPI_SUCCESS) {
-      return absl::UnavailableError(absl::StrCat(what, " failed: ", MpiErrorString(rc)));
+      return absl::UnavailableError(absl::StrCat(what, " failed: ", MpiError(rc)));
     }
     if (done) return absl::OkStatus();
     const absl::Time now = absl::Now();
@@ -269,9 +264,8 @@ class MpiCommunicator : public Communicator {
   }
   absl::Status Call(int rc, const char* op, int peer) {
     if (rc == MPI_SUCCESS) return absl::OkStatus();
-    return Fail(
-        absl::UnavailableError(absl::StrCat(name(), ": ", SelfText(), " ", op, " with ",
-                                            PeerText(peer), " failed: ", MpiErrorString(rc))));
+    return Fail(absl::UnavailableError(absl::StrCat(name(), ": ", SelfText(), " ", op, " with ",
+                                                    PeerText(peer), " failed: ", MpiError(rc))));
   }
   absl::Status Wait(MPI_Request* req, const char* op, int peer, MPI_Status* status = nullptr) {
     const absl::Time start = absl::Now();
@@ -320,7 +314,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeMpiCommunicator(MPI_Comm comm,
   const int rc = MPI_Comm_idup(comm, &dup, &req);
   if (rc != MPI_SUCCESS) {
     return absl::UnavailableError(
-        absl::StrCat(name, ": rank ", rank, " MPI_Comm_idup failed: ", MpiErrorString(rc)));
+        absl::StrCat(name, ": rank ", rank, " MPI_Comm_idup failed: ", MpiError(rc)));
   }
   TP_RETURN_IF_ERROR(MpiWaitWithDeadline(
       &req, absl::Now() + timeout,

@@ -38,13 +38,6 @@ void Place(ProcessGroups& g, int rank, int world_size, const GroupOptions& optio
 std::string TpName(int stage) { return absl::StrCat("tp group of stage ", stage); }
 std::string PpName(int tp_rank) { return absl::StrCat("pp chain of tp rank ", tp_rank); }
 
-std::string MpiError(int rc) {
-  char msg[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, msg, &len);
-  return std::string(msg, len);
-}
-
 #ifdef TPSERVE_WITH_NCCL
 absl::StatusOr<std::unique_ptr<Communicator>> NcclFromBytes(const std::string& id_bytes, int rank,
                                                             int size, const GroupOptions& options,
@@ -93,25 +86,6 @@ absl::StatusOr<std::unique_ptr<Communicator>> GroupFromMpi(MPI_Comm sub,
 }
 
 }  // namespace
-
-absl::Status InitMpi(int* argc, char*** argv) {
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (!initialized) {
-    int provided = 0;
-    const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
-    if (rc != MPI_SUCCESS) {
-      return absl::UnavailableError(absl::StrCat("MPI_Init_thread failed: ", MpiError(rc)));
-    }
-    if (provided < MPI_THREAD_SERIALIZED) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("MPI provides thread level ", provided,
-                       "; tpserve needs at least MPI_THREAD_SERIALIZED"));
-    }
-  }
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-  return absl::OkStatus();
-}
 
 absl::StatusOr<ProcessGroups> MakeProcessGroupsFromMpi(MPI_Comm world, const GroupOptions& options,
                                                        Ops* ops) {

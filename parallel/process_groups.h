@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "parallel/bootstrap.h"  // InitMpi, NcclGroupIds
 #include "parallel/communicator.h"
 
 namespace tpserve {
@@ -51,11 +52,6 @@ struct ProcessGroups {
   int next_stage() const { return stage + 1 < pp ? stage + 1 : -1; }  // peer in pp_comm
 };
 
-// MPI_Init_thread (asking for MPI_THREAD_MULTIPLE, requiring at least SERIALIZED) with
-// MPI_ERRORS_RETURN on MPI_COMM_WORLD, so that MPI errors come back as statuses. No-op when
-// MPI is already initialized.
-absl::Status InitMpi(int* argc, char*** argv);
-
 // Builds the groups from an MPI communicator of exactly tp * pp ranks (the workers; the rank
 // in `world` is the global rank). Collective over `world`: every rank must call it. All waits
 // have options.timeout as deadline (a non-blocking barrier first, so a missing rank is
@@ -64,11 +60,8 @@ absl::StatusOr<ProcessGroups> MakeProcessGroupsFromMpi(MPI_Comm world, const Gro
                                                        Ops* ops);
 
 // Bootstrap without MPI (Kubernetes, srun): one rank (or any process with NCCL) makes the ids,
-// the coordinator relays them to every worker as bytes, and each worker joins its groups.
-struct NcclGroupIds {
-  std::vector<std::string> tp_ids;  // one per stage (groups with tp > 1)
-  std::vector<std::string> pp_ids;  // one per tp_rank (chains with pp > 1)
-};
+// the coordinator relays them to every worker as bytes (RelayNcclIds, bootstrap.h), and each
+// worker joins its groups.
 // Unimplemented in builds without NCCL.
 absl::StatusOr<NcclGroupIds> NewNcclGroupIds(int tp, int pp);
 absl::StatusOr<ProcessGroups> MakeProcessGroupsFromNcclIds(int rank, const GroupOptions& options,

@@ -12,26 +12,65 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/env.h"
+#include "common/flags.h"
 #include "common/status.h"
+#include "coordinator/coordinator_flags.h"
 #include "coordinator/server.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "tools/cli_args.h"
 #include "tpserve/v1/inference.grpc.pb.h"
 
 namespace tpserve {
 namespace {
 
-constexpr char kGenerateUsage[] =
-    "usage: tpserve generate --server ADDR (--prompt TEXT | --prompt-ids 1,2,3) [--stream]\n"
-    "         [--json] [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K]\n"
-    "         [--seed S] [--repetition-penalty R] [--stop STR] [--stop-token-ids 1,2]\n"
-    "         [--ignore-eos] [--request-id ID] [--timeout S]";
-
-std::string ServerAddress(const CliArgs& a) {
-  if (a.Has("server")) return *a.Get("server");
-  if (const char* env = std::getenv("TPSERVE_SERVER")) return env;
-  return "localhost:50051";
+FlagSpec ServerFlag() {
+  return StringFlag("server", "ADDR", "server address (default: TPSERVE_SERVER, localhost:50051)");
 }
+
+const CommandSpec& GenerateSpec() {
+  static const CommandSpec* const spec = new CommandSpec{
+      "tpserve generate",
+      "Generates through a running server (gRPC); give exactly one of --prompt and --prompt-ids.",
+      {ServerFlag(), StringFlag("prompt", "TEXT", "the prompt text"),
+       StringFlag("prompt-ids", "1,2,3", "the prompt as token ids"),
+       BoolFlag("stream", "stream the text as it is generated"),
+       BoolFlag("json", "print the response as JSON"),
+       IntFlag("max-new-tokens", 0, int64_t{1} << 30, "tokens to generate (server default)"),
+       FloatFlag("temperature", 0, 1e6, "sampling temperature; 0: greedy", "T"),
+       FloatFlag("top-p", 0, 1, "nucleus sampling mass", "P"),
+       IntFlag("top-k", 0, int64_t{1} << 30, "sample among the K most likely tokens", "K"),
+       IntFlag("seed", INT64_MIN, INT64_MAX, "sampling seed", "S"),
+       FloatFlag("repetition-penalty", 0, 1e6, "penalty of tokens already present", "R"),
+       StringFlag("stop", "STR", "stop when the text contains STR"),
+       StringFlag("stop-token-ids", "1,2", "stop at any of these token ids"),
+       BoolFlag("ignore-eos", "keep generating past the end-of-sequence token"),
+       StringFlag("request-id", "ID", "request id (shown in the server's log)"),
+       FloatFlag("timeout", 0, 1e9, "deadline of the call in seconds (default 600)", "S", true)},
+      ""};
+  return *spec;
+}
+
+const CommandSpec& InfoSpec() {
+  static const CommandSpec* const spec = new CommandSpec{
+      "tpserve info",
+      "Prints a server's model info as JSON.",
+      {ServerFlag(),
+       FloatFlag("timeout", 0, 1e9, "deadline of the call in seconds (default 10)", "S", true)},
+      ""};
+  return *spec;
+}
+
+const CommandSpec& HealthSpec() {
+  static const CommandSpec* const spec = new CommandSpec{
+      "tpserve health",
+      "Checks a server's health (grpc.health.v1); exits non-zero unless SERVING.",
+      {ServerFlag(), StringFlag("service", "NAME", "service to check (default: the server)"),
+       FloatFlag("timeout", 0, 1e9, "deadline of the call in seconds (default 5)", "S", true)},
+      ""};
+  return *spec;
+}
+
+std::string ServerAddress(const Flags& a) { return a.GetOr("server", EnvString(env::kServer)); }
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& server) {
   if (s.ok()) return absl::OkStatus();
@@ -75,16 +114,11 @@ const char* FinishName(v1::FinishReason r) {
 }  // namespace
 
 absl::Status RunGenerateCommand(const std::vector<std::string>& args) {
-  auto parsed = CliArgs::Parse(
-      args,
-      {"server", "prompt", "prompt-ids", "max-new-tokens", "temperature", "top-p", "top-k", "seed",
-       "repetition-penalty", "stop", "stop-token-ids", "request-id", "timeout"},
-      {"stream", "json", "ignore-eos"});
-  if (!parsed.ok()) return Annotate(parsed.status(), kGenerateUsage);
-  const CliArgs& a = *parsed;
+  TP_ASSIGN_OR_RETURN(Flags a, Flags::Parse(GenerateSpec(), args));
+  if (a.help()) return PrintUsage(GenerateSpec());
   if (a.Has("prompt") == a.Has("prompt-ids")) {
     return absl::InvalidArgumentError(
-        absl::StrCat("give exactly one of --prompt and --prompt-ids\n", kGenerateUsage));
+        "give exactly one of --prompt and --prompt-ids (see tpserve generate --help)");
   }
   v1::GenerateRequest req;
   req.set_request_id(a.GetOr("request-id", ""));
@@ -97,28 +131,28 @@ absl::Status RunGenerateCommand(const std::vector<std::string>& args) {
   // Only flags given are sent: the server validates and applies its defaults.
   v1::SamplingOptions* s = req.mutable_sampling();
   if (a.Has("temperature")) {
-    TP_ASSIGN_OR_RETURN(double v, a.GetDouble("temperature", 0));
+    const double v = a.GetDouble("temperature", 0);
     s->set_temperature(static_cast<float>(v));
   }
   if (a.Has("top-p")) {
-    TP_ASSIGN_OR_RETURN(double v, a.GetDouble("top-p", 1));
+    const double v = a.GetDouble("top-p", 1);
     s->set_top_p(static_cast<float>(v));
   }
   if (a.Has("top-k")) {
-    TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt("top-k", 0));
+    const int64_t v = a.GetInt("top-k", 0);
     s->set_top_k(static_cast<int32_t>(v));
   }
   if (a.Has("seed")) {
-    TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt("seed", 0));
+    const int64_t v = a.GetInt("seed", 0);
     s->set_seed(static_cast<uint64_t>(v));
   }
   if (a.Has("repetition-penalty")) {
-    TP_ASSIGN_OR_RETURN(double v, a.GetDouble("repetition-penalty", 1));
+    const double v = a.GetDouble("repetition-penalty", 1);
     s->set_repetition_penalty(static_cast<float>(v));
   }
   v1::StoppingOptions* st = req.mutable_stopping();
   if (a.Has("max-new-tokens")) {
-    TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt("max-new-tokens", 0));
+    const int64_t v = a.GetInt("max-new-tokens", 0);
     st->set_max_new_tokens(static_cast<int32_t>(v));
   }
   if (a.Has("stop")) st->add_stop(*a.Get("stop"));
@@ -127,7 +161,7 @@ absl::Status RunGenerateCommand(const std::vector<std::string>& args) {
     st->mutable_stop_token_ids()->Assign(ids.begin(), ids.end());
   }
   st->set_ignore_eos(a.Flag("ignore-eos"));
-  TP_ASSIGN_OR_RETURN(double timeout, a.GetDouble("timeout", 600));
+  const double timeout = a.GetDouble("timeout", 600);
 
   const std::string server = ServerAddress(a);
   auto stub = v1::Inference::NewStub(MakeChannel(server));
@@ -178,10 +212,10 @@ absl::Status RunGenerateCommand(const std::vector<std::string>& args) {
 }
 
 absl::Status RunInfoCommand(const std::vector<std::string>& args) {
-  auto parsed = CliArgs::Parse(args, {"server", "timeout"}, {});
-  if (!parsed.ok()) return Annotate(parsed.status(), "usage: tpserve info --server ADDR");
-  const std::string server = ServerAddress(*parsed);
-  TP_ASSIGN_OR_RETURN(double timeout, parsed->GetDouble("timeout", 10));
+  TP_ASSIGN_OR_RETURN(Flags a, Flags::Parse(InfoSpec(), args));
+  if (a.help()) return PrintUsage(InfoSpec());
+  const std::string server = ServerAddress(a);
+  const double timeout = a.GetDouble("timeout", 10);
   auto stub = v1::Inference::NewStub(MakeChannel(server));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
@@ -199,18 +233,16 @@ absl::Status RunInfoCommand(const std::vector<std::string>& args) {
 }
 
 absl::Status RunHealthCommand(const std::vector<std::string>& args) {
-  auto parsed = CliArgs::Parse(args, {"server", "service", "timeout"}, {});
-  if (!parsed.ok()) {
-    return Annotate(parsed.status(), "usage: tpserve health --server ADDR [--service NAME]");
-  }
-  const std::string server = ServerAddress(*parsed);
-  TP_ASSIGN_OR_RETURN(double timeout, parsed->GetDouble("timeout", 5));
+  TP_ASSIGN_OR_RETURN(Flags a, Flags::Parse(HealthSpec(), args));
+  if (a.help()) return PrintUsage(HealthSpec());
+  const std::string server = ServerAddress(a);
+  const double timeout = a.GetDouble("timeout", 5);
   auto stub = grpc::health::v1::Health::NewStub(MakeChannel(server));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
   grpc::health::v1::HealthCheckRequest req;
-  req.set_service(parsed->GetOr("service", ""));
+  req.set_service(a.GetOr("service", ""));
   grpc::health::v1::HealthCheckResponse resp;
   TP_RETURN_IF_ERROR(FromGrpc(stub->Check(&ctx, req, &resp), server));
   const std::string name = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
@@ -224,6 +256,7 @@ absl::Status RunHealthCommand(const std::vector<std::string>& args) {
 absl::Status RunServeCommand(const std::vector<std::string>& args) {
   TP_ASSIGN_OR_RETURN(CoordinatorOptions options,
                       ParseCoordinatorFlags(args, /*serve_command=*/true));
+  if (options.help) return PrintUsage(CoordinatorFlagSpec(/*serve_command=*/true));
   return RunCoordinator(options);
 }
 

@@ -21,12 +21,16 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/flags.h"
+#include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
-#include "tools/cli_args.h"
 #include "tools/engine_profile.h"
 #include "tools/hw_limits.h"
 #include "worker/engine.h"
+#ifdef TPSERVE_HAVE_CUDA
+#include "kernels/cuda/bench_knobs.h"
+#endif
 
 namespace tpserve {
 namespace {
@@ -44,20 +48,41 @@ std::vector<int32_t> RandomPrompt(std::mt19937& rng, int len, int64_t vocab) {
   return p;
 }
 
+const CommandSpec& BenchSpec() {
+  static const CommandSpec* const spec = new CommandSpec{
+      "tpserve-engine-bench",
+      "The one-GPU engine benchmark: load time, TTFT, ms per decode token, prefill throughput "
+      "and batched decode, each against the hardware limit measured in the same run.",
+      {StringFlag("model", "DIR", "model directory [required]"),
+       StringFlag("device", "cpu|cuda|auto", "where to run (default auto)"),
+       IntFlag("prompt-len", 1, 1 << 20, "batch-1 prompt length (default 512)"),
+       IntFlag("new-tokens", 1, 1 << 20, "batch-1 generated tokens (default 512)"),
+       IntFlag("prefill-len", 1, 1 << 20, "prefill scenario length (default 2048)"),
+       StringFlag("batches", "B1,B2,..", "decode batch sizes (default 8,32,64)"),
+       IntFlag("context", 1, 1 << 20, "context of the batched decode scenarios (default 1024)"),
+       IntFlag("repeats", 1, 1000, "repeats of each scenario; the median is reported (default 3)"),
+       IntFlag("max-batch-tokens", 1, 1 << 20, "tokens in one step (default 8192)"),
+       StringFlag("json", "FILE", "write the results as JSON"),
+       FloatFlag("gpu-memory-utilization", 0, 1,
+                 "size the KV cache as the server does (default: just what the scenarios need)",
+                 "F", /*min_exclusive=*/true),
+       IntFlag("kv-cache-mb", 0, int64_t{1} << 30, "KV cache in MiB (as the server's flag)", "MB"),
+       BoolFlag("profile", "per-op CUDA event times of eager steps")},
+      "Benchmark-only environment switches (TPSERVE_ABLATE_OPS, TPSERVE_FUSED_SKINNY,\n"
+      "TPSERVE_FUSED_NORM, TPSERVE_OP_PROFILE): see `tpserve env`."};
+  return *spec;
+}
+
 absl::Status Main(const std::vector<std::string>& args) {
-  TP_ASSIGN_OR_RETURN(CliArgs a,
-                      CliArgs::Parse(args,
-                                     {"model", "device", "prompt-len", "new-tokens", "prefill-len",
-                                      "batches", "context", "repeats", "json", "max-batch-tokens",
-                                      "gpu-memory-utilization", "kv-cache-mb"},
-                                     {"profile"}));
+  TP_ASSIGN_OR_RETURN(Flags a, Flags::Parse(BenchSpec(), args));
+  if (a.help()) return PrintUsage(BenchSpec());
   TP_ASSIGN_OR_RETURN(std::string model_dir, a.Required("model"));
-  TP_ASSIGN_OR_RETURN(int64_t prompt_len, a.GetInt("prompt-len", 512));
-  TP_ASSIGN_OR_RETURN(int64_t new_tokens, a.GetInt("new-tokens", 512));
-  TP_ASSIGN_OR_RETURN(int64_t prefill_len, a.GetInt("prefill-len", 2048));
-  TP_ASSIGN_OR_RETURN(int64_t context, a.GetInt("context", 1024));
-  TP_ASSIGN_OR_RETURN(int64_t repeats, a.GetInt("repeats", 3));
-  TP_ASSIGN_OR_RETURN(int64_t max_batch_tokens, a.GetInt("max-batch-tokens", 8192));
+  const int64_t prompt_len = a.GetInt("prompt-len", 512);
+  const int64_t new_tokens = a.GetInt("new-tokens", 512);
+  const int64_t prefill_len = a.GetInt("prefill-len", 2048);
+  const int64_t context = a.GetInt("context", 1024);
+  const int64_t repeats = a.GetInt("repeats", 3);
+  const int64_t max_batch_tokens = a.GetInt("max-batch-tokens", 8192);
   std::vector<int> batches;
   for (absl::string_view s :
        absl::StrSplit(a.GetOr("batches", "8,32,64"), ',', absl::SkipEmpty())) {
@@ -92,9 +117,9 @@ absl::Status Main(const std::vector<std::string>& args) {
   const int64_t tokens_needed = std::max<int64_t>(
       {prompt_len + new_tokens, prefill_len,
        int64_t{max_batch} * (context + max_batch * context / options.model.max_batch_tokens + 24)});
-  TP_ASSIGN_OR_RETURN(options.gpu_memory_utilization,
-                      a.GetDouble("gpu-memory-utilization", options.gpu_memory_utilization));
-  TP_ASSIGN_OR_RETURN(int64_t kv_mb, a.GetInt("kv-cache-mb", 0));
+  options.gpu_memory_utilization =
+      a.GetDouble("gpu-memory-utilization", options.gpu_memory_utilization);
+  const int64_t kv_mb = a.GetInt("kv-cache-mb", 0);
   options.kv_cache_bytes = kv_mb << 20;
   if (!a.Has("gpu-memory-utilization") && !a.Has("kv-cache-mb")) {
     options.num_kv_blocks =
@@ -102,6 +127,10 @@ absl::Status Main(const std::vector<std::string>& args) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   TP_ASSIGN_OR_RETURN(auto engine, Engine::Create(model_dir, options));
+#ifdef TPSERVE_HAVE_CUDA
+  // Before the first step: decode graphs are captured lazily with what is set then.
+  if (auto* cuda = dynamic_cast<CudaOps*>(engine->ops())) TP_RETURN_IF_ERROR(ApplyBenchKnobs(cuda));
+#endif
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const ModelConfig& cfg = engine->config();
@@ -272,6 +301,7 @@ absl::Status Main(const std::vector<std::string>& args) {
 }  // namespace tpserve
 
 int main(int argc, char** argv) {
+  tpserve::SetLogPrefix("engine");
   absl::Status s = tpserve::Main(std::vector<std::string>(argv + 1, argv + argc));
   if (!s.ok()) {
     std::fprintf(stderr, "tpserve-engine-bench: %s\n", std::string(s.message()).c_str());

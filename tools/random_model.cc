@@ -16,10 +16,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/bf16.h"
+#include "common/flags.h"
 #include "common/model_files.h"
 #include "common/safetensors.h"
 #include "common/status.h"
-#include "tools/cli_args.h"
 
 namespace tpserve {
 namespace {
@@ -245,30 +245,31 @@ absl::Status WriteRandomModel(const RandomModelOptions& options) {
   return absl::OkStatus();
 }
 
+const CommandSpec& RandomModelFlagSpec() {
+  static const CommandSpec* const spec = new CommandSpec{
+      "tpserve random-model",
+      "Writes a model directory with random weights for a config.json.",
+      {StringFlag("config", "FILE", "the model's config.json [required]"),
+       StringFlag("out", "DIR", "directory to write [required]"),
+       IntFlag("seed", INT64_MIN, INT64_MAX, "seed of the weights (default 0)"),
+       StringFlag("dtype", "bf16|fp32", "weight dtype (default bf16)"),
+       IntFlag("shard-size-mb", 0, int64_t{1} << 30,
+               "split the safetensors into files of about this size; 0: one file", "N"),
+       IntFlag("threads", 0, 1024, "writer threads; 0: all cores")},
+      ""};
+  return *spec;
+}
+
 absl::Status RunRandomModelCommand(const std::vector<std::string>& args) {
-  TP_ASSIGN_OR_RETURN(
-      CliArgs cli,
-      CliArgs::Parse(args, {"config", "out", "seed", "dtype", "shard-size-mb", "threads"}, {}));
-  if (!cli.positional().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("random-model: unexpected argument '", cli.positional()[0],
-                     "' (usage: tpserve random-model --config FILE --out DIR [--seed N] "
-                     "[--dtype bf16|fp32] [--shard-size-mb N])"));
-  }
+  TP_ASSIGN_OR_RETURN(Flags cli, Flags::Parse(RandomModelFlagSpec(), args));
+  if (cli.help()) return PrintUsage(RandomModelFlagSpec());
   RandomModelOptions o;
   TP_ASSIGN_OR_RETURN(o.config_path, cli.Required("config"));
   TP_ASSIGN_OR_RETURN(o.out_dir, cli.Required("out"));
-  TP_ASSIGN_OR_RETURN(int64_t seed, cli.GetInt("seed", 0));
-  o.seed = static_cast<uint64_t>(seed);
+  o.seed = static_cast<uint64_t>(cli.GetInt("seed", 0));
   TP_ASSIGN_OR_RETURN(o.dtype, ParseDType(cli.GetOr("dtype", "bf16")));
-  TP_ASSIGN_OR_RETURN(int64_t shard_mb, cli.GetInt("shard-size-mb", 0));
-  if (shard_mb < 0) return absl::InvalidArgumentError("--shard-size-mb must not be negative");
-  o.shard_size_bytes = shard_mb * (int64_t{1} << 20);
-  TP_ASSIGN_OR_RETURN(int64_t threads, cli.GetInt("threads", 0));
-  if (threads < 0 || threads > 1024) {
-    return absl::InvalidArgumentError("--threads must be between 0 (all) and 1024");
-  }
-  o.threads = static_cast<int>(threads);
+  o.shard_size_bytes = cli.GetInt("shard-size-mb", 0) * (int64_t{1} << 20);
+  o.threads = static_cast<int>(cli.GetInt("threads", 0));
   return WriteRandomModel(o);
 }
 

@@ -14,21 +14,10 @@
 #include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "coordinator/tokenizer/tokenizer.h"
-#include "tools/cli_args.h"
 #include "worker/engine.h"
 
 namespace tpserve {
 namespace {
-
-constexpr char kUsage[] =
-    "usage: tpserve run --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]\n"
-    "                   [--temperature T] [--top-p P] [--top-k K] [--seed S] [--ignore-eos]\n"
-    "                   [--device cpu|cuda|auto] [--gpu-memory-utilization F] [--kv-cache-mb MB]\n"
-    "                   [--logprobs N] [--json]\n"
-    "--logprobs N (0..20): each token's log-probability and the N most likely alternatives\n"
-    "(under the raw distribution, before temperature / top-k / top-p).\n"
-    "On a GPU the KV cache takes what --gpu-memory-utilization (default 0.90) of the device's\n"
-    "memory leaves after the weights; on the CPU it holds this one request.";
 
 absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
   std::vector<int32_t> ids;
@@ -73,36 +62,51 @@ nlohmann::json LogprobsJson(const GenerateResult& r, const Tokenizer* tokenizer)
 
 }  // namespace
 
+const CommandSpec& RunFlagSpec() {
+  static const CommandSpec* const spec = new CommandSpec{
+      "tpserve run",
+      "Loads the model in this process and generates one completion; give exactly one of "
+      "--prompt and --prompt-ids.",
+      {StringFlag("model", "DIR", "model directory [required]"),
+       StringFlag("prompt", "TEXT", "the prompt text (needs the model's tokenizer.json)"),
+       StringFlag("prompt-ids", "1,2,3", "the prompt as token ids"),
+       IntFlag("max-new-tokens", 1, 1 << 20, "tokens to generate (default 64)"),
+       FloatFlag("temperature", 0, 1e6, "sampling temperature; 0: greedy (default)", "T"),
+       FloatFlag("top-p", 0, 1, "nucleus sampling mass (default 1)", "P", /*min_exclusive=*/true),
+       IntFlag("top-k", 0, int64_t{1} << 30, "sample among the K most likely tokens; 0: all", "K"),
+       IntFlag("seed", INT64_MIN, INT64_MAX, "sampling seed (default 0)", "S"),
+       BoolFlag("ignore-eos", "keep generating past the end-of-sequence token"),
+       StringFlag("device", "cpu|cuda|auto", "where to run (default auto)"),
+       FloatFlag("gpu-memory-utilization", 0, 1,
+                 "fraction of the GPU for weights, workspace and KV cache (default 0.9)", "F",
+                 /*min_exclusive=*/true),
+       IntFlag("kv-cache-mb", 0, int64_t{1} << 30, "KV cache in MiB; 0: sized automatically", "MB"),
+       IntFlag("logprobs", 0, kMaxLogprobs,
+               "each token's log-probability and the N most likely alternatives (raw "
+               "distribution, before temperature / top-k / top-p)"),
+       BoolFlag("json", "print one JSON object")},
+      "On a GPU the KV cache takes what --gpu-memory-utilization of the device's memory leaves\n"
+      "after the weights; on the CPU it holds this one request."};
+  return *spec;
+}
+
 absl::Status RunRunCommand(const std::vector<std::string>& args) {
-  auto parsed = CliArgs::Parse(
-      args,
-      {"model", "prompt", "prompt-ids", "max-new-tokens", "temperature", "top-p", "top-k", "seed",
-       "device", "kv-cache-mb", "gpu-memory-utilization", "logprobs"},
-      {"json", "ignore-eos"});
-  if (!parsed.ok()) return Annotate(parsed.status(), kUsage);
-  const CliArgs& a = *parsed;
+  TP_ASSIGN_OR_RETURN(Flags a, Flags::Parse(RunFlagSpec(), args));
+  if (a.help()) return PrintUsage(RunFlagSpec());
   TP_ASSIGN_OR_RETURN(std::string model_dir, a.Required("model"));
   if (a.Has("prompt") == a.Has("prompt-ids")) {
     return absl::InvalidArgumentError(
-        absl::StrCat("give exactly one of --prompt and --prompt-ids\n", kUsage));
+        "give exactly one of --prompt and --prompt-ids (see tpserve run --help)");
   }
   GenerateRequest req;
-  TP_ASSIGN_OR_RETURN(int64_t max_new, a.GetInt("max-new-tokens", 64));
-  TP_ASSIGN_OR_RETURN(double temperature, a.GetDouble("temperature", 0.0));
-  TP_ASSIGN_OR_RETURN(double top_p, a.GetDouble("top-p", 1.0));
-  TP_ASSIGN_OR_RETURN(int64_t top_k, a.GetInt("top-k", 0));
-  TP_ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
-  TP_ASSIGN_OR_RETURN(int64_t logprobs, a.GetInt("logprobs", -1));
-  TP_ASSIGN_OR_RETURN(int64_t kv_mb, a.GetInt("kv-cache-mb", 0));
-  TP_ASSIGN_OR_RETURN(double utilization, a.GetDouble("gpu-memory-utilization", 0.90));
-  if (kv_mb < 0) return absl::InvalidArgumentError("--kv-cache-mb must be >= 0");
-  if (!(utilization > 0 && utilization <= 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--gpu-memory-utilization must be in (0, 1] (got ", utilization, ")"));
-  }
-  if (max_new < 1 || max_new > (1 << 20)) {
-    return absl::InvalidArgumentError("--max-new-tokens must be between 1 and 1048576");
-  }
+  const int64_t max_new = a.GetInt("max-new-tokens", 64);
+  const double temperature = a.GetDouble("temperature", 0.0);
+  const double top_p = a.GetDouble("top-p", 1.0);
+  const int64_t top_k = a.GetInt("top-k", 0);
+  const int64_t seed = a.GetInt("seed", 0);
+  const int64_t logprobs = a.GetInt("logprobs", -1);
+  const int64_t kv_mb = a.GetInt("kv-cache-mb", 0);
+  const double utilization = a.GetDouble("gpu-memory-utilization", 0.90);
   if (temperature < 0) return absl::InvalidArgumentError("--temperature must be >= 0");
   if (!(top_p > 0 && top_p <= 1)) return absl::InvalidArgumentError("--top-p must be in (0, 1]");
   if (top_k < 0) return absl::InvalidArgumentError("--top-k must be >= 0");

@@ -5,9 +5,11 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/flags.h"
 
 namespace tpserve {
 
+const CommandSpec& RunFlagSpec();  // the flag table (--help prints it)
 absl::Status RunRunCommand(const std::vector<std::string>& args);
 
 }  // namespace tpserve

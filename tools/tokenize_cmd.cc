@@ -5,10 +5,10 @@
 #include <iterator>
 
 #include "absl/strings/str_cat.h"
+#include "common/flags.h"
 #include "common/status.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
-#include "tools/cli_args.h"
 
 namespace tpserve {
 namespace {
@@ -17,10 +17,31 @@ std::string ReadStdin() {
   return std::string(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
 }
 
+const CommandSpec& TokenizeSpec() {
+  static const CommandSpec* const spec = new CommandSpec{
+      "tpserve tokenize",
+      "Prints the token ids of stdin as a JSON array.",
+      {StringFlag("tokenizer", "PATH", "tokenizer.json or a model directory [required]"),
+       BoolFlag("add-special-tokens", "add the tokenizer's special tokens (e.g. BOS)")},
+      ""};
+  return *spec;
+}
+
+const CommandSpec& DetokenizeSpec() {
+  static const CommandSpec* const spec = new CommandSpec{
+      "tpserve detokenize",
+      "Prints the text of a JSON array of token ids read from stdin.",
+      {StringFlag("tokenizer", "PATH", "tokenizer.json or a model directory [required]"),
+       BoolFlag("skip-special-tokens", "leave special tokens out of the text")},
+      ""};
+  return *spec;
+}
+
 }  // namespace
 
 absl::Status RunTokenizeCommand(const std::vector<std::string>& args) {
-  TP_ASSIGN_OR_RETURN(CliArgs cli, CliArgs::Parse(args, {"tokenizer"}, {"add-special-tokens"}));
+  TP_ASSIGN_OR_RETURN(Flags cli, Flags::Parse(TokenizeSpec(), args));
+  if (cli.help()) return PrintUsage(TokenizeSpec());
   TP_ASSIGN_OR_RETURN(std::string path, cli.Required("tokenizer"));
   TP_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tokenizer, Tokenizer::Load(path));
   std::string text = ReadStdin();
@@ -36,7 +57,8 @@ absl::Status RunTokenizeCommand(const std::vector<std::string>& args) {
 }
 
 absl::Status RunDetokenizeCommand(const std::vector<std::string>& args) {
-  TP_ASSIGN_OR_RETURN(CliArgs cli, CliArgs::Parse(args, {"tokenizer"}, {"skip-special-tokens"}));
+  TP_ASSIGN_OR_RETURN(Flags cli, Flags::Parse(DetokenizeSpec(), args));
+  if (cli.help()) return PrintUsage(DetokenizeSpec());
   TP_ASSIGN_OR_RETURN(std::string path, cli.Required("tokenizer"));
   TP_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tokenizer, Tokenizer::Load(path));
   std::string input = ReadStdin();

@@ -6,6 +6,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/env.h"
+#include "common/flags.h"
+#include "common/logging.h"
 #include "tools/bench/bench_cmd.h"
 #include "tools/client_cmd.h"
 #include "tools/random_model.h"
@@ -13,6 +16,25 @@
 #include "tools/tokenize_cmd.h"
 
 namespace {
+
+// `tpserve env`: the declared environment switches with their current values (common/env.h).
+absl::Status RunEnvCommand(const std::vector<std::string>& args) {
+  static const tpserve::CommandSpec* const spec = new tpserve::CommandSpec{
+      "tpserve env",
+      "Lists the environment variables tpserve reads: name, type, default, current value, "
+      "meaning.",
+      {},
+      ""};
+  absl::StatusOr<tpserve::Flags> flags = tpserve::Flags::Parse(*spec, args);
+  if (!flags.ok()) return flags.status();
+  if (flags->help()) return tpserve::PrintUsage(*spec);
+  const std::string table = tpserve::EnvWithoutLogging().Table();
+  std::fwrite(table.data(), 1, table.size(), stdout);
+  for (const std::string& w : tpserve::EnvWithoutLogging().warnings()) {
+    std::fprintf(stderr, "warning: %s\n", w.c_str());
+  }
+  return absl::OkStatus();
+}
 
 struct Command {
   const char* name;
@@ -33,23 +55,28 @@ const Command kCommands[] = {
     {"tokenize", "print the token ids of stdin as a JSON array", tpserve::RunTokenizeCommand},
     {"detokenize", "print the text of a JSON array of ids read from stdin",
      tpserve::RunDetokenizeCommand},
+    {"env", "list the environment switches (type, default, current value, meaning)", RunEnvCommand},
 };
 
 void PrintUsage(FILE* out) {
   std::fprintf(out, "usage: tpserve COMMAND [flags]\n\ncommands:\n");
   for (const Command& c : kCommands) std::fprintf(out, "  %-14s %s\n", c.name, c.help);
+  std::fprintf(out, "\n`tpserve COMMAND --help` lists the flags of a command.\n");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "help") == 0) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0 ||
+      std::strcmp(argv[1], "help") == 0) {
     PrintUsage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
   for (const Command& c : kCommands) {
     if (std::strcmp(argv[1], c.name) == 0) {
       std::vector<std::string> args(argv + 2, argv + argc);
+      // The role on log lines: `run` loads the engine here, `serve` names itself coordinator.
+      tpserve::SetLogPrefix(std::strcmp(c.name, "run") == 0 ? "engine" : "cli");
       absl::Status status = c.run(args);
       if (!status.ok()) {
         std::fprintf(stderr, "tpserve %s: %s\n", c.name, std::string(status.message()).c_str());

@@ -6,7 +6,7 @@ add_library(tpserve_worker_client STATIC
 target_link_libraries(tpserve_worker_client PUBLIC tpserve_worker tpserve_proto gRPC::grpc++)
 
 add_executable(tpserve-worker ${CMAKE_CURRENT_LIST_DIR}/worker_main.cc)
-target_link_libraries(tpserve-worker PRIVATE tpserve_worker_client tpserve_cli_args MPI::MPI_CXX)
+target_link_libraries(tpserve-worker PRIVATE tpserve_worker_client MPI::MPI_CXX)
 if(TARGET tpserve_kernels_cuda)
   target_link_libraries(tpserve-worker PRIVATE tpserve_kernels_cuda)
   target_compile_definitions(tpserve-worker PRIVATE TPSERVE_HAVE_CUDA=1)

@@ -18,12 +18,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/env.h"
+#include "common/flags.h"
 #include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
+#include "parallel/bootstrap.h"
 #include "parallel/process_groups.h"
 #include "parallel/shard_plan.h"
-#include "tools/cli_args.h"
 #include "worker/control_client.h"
 #include "worker/engine.h"
 #include "worker/shard_runner.h"
@@ -34,18 +36,30 @@
 namespace tpserve {
 namespace {
 
-constexpr char kUsage[] =
-    "usage: tpserve-worker --coordinator HOST:PORT [--rank R --world-size N]\n"
-    "                      [--device cpu|cuda|auto] [--gpu INDEX] [--connect-timeout S]";
-
-bool UnderMpi() {
-  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
-         std::getenv("PMIX_RANK") != nullptr;
+const CommandSpec& WorkerFlagSpec() {
+  static const CommandSpec* const spec = new CommandSpec{
+      "tpserve-worker",
+      "One rank of the model: registers with the coordinator, loads its shard, runs steps.",
+      {StringFlag("coordinator", "HOST:PORT", "the coordinator's control-plane address [required]"),
+       IntFlag("rank", 0, 1 << 20,
+               "this worker's rank (default: MPI, TPSERVE_RANK, SLURM_PROCID or 0)", "R"),
+       IntFlag("world-size", 1, 1 << 20,
+               "number of workers (default: MPI, TPSERVE_WORLD_SIZE, SLURM_NTASKS or 1)"),
+       StringFlag("device", "cpu|cuda|auto", "where to run (default auto)"),
+       IntFlag("gpu", 0, 1023, "CUDA device index (default: the node-local rank)", "INDEX"),
+       IntFlag("connect-timeout", 1, 86400,
+               "seconds to wait for the coordinator to accept the connection (default 60)", "S")},
+      "Under mpirun the rank and world size come from MPI (a coordinator in the same MPMD job\n"
+      "is left out by a split of MPI_COMM_WORLD)."};
+  return *spec;
 }
 
-int64_t EnvInt(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return v ? std::atoll(v) : fallback;
+// The first of `vars` that is set, else `fallback`.
+int64_t FirstSetInt(std::initializer_list<const EnvVar*> vars, int64_t fallback) {
+  for (const EnvVar* v : vars) {
+    if (EnvIsSet(*v)) return EnvInt(*v);
+  }
+  return fallback;
 }
 
 int64_t AvailableHostMemory() {
@@ -95,20 +109,24 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   } else if (mpi) {
     TP_ASSIGN_OR_RETURN(groups, MakeProcessGroupsFromMpi(workers, go, ops));
   } else {
-    NcclGroupIds ids;
-    if (a.make_nccl_ids()) {
-      TP_ASSIGN_OR_RETURN(ids, NewNcclGroupIds(a.tp(), a.pp()));
+    NcclIdChannel channel;
+    channel.send = [&client](const NcclGroupIds& ids) {
       worker::WorkerMessage out;
       for (const auto& id : ids.tp_ids) out.mutable_nccl_ids()->add_tp_ids(id);
       for (const auto& id : ids.pp_ids) out.mutable_nccl_ids()->add_pp_ids(id);
-      if (!client.Send(out)) return absl::UnavailableError("could not send the NCCL ids");
-    } else {
-      if (!client.Read(&msg) || !msg.has_nccl_ids()) {
-        return absl::UnavailableError("expected the NCCL ids from the coordinator");
-      }
-      ids.tp_ids.assign(msg.nccl_ids().tp_ids().begin(), msg.nccl_ids().tp_ids().end());
-      ids.pp_ids.assign(msg.nccl_ids().pp_ids().begin(), msg.nccl_ids().pp_ids().end());
-    }
+      return client.Send(out);
+    };
+    channel.receive = [&client](NcclGroupIds* ids) {
+      worker::CoordinatorMessage in;
+      if (!client.Read(&in) || !in.has_nccl_ids()) return false;
+      ids->tp_ids.assign(in.nccl_ids().tp_ids().begin(), in.nccl_ids().tp_ids().end());
+      ids->pp_ids.assign(in.nccl_ids().pp_ids().begin(), in.nccl_ids().pp_ids().end());
+      return true;
+    };
+    TP_ASSIGN_OR_RETURN(
+        NcclGroupIds ids,
+        RelayNcclIds(
+            a.make_nccl_ids(), [&a] { return NewNcclGroupIds(a.tp(), a.pp()); }, channel));
     TP_ASSIGN_OR_RETURN(groups, MakeProcessGroupsFromNcclIds(rank, go, ids, ops));
   }
   TP_ASSIGN_OR_RETURN(ModelFiles files, ModelFiles::Open(a.model_dir()));
@@ -124,8 +142,7 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   if (a.gpu_memory_utilization() > 0) so.gpu_memory_utilization = a.gpu_memory_utilization();
   so.model.max_batch_tokens = a.max_num_batched_tokens();
   so.model.max_batch_seqs = a.max_num_seqs();
-  if (const char* g = std::getenv("TPSERVE_WORKER_CUDA_GRAPHS"))
-    so.cuda_graphs = std::string(g) != "0";
+  if (EnvIsSet(env::kWorkerCudaGraphs)) so.cuda_graphs = EnvBool(env::kWorkerCudaGraphs);
   ParallelContext comms{groups.tp_comm.get(), groups.pp_comm.get()};
   TP_ASSIGN_OR_RETURN(auto runner, ShardRunner::Create(files, plan, rank, ops, comms, so));
   worker::WorkerMessage report;
@@ -188,58 +205,52 @@ void HandleTerminationSignals() {
 int Main(int argc, char** argv) {
   HandleTerminationSignals();
   std::vector<std::string> args(argv + 1, argv + argc);
-  auto parsed = CliArgs::Parse(
-      args, {"coordinator", "rank", "world-size", "device", "gpu", "connect-timeout"}, {});
+  auto parsed = Flags::Parse(WorkerFlagSpec(), args);
   if (!parsed.ok()) {
-    std::fprintf(stderr, "tpserve-worker: %s\n%s\n", std::string(parsed.status().message()).c_str(),
-                 kUsage);
+    std::fprintf(stderr, "%s\n", std::string(parsed.status().message()).c_str());
     return 2;
   }
-  const CliArgs& a = *parsed;
+  const Flags& a = *parsed;
+  if (a.help()) return PrintUsage(WorkerFlagSpec()).ok() ? 0 : 1;
   if (!a.Has("coordinator")) {
-    std::fprintf(stderr, "tpserve-worker: --coordinator is required\n%s\n", kUsage);
+    std::fprintf(stderr, "tpserve-worker: --coordinator is required (see --help)\n");
     return 2;
   }
   const bool mpi = UnderMpi();
   int rank = 0, world_size = 1, local_rank = 0;
-  MPI_Comm workers = MPI_COMM_NULL;
+  MpiWorkers mpi_workers;
   if (mpi) {
-    absl::Status st = InitMpi(&argc, &argv);
-    if (!st.ok()) {
-      std::fprintf(stderr, "tpserve-worker: %s\n", std::string(st.message()).c_str());
+    absl::StatusOr<MpiWorkers> joined = JoinMpiAsWorker(&argc, &argv);
+    if (!joined.ok()) {
+      std::fprintf(stderr, "tpserve-worker: %s\n", std::string(joined.status().message()).c_str());
       return 1;
     }
-    int world_rank = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-    // Color 0 = workers; a coordinator in the same MPMD job splits off with color 1.
-    MPI_Comm_split(MPI_COMM_WORLD, 0, world_rank, &workers);
-    MPI_Comm_rank(workers, &rank);
-    MPI_Comm_size(workers, &world_size);
-    MPI_Comm local = MPI_COMM_NULL;
-    MPI_Comm_split_type(workers, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
-    MPI_Comm_rank(local, &local_rank);
-    MPI_Comm_free(&local);
+    mpi_workers = *joined;
+    rank = mpi_workers.rank;
+    world_size = mpi_workers.world_size;
+    local_rank = mpi_workers.local_rank;
   } else {
-    auto r = a.GetInt("rank", EnvInt("TPSERVE_RANK", EnvInt("SLURM_PROCID", 0)));
-    auto n = a.GetInt("world-size", EnvInt("TPSERVE_WORLD_SIZE", EnvInt("SLURM_NTASKS", 1)));
-    if (!r.ok() || !n.ok() || *n < 1 || *r < 0 || *r >= *n) {
-      std::fprintf(stderr, "tpserve-worker: --rank must be in [0, --world-size)\n%s\n", kUsage);
+    const int64_t r = a.GetInt("rank", FirstSetInt({&env::kRank, &env::kSlurmProcid}, 0));
+    const int64_t n =
+        a.GetInt("world-size", FirstSetInt({&env::kWorldSize, &env::kSlurmNtasks}, 1));
+    if (n < 1 || r < 0 || r >= n) {
+      std::fprintf(stderr, "tpserve-worker: rank %lld is not in [0, world size %lld)\n",
+                   static_cast<long long>(r), static_cast<long long>(n));
       return 2;
     }
-    rank = static_cast<int>(*r);
-    world_size = static_cast<int>(*n);
-    local_rank = static_cast<int>(EnvInt("LOCAL_RANK", EnvInt("SLURM_LOCALID", rank)));
+    rank = static_cast<int>(r);
+    world_size = static_cast<int>(n);
+    local_rank = static_cast<int>(FirstSetInt({&env::kLocalRank, &env::kSlurmLocalid}, rank));
   }
-  SetLogPrefix(absl::StrCat("worker ", rank));
+  SetLogPrefix(absl::StrCat("worker rank ", rank));
   const std::string device = ResolveDevice(a.GetOr("device", "auto"));
-  auto gpu = a.GetInt("gpu", local_rank);
-  const int gpu_index = gpu.ok() ? static_cast<int>(*gpu) : 0;
-  auto timeout = a.GetInt("connect-timeout", 60);
+  const int gpu_index = static_cast<int>(a.GetInt("gpu", local_rank));
+  const int64_t connect_timeout_s = a.GetInt("connect-timeout", 60);
   int code = 0;
   {
     auto ops = MakeOps(device, gpu_index);
-    auto client = ControlClient::Connect(*a.Get("coordinator"),
-                                         std::chrono::seconds(timeout.ok() ? *timeout : 60));
+    auto client =
+        ControlClient::Connect(*a.Get("coordinator"), std::chrono::seconds(connect_timeout_s));
     absl::Status st = !ops.ok() ? ops.status() : client.status();
     if (st.ok()) {
       worker::WorkerMessage reg;
@@ -256,7 +267,7 @@ int Main(int argc, char** argv) {
         st = absl::UnavailableError("could not register with the coordinator");
       } else {
         (*client)->StartHeartbeats(std::chrono::milliseconds(1000), std::chrono::seconds(5));
-        st = Serve(**client, rank, world_size, mpi, workers, ops->get(), device);
+        st = Serve(**client, rank, world_size, mpi, mpi_workers.comm, ops->get(), device);
         if (!st.ok()) {
           worker::WorkerMessage fatal;
           fatal.set_fatal_error(std::string(st.message()));
@@ -270,11 +281,7 @@ int Main(int argc, char** argv) {
       code = 1;
     }
   }
-  if (mpi) {
-    if (code != 0) MPI_Abort(MPI_COMM_WORLD, code);  // the job cannot continue without this rank
-    MPI_Comm_free(&workers);
-    MPI_Finalize();
-  }
+  if (mpi) LeaveMpiAsWorker(&mpi_workers, /*failed=*/code != 0);
   return code;
 }
 

@@ -7,9 +7,9 @@
 // shape (32 heads, d 128) ran at 161 against 155 TFLOP/s (tpserve-cuda-bench --attention).
 // Handles any batch of query lengths with a cached prefix (chunked prefill, mixed batches):
 // query i of a sequence sees cache positions [0, context_len - query_len + i].
-#include <cstdlib>
 #include <cstring>
 
+#include "common/env.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/head_dims.h"
@@ -17,10 +17,7 @@
 namespace tpserve::cuda {
 
 int PrefillTileM() {
-  static const int tile = [] {
-    const char* env = std::getenv("TPSERVE_PREFILL_TILE");
-    return env != nullptr && std::strcmp(env, "64") == 0 ? 64 : 128;
-  }();
+  static const int tile = EnvString(env::kPrefillTile) == "64" ? 64 : 128;
   return tile;
 }
 

@@ -4,12 +4,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
-#include "absl/strings/str_split.h"
 #include "common/check.h"
+#include "common/env.h"
 #include "common/logging.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/launchers.h"
@@ -40,8 +39,7 @@ bool DeviceSupportsPdl() {
 bool PdlAllowed() {
   int v = g_pdl.load(std::memory_order_relaxed);
   if (v < 0) {
-    const char* env = std::getenv("TPSERVE_PDL");
-    v = DeviceSupportsPdl() && !(env != nullptr && std::string(env) == "0") ? 1 : 0;
+    v = DeviceSupportsPdl() && EnvBool(env::kPdl) ? 1 : 0;
     g_pdl.store(v, std::memory_order_relaxed);
   }
   return v == 1;
@@ -142,26 +140,9 @@ CudaOps::CudaOps(int device) : device_(device) {
   lt_ = std::make_unique<cuda::LtGemm>();
   sampler_ = std::make_unique<cuda::GpuSampler>();
   batch_ = std::make_unique<cuda::DeviceBatch>();
-  const char* profile = std::getenv("TPSERVE_OP_PROFILE");
-  if (profile != nullptr && std::string(profile) == "1") set_op_profiling(true);
-  const char* fused = std::getenv("TPSERVE_FUSED_SKINNY");
-  if (fused != nullptr && std::string(fused) == "0") fused_skinny_ = false;
-  const char* fused_norm = std::getenv("TPSERVE_FUSED_NORM");
-  if (fused_norm != nullptr && std::string(fused_norm) == "0") fused_norm_ = false;
   const size_t record_bytes = sizeof(unsigned long long) * cuda::kNormRecordWords * kMaxNormRecords;
   TP_CUDA_CHECK(cudaMalloc(&norm_records_, record_bytes));
   TP_CUDA_CHECK(cudaMemset(norm_records_, 0, record_bytes));
-  const char* ablate = std::getenv("TPSERVE_ABLATE_OPS");
-  if (ablate != nullptr && *ablate != '\0') {
-    for (absl::string_view op : absl::StrSplit(ablate, ',', absl::SkipEmpty())) {
-      TP_CHECK(op == "AttentionDecode" || op == "AddRmsNorm" || op == "Gemm.square")
-          << "TPSERVE_ABLATE_OPS: unknown op '" << op
-          << "' (AttentionDecode, AddRmsNorm, Gemm.square)";
-      ablated_.insert(std::string(op));
-    }
-    TP_LOG(WARNING) << "TPSERVE_ABLATE_OPS=" << ablate
-                    << ": these ops are skipped, every result is wrong (benchmarking only)";
-  }
 }
 
 CudaOps::~CudaOps() {

@@ -123,27 +123,28 @@ class CudaOps final : public Ops {
 
   // Programmatic dependent launch of the decode-path kernels (see cuda_util.cuh), for every
   // CudaOps of the process. On by default on Hopper (for batches of at most 256 tokens);
-  // TPSERVE_PDL=0 turns it off.
+  // TPSERVE_PDL=0 turns it off (common/env.h).
   static void set_programmatic_launch(bool on);
   static bool programmatic_launch();
   // The small-M fusions into the skinny GEMM (QkvRopeKvWrite, SiluMulGemm); on by default,
-  // TPSERVE_FUSED_SKINNY=0 turns them off (A/B measurements).
+  // off for A/B measurements (TPSERVE_FUSED_SKINNY=0 in the benchmarks: bench_knobs.h).
   void set_fused_skinny(bool on) { fused_skinny_ = on; }
   bool fused_skinny() const { return fused_skinny_; }
-  // The deferred norm of GemmAddRmsNorm / SiluMulGemmAddRmsNorm; on by default,
-  // TPSERVE_FUSED_NORM=0 turns it off (A/B measurements).
+  // The deferred norm of GemmAddRmsNorm / SiluMulGemmAddRmsNorm; on by default, off for A/B
+  // measurements (TPSERVE_FUSED_NORM=0 in the benchmarks: bench_knobs.h).
   void set_fused_norm(bool on) { fused_norm_ = on; }
   bool fused_norm() const { return fused_norm_; }
-  // Ablation, for benchmarks only: TPSERVE_ABLATE_OPS=AttentionDecode,AddRmsNorm,Gemm.square
-  // (any of them) makes those ops return without launching anything (Gemm.square: GEMMs with a
-  // square weight, in LLaMA shapes the attention output projection), so that the step time
-  // without them can be measured inside the CUDA graph. Every result is wrong; a warning says so.
+  // Ablation, for benchmarks only (TPSERVE_ABLATE_OPS, bench_knobs.h): AttentionDecode,
+  // AddRmsNorm, Gemm.square (any of them) return without launching anything (Gemm.square: GEMMs
+  // with a square weight, in LLaMA shapes the attention output projection), so that the step
+  // time without them can be measured inside the CUDA graph. Every result is wrong.
+  void set_ablated_ops(std::set<std::string, std::less<>> ops) { ablated_ = std::move(ops); }
   bool Ablated(std::string_view op) const {
     return !ablated_.empty() && ablated_.find(op) != ablated_.end();
   }
 
   // Op profiler (op_profiler.h): while on, every op launched outside stream capture is timed
-  // with a pair of CUDA events. Also switched on by TPSERVE_OP_PROFILE=1.
+  // with a pair of CUDA events (the benchmarks also switch it on by TPSERVE_OP_PROFILE=1).
   void set_op_profiling(bool on);
   bool op_profiling() const { return profiler_ != nullptr; }
   // Times everything queued in between as one "step" row of the profile.
@@ -189,7 +190,7 @@ class CudaOps final : public Ops {
   static constexpr int kMaxNormRecords = 256;
   unsigned long long* norm_records_ = nullptr;
   int norm_records_used_ = 0;
-  std::set<std::string, std::less<>> ablated_;  // TPSERVE_ABLATE_OPS
+  std::set<std::string, std::less<>> ablated_;  // set_ablated_ops
   uint64_t generation_ = 0;
   // Batch buffers on the device and their pinned staging (two, used alternately).
   enum {

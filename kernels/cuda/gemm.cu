@@ -4,9 +4,9 @@
 
 #include <cublas_v2.h>
 
-#include <cstdlib>
 #include <string>
 
+#include "common/env.h"
 #include "kernels/cuda/cuda_util.cuh"
 
 namespace tpserve::cuda {
@@ -24,8 +24,7 @@ int PointerAlignment(const void* p) {
 LtGemm::LtGemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   TP_CUBLAS_CHECK(cublasLtCreate(&handle_));
   TP_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
-  const char* env = std::getenv("TPSERVE_CUBLASLT_AUTOTUNE");
-  autotune_ = env != nullptr && std::string(env) == "1";
+  autotune_ = EnvBool(env::kCublasLtAutotune);
 }
 
 LtGemm::~LtGemm() {

@@ -7,13 +7,13 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include "common/check.h"
+#include "common/env.h"
 
 namespace tpserve::cuda {
 namespace {
@@ -109,10 +109,8 @@ class CopyTeam {
 };
 
 int DefaultThreads() {
-  if (const char* env = std::getenv("TPSERVE_LOAD_THREADS")) {
-    const int n = std::atoi(env);
-    if (n >= 1) return std::min(n, 64);
-  }
+  const int64_t n = EnvInt(env::kLoadThreads);
+  if (n >= 1) return static_cast<int>(std::min<int64_t>(n, 64));
   const int hw = static_cast<int>(std::thread::hardware_concurrency());
   return std::max(1, std::min(8, hw));
 }

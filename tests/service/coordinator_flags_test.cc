@@ -1,9 +1,9 @@
-// The coordinator's flags that size the workers: --gpu-memory-utilization (forwarded to every
-// worker in its Assignment) and --kv-cache-mb; --enable-prefix-caching.
+// The coordinator's flag table: the options it fills, its ranges and errors, --help, the flags
+// that size the workers (--gpu-memory-utilization, --kv-cache-mb) and --enable-prefix-caching.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "coordinator/server.h"
+#include "coordinator/coordinator_flags.h"
 
 namespace tpserve {
 namespace {
@@ -32,7 +32,118 @@ TEST(CoordinatorFlagsTest, GpuMemoryUtilizationIsParsedAndRangeChecked) {
   }
   o = ParseCoordinatorFlags({"--model", "m", "--gpu-memory-utilization", "most"}, true);
   EXPECT_FALSE(o.ok());
-  EXPECT_THAT(std::string(kCoordinatorUsage), HasSubstr("--gpu-memory-utilization F"));
+  EXPECT_THAT(Usage(CoordinatorFlagSpec(false)), HasSubstr("--gpu-memory-utilization F"));
+}
+
+TEST(CoordinatorFlagsTest, RangesUnknownFlagsAndPositionalArgumentsAreErrors) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--model", "m", "--port", "70000"}, "--port expects an integer in [0, 65535], got '70000'"},
+      {{"--model", "m", "--workers", "0"}, "--workers expects an integer in [1, 4096]"},
+      {{"--model", "m", "--max-num-seqs", "many"}, "--max-num-seqs expects an integer"},
+      {{"--model", "m", "--heartbeat-timeout", "0.1"}, "[0.5, 86400]"},
+      {{"--model", "m", "--drain-timeout", "-1"}, "--drain-timeout"},
+      {{"--model", "m", "--kv-cache-mb", "-5"}, "--kv-cache-mb"},
+      {{"--model", "m", "--no-such-flag"}, "unknown flag --no-such-flag"},
+      {{"--model", "m", "stray"}, "unexpected argument 'stray'"},
+      {{"--model", "m", "--tp", "2", "--workers", "3"}, "--workers 3 but --tp 2"},
+      {{"--model", "m", "--pp", "2"}, "--pp needs --tp"},
+      {{"--port", "1"}, "missing required flag --model"},
+  };
+  for (const auto& [args, message] : cases) {
+    for (bool serve : {false, true}) {
+      auto o = ParseCoordinatorFlags(args, serve);
+      ASSERT_FALSE(o.ok()) << message;
+      EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(std::string(o.status().message()), HasSubstr(message));
+    }
+  }
+}
+
+TEST(CoordinatorFlagsTest, EveryFlagIsParsedIntoTheOptions) {
+  auto o = ParseCoordinatorFlags({"--model",
+                                  "m",
+                                  "--host",
+                                  "127.0.0.1",
+                                  "--port",
+                                  "0",
+                                  "--tp",
+                                  "2",
+                                  "--pp",
+                                  "2",
+                                  "--device-map",
+                                  "0-1:0,2-3:1",
+                                  "--device",
+                                  "cpu",
+                                  "--worker-binary",
+                                  "w",
+                                  "--kv-cache-mb",
+                                  "64",
+                                  "--block-size",
+                                  "32",
+                                  "--max-num-seqs",
+                                  "8",
+                                  "--max-num-batched-tokens",
+                                  "256",
+                                  "--max-queued-requests",
+                                  "0",
+                                  "--default-max-new-tokens",
+                                  "7",
+                                  "--register-timeout",
+                                  "5",
+                                  "--load-timeout",
+                                  "6",
+                                  "--drain-timeout",
+                                  "0",
+                                  "--heartbeat-timeout",
+                                  "1.5",
+                                  "--step-timeout",
+                                  "9",
+                                  "--ready-file",
+                                  "r",
+                                  "--spawn-workers"},
+                                 false);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->model_dir, "m");
+  EXPECT_EQ(o->host, "127.0.0.1");
+  EXPECT_EQ(o->port, 0);
+  EXPECT_EQ(o->tp, 2);
+  EXPECT_EQ(o->pp, 2);
+  EXPECT_EQ(o->world_size, 4);
+  EXPECT_EQ(o->device_map, "0-1:0,2-3:1");
+  EXPECT_EQ(o->device, "cpu");
+  EXPECT_EQ(o->worker_binary, "w");
+  EXPECT_EQ(o->kv_cache_mb, 64);
+  EXPECT_EQ(o->block_size, 32);
+  EXPECT_EQ(o->max_num_seqs, 8);
+  EXPECT_EQ(o->max_num_batched_tokens, 256);
+  EXPECT_EQ(o->max_queued_requests, 0);
+  EXPECT_EQ(o->default_max_new_tokens, 7);
+  EXPECT_EQ(o->register_timeout_s, 5);
+  EXPECT_EQ(o->load_timeout_s, 6);
+  EXPECT_EQ(o->drain_timeout_s, 0);
+  EXPECT_DOUBLE_EQ(o->heartbeat_timeout_s, 1.5);
+  EXPECT_EQ(o->step_timeout_s, 9);
+  EXPECT_EQ(o->ready_file, "r");
+  EXPECT_TRUE(o->spawn_workers);
+  EXPECT_FALSE(o->help);
+}
+
+TEST(CoordinatorFlagsTest, HelpNeedsNoModelAndTheUsageListsEveryFlag) {
+  for (bool serve : {false, true}) {
+    auto o = ParseCoordinatorFlags({"--help"}, serve);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_TRUE(o->help);
+    const std::string usage = Usage(CoordinatorFlagSpec(serve));
+    for (const FlagSpec& f : CoordinatorFlagSpec(serve).flags) {
+      EXPECT_THAT(usage, HasSubstr("--" + f.name + " ")) << usage;
+    }
+  }
+  // The four flags the hand-written usage once missed.
+  const std::string usage = Usage(CoordinatorFlagSpec(false));
+  for (const char* f :
+       {"--block-size", "--default-max-new-tokens", "--load-timeout", "--step-timeout"}) {
+    EXPECT_THAT(usage, HasSubstr(f));
+  }
 }
 
 TEST(CoordinatorFlagsTest, PrefixCachingIsOnByDefaultAndCanBeTurnedOff) {
@@ -57,7 +168,7 @@ TEST(CoordinatorFlagsTest, PrefixCachingIsOnByDefaultAndCanBeTurnedOff) {
   }
   o = ParseCoordinatorFlags({"--model", "m", "--enable-prefix-caching=maybe"}, true);
   EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(kCoordinatorUsage), HasSubstr("--enable-prefix-caching"));
+  EXPECT_THAT(Usage(CoordinatorFlagSpec(true)), HasSubstr("--enable-prefix-caching"));
 }
 
 }  // namespace

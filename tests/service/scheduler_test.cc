@@ -773,6 +773,25 @@ TEST(PrefixCacheTest, SaltsIsolateAndDropForgets) {
   EXPECT_EQ(run(""), 0);
 }
 
+// The coordinator's drain and warm-up wait on notifications: WaitIdle returns when the last
+// request is done (or at its deadline), RequestState::WaitFinished when the request completes.
+TEST(SchedulerTest, WaitIdleAndWaitFinishedReturnOnCompletionOrDeadline) {
+  FakeExecutor ex(64, 4);
+  ex.delay_ms_ = 2;
+  Scheduler s(Options(64, 4, 64), nullptr, &ex);
+  s.Start();
+  EXPECT_TRUE(s.WaitIdle(Clock::now()));  // nothing submitted yet
+  auto r = MakeRequest(4, 20, 1);
+  ASSERT_TRUE(s.Submit(r).ok());
+  // 20 steps of at least 2 ms each: neither is done within 5 ms.
+  EXPECT_FALSE(s.WaitIdle(Clock::now() + std::chrono::milliseconds(5)));
+  EXPECT_FALSE(r->WaitFinished(Clock::now() + std::chrono::milliseconds(5)));
+  ASSERT_TRUE(r->WaitFinished(Clock::now() + std::chrono::seconds(10)));
+  EXPECT_TRUE(r->Take().status.ok());
+  EXPECT_TRUE(s.WaitIdle(Clock::now() + std::chrono::seconds(10)));
+  EXPECT_TRUE(s.Idle());
+}
+
 TEST(ValidateTest, DefaultsAndLimits) {
   ServiceLimits limits;
   limits.context_length = 100;

@@ -9,5 +9,5 @@ target_link_libraries(tpserve_bench_core PUBLIC tpserve_proto tpserve_common abs
                       absl::statusor PRIVATE absl::strings gRPC::grpc++ Threads::Threads)
 
 add_library(tpserve_bench_cmd STATIC ${CMAKE_CURRENT_LIST_DIR}/bench_cmd.cc)
-target_link_libraries(tpserve_bench_cmd PUBLIC tpserve_bench_core tpserve_cli_args absl::status
+target_link_libraries(tpserve_bench_cmd PUBLIC tpserve_bench_core absl::status
                       PRIVATE nlohmann_json::nlohmann_json absl::strings)

@@ -15,34 +15,67 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/env.h"
+#include "common/flags.h"
 #include "common/status.h"
 #include "tools/bench/load_gen.h"
 #include "tools/bench/workload.h"
-#include "tools/cli_args.h"
 
 namespace tpserve {
 namespace {
 
 using bench::LengthDist;
 
-constexpr char kBenchUsage[] =
-    "usage: tpserve bench --server ADDR [--preset latency|batch32|batch64|chat|shared-prefix]\n"
-    "  load:     [--concurrency N] [--request-rate R|inf (open loop, Poisson)] [--num-requests N]\n"
-    "            [--warmup N (1)] [--timeout S (600, per request)]\n"
-    "            [--info-timeout S (60): wait this long for the server to answer GetModelInfo]\n"
-    "  lengths:  [--prompt-len N|DIST] [--output-len N|DIST]   DIST: uniform:LO:HI,\n"
-    "            normal:MEAN:STD[:MIN:MAX]  (also --prompt-len-dist / --output-len-dist)\n"
-    "  chat:     [--turns T] [--num-conversations C] [--user-turn-len N|DIST]\n"
-    "  prefix:   [--shared-prefix-len N (0): one shared prefix in front of every prompt]\n"
-    "  prompts:  [--prompt-kind ids|text] (random token ids below the model's vocab size, or\n"
-    "            their text) [--seed S (0): prompts, lengths and arrivals]\n"
-    "  sampling: [--temperature T] [--top-p P] [--top-k K] [--sampling-seed S]\n"
-    "            [--repetition-penalty R] [--no-ignore-eos] [--no-stream]\n"
-    "  output:   [--json FILE|- (- : JSON on stdout instead of the table)] [--per-request]\n"
-    "            [--label TEXT] [--progress|--no-progress] [--allow-errors] [--list-presets]";
+const CommandSpec& BenchSpec() {
+  static const CommandSpec* const spec = new CommandSpec{
+      "tpserve bench",
+      "Measures a running server: throughput and latency percentiles (presets, JSON).",
+      {StringFlag("server", "ADDR", "server address (default: TPSERVE_SERVER, localhost:50051)"),
+       StringFlag("preset", "latency|batch32|batch64|chat|shared-prefix",
+                  "a named workload (--list-presets)"),
+       IntFlag("concurrency", 0, 1 << 20, "requests in flight (open loop: a cap; default 1)"),
+       StringFlag("request-rate", "R|inf", "open loop: Poisson arrivals at R requests/s"),
+       IntFlag("num-requests", 1, int64_t{1} << 30, "requests to send (default 16)"),
+       IntFlag("warmup", 0, 1 << 20, "warm-up requests, not measured (default 1)"),
+       FloatFlag("timeout", 0, 1e9, "deadline of each request in seconds (default 600)", "S",
+                 /*min_exclusive=*/true),
+       FloatFlag("info-timeout", 0, 1e9,
+                 "seconds to wait for the server to answer GetModelInfo (default 60)", "S"),
+       StringFlag("prompt-len", "N|DIST", "prompt length in tokens (default 512)"),
+       StringFlag("prompt-len-dist", "DIST", "prompt length distribution"),
+       StringFlag("output-len", "N|DIST", "output length in tokens (default 128)"),
+       StringFlag("output-len-dist", "DIST", "output length distribution"),
+       IntFlag("turns", 0, 1 << 20, "chat: turns per conversation", "T"),
+       IntFlag("num-conversations", 1, 1 << 20, "chat: conversations", "C"),
+       StringFlag("user-turn-len", "N|DIST", "chat: tokens the user adds per turn"),
+       StringFlag("user-turn-len-dist", "DIST", "chat: distribution of the user turn length"),
+       IntFlag("shared-prefix-len", 0, 1 << 20,
+               "one shared prefix of N tokens in front of every prompt (default 0)"),
+       StringFlag("prompt-kind", "ids|text",
+                  "random token ids below the vocab size, or their text (default ids)"),
+       IntFlag("seed", INT64_MIN, INT64_MAX, "seed of prompts, lengths and arrivals (default 0)",
+               "S"),
+       FloatFlag("temperature", 0, 1e6, "sampling temperature", "T"),
+       FloatFlag("top-p", 0, 1, "nucleus sampling mass", "P"),
+       IntFlag("top-k", 0, int64_t{1} << 30, "sample among the K most likely tokens", "K"),
+       IntFlag("sampling-seed", INT64_MIN, INT64_MAX, "sampling seed", "S"),
+       FloatFlag("repetition-penalty", 0, 1e6, "penalty of tokens already present", "R"),
+       BoolFlag("no-ignore-eos", "stop at the end-of-sequence token"),
+       BoolFlag("no-stream", "unary calls (no TTFT / ITL)"),
+       StringFlag("json", "FILE|-", "write the JSON report (-: on stdout instead of the table)"),
+       BoolFlag("per-request", "add every request's record to the JSON"),
+       StringFlag("label", "TEXT", "label stored in the report"),
+       BoolFlag("progress", "draw a progress bar on stderr"),
+       BoolFlag("no-progress", "no progress bar (default when stderr is not a terminal)"),
+       BoolFlag("allow-errors", "exit 0 even if requests failed"),
+       BoolFlag("list-presets", "list the presets and exit")},
+      "DIST: uniform:LO:HI or normal:MEAN:STD[:MIN:MAX]"};
+  return *spec;
+}
 
-struct Flags {
+struct BenchFlags {
   std::string server;
   std::string preset;
   std::string label;
@@ -54,7 +87,7 @@ struct Flags {
   bool allow_errors = false;
 };
 
-absl::StatusOr<LengthDist> LengthFlag(const CliArgs& a, const std::string& name,
+absl::StatusOr<LengthDist> LengthFlag(const Flags& a, const std::string& name,
                                       const LengthDist& fallback) {
   const std::string dist_name = name + "-dist";
   if (a.Has(name) && a.Has(dist_name)) {
@@ -66,22 +99,16 @@ absl::StatusOr<LengthDist> LengthFlag(const CliArgs& a, const std::string& name,
   return fallback;
 }
 
-absl::StatusOr<int64_t> PositiveInt(const CliArgs& a, const std::string& name, int64_t fallback,
+absl::StatusOr<int64_t> PositiveInt(const Flags& a, const std::string& name, int64_t fallback,
                                     int64_t min = 1) {
-  TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt(name, fallback));
+  const int64_t v = a.GetInt(name, fallback);
   if (v < min) return absl::InvalidArgumentError(absl::StrCat("--", name, " must be >= ", min));
   return v;
 }
 
-absl::StatusOr<Flags> ParseFlags(const CliArgs& a) {
-  Flags f;
-  if (a.Has("server")) {
-    f.server = *a.Get("server");
-  } else if (const char* env = std::getenv("TPSERVE_SERVER")) {
-    f.server = env;
-  } else {
-    f.server = "localhost:50051";
-  }
+absl::StatusOr<BenchFlags> ParseFlags(const Flags& a) {
+  BenchFlags f;
+  f.server = a.GetOr("server", EnvString(env::kServer));
   bench::Preset preset;  // defaults when no preset is named
   preset.name = "";
   preset.prompt_len = 512;
@@ -116,7 +143,7 @@ absl::StatusOr<Flags> ParseFlags(const CliArgs& a) {
   }
   TP_ASSIGN_OR_RETURN(s.shared_prefix_len,
                       PositiveInt(a, "shared-prefix-len", preset.shared_prefix_len, 0));
-  TP_ASSIGN_OR_RETURN(int64_t seed, a.GetInt("seed", 0));
+  const int64_t seed = a.GetInt("seed", 0);
   s.seed = static_cast<uint64_t>(seed);
 
   bench::LoadOptions& l = f.load;
@@ -128,8 +155,7 @@ absl::StatusOr<Flags> ParseFlags(const CliArgs& a) {
     if (rate == "inf") {
       s.request_rate = INFINITY;
     } else {
-      TP_ASSIGN_OR_RETURN(s.request_rate, a.GetDouble("request-rate", 0));
-      if (!(s.request_rate > 0)) {
+      if (!absl::SimpleAtod(rate, &s.request_rate) || !(s.request_rate > 0)) {
         return absl::InvalidArgumentError("--request-rate must be > 0 (requests/s) or inf");
       }
     }
@@ -146,26 +172,26 @@ absl::StatusOr<Flags> ParseFlags(const CliArgs& a) {
   }
   l.text_prompts = kind == "text";
   if (a.Has("temperature")) {
-    TP_ASSIGN_OR_RETURN(double v, a.GetDouble("temperature", 0));
+    const double v = a.GetDouble("temperature", 0);
     l.sampling.set_temperature(static_cast<float>(v));
   }
   if (a.Has("top-p")) {
-    TP_ASSIGN_OR_RETURN(double v, a.GetDouble("top-p", 1));
+    const double v = a.GetDouble("top-p", 1);
     l.sampling.set_top_p(static_cast<float>(v));
   }
   if (a.Has("top-k")) {
-    TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt("top-k", 0));
+    const int64_t v = a.GetInt("top-k", 0);
     l.sampling.set_top_k(static_cast<int32_t>(v));
   }
   if (a.Has("sampling-seed")) {
-    TP_ASSIGN_OR_RETURN(int64_t v, a.GetInt("sampling-seed", 0));
+    const int64_t v = a.GetInt("sampling-seed", 0);
     l.sampling.set_seed(static_cast<uint64_t>(v));
   }
   if (a.Has("repetition-penalty")) {
-    TP_ASSIGN_OR_RETURN(double v, a.GetDouble("repetition-penalty", 1));
+    const double v = a.GetDouble("repetition-penalty", 1);
     l.sampling.set_repetition_penalty(static_cast<float>(v));
   }
-  TP_ASSIGN_OR_RETURN(l.timeout_s, a.GetDouble("timeout", 600));
+  l.timeout_s = a.GetDouble("timeout", 600);
   if (!(l.timeout_s > 0)) return absl::InvalidArgumentError("--timeout must be > 0 (seconds)");
   TP_ASSIGN_OR_RETURN(l.warmup, PositiveInt(a, "warmup", 1, 0));
   f.json_path = a.GetOr("json", "");
@@ -199,7 +225,7 @@ nlohmann::json SummaryJson(const bench::Summary& s) {
           {"p99", s.p99},     {"min", s.min},   {"max", s.max}};
 }
 
-nlohmann::json ReportJson(const Flags& f, const v1::ModelInfo& info, const bench::Report& r,
+nlohmann::json ReportJson(const BenchFlags& f, const v1::ModelInfo& info, const bench::Report& r,
                           const bench::LoadResult& result, const PrefixCacheReport& pc) {
   nlohmann::json j;
   j["tool"] = "tpserve bench";
@@ -292,7 +318,7 @@ nlohmann::json ReportJson(const Flags& f, const v1::ModelInfo& info, const bench
   return j;
 }
 
-void PrintTable(const Flags& f, const v1::ModelInfo& info, const bench::Report& r,
+void PrintTable(const BenchFlags& f, const v1::ModelInfo& info, const bench::Report& r,
                 const PrefixCacheReport& pc) {
   const bench::WorkloadSpec& s = f.spec;
   std::printf("===== tpserve bench%s%s =====\n", f.preset.empty() ? "" : ": preset ",
@@ -402,53 +428,17 @@ class ProgressBar {
 }  // namespace
 
 absl::Status RunBenchCommand(const std::vector<std::string>& args) {
-  auto parsed = CliArgs::Parse(args,
-                               {"server",
-                                "preset",
-                                "concurrency",
-                                "request-rate",
-                                "num-requests",
-                                "prompt-len",
-                                "prompt-len-dist",
-                                "output-len",
-                                "output-len-dist",
-                                "turns",
-                                "num-conversations",
-                                "user-turn-len",
-                                "user-turn-len-dist",
-                                "prompt-kind",
-                                "seed",
-                                "temperature",
-                                "top-p",
-                                "top-k",
-                                "sampling-seed",
-                                "repetition-penalty",
-                                "timeout",
-                                "warmup",
-                                "json",
-                                "label",
-                                "info-timeout",
-                                "shared-prefix-len"},
-                               {"no-stream", "no-ignore-eos", "per-request", "progress",
-                                "no-progress", "allow-errors", "list-presets", "help"});
-  if (!parsed.ok()) return Annotate(parsed.status(), kBenchUsage);
-  if (parsed->Flag("help")) {
-    std::printf("%s\n", kBenchUsage);
-    return absl::OkStatus();
-  }
-  if (parsed->Flag("list-presets")) {
+  TP_ASSIGN_OR_RETURN(Flags parsed, Flags::Parse(BenchSpec(), args));
+  if (parsed.help()) return PrintUsage(BenchSpec());
+  if (parsed.Flag("list-presets")) {
     for (const bench::Preset& p : bench::Presets()) {
       std::printf("%-14s %s\n", p.name.c_str(), p.description.c_str());
     }
     return absl::OkStatus();
   }
-  if (!parsed->positional().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unexpected argument '", parsed->positional()[0], "'\n", kBenchUsage));
-  }
-  TP_ASSIGN_OR_RETURN(Flags f, ParseFlags(*parsed));
+  TP_ASSIGN_OR_RETURN(BenchFlags f, ParseFlags(parsed));
 
-  TP_ASSIGN_OR_RETURN(double info_timeout, parsed->GetDouble("info-timeout", 60));
+  const double info_timeout = parsed.GetDouble("info-timeout", 60);
   TP_ASSIGN_OR_RETURN(v1::ModelInfo info, bench::FetchModelInfo(f.server, info_timeout));
   if (info.vocab_size() < 1) {
     return absl::FailedPreconditionError(

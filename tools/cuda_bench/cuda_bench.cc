@@ -16,6 +16,7 @@
 
 #include "common/bf16.h"
 #include "common/check.h"
+#include "kernels/cuda/bench_knobs.h"
 #include "kernels/cuda/cuda_ops.h"
 
 namespace tpserve {
@@ -86,6 +87,10 @@ int Main(bool m1_only, bool attention_only) {
     return 0;
   }
   CudaOps ops(0);
+  if (absl::Status knobs = ApplyBenchKnobs(&ops); !knobs.ok()) {
+    std::fprintf(stderr, "tpserve-cuda-bench: %s\n", std::string(knobs.message()).c_str());
+    return 2;
+  }
   cudaStream_t s = ops.stream();
   cudaDeviceProp prop;
   TP_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));

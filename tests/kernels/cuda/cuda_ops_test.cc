@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "common/bf16.h"
+#include "kernels/cuda/bench_knobs.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/ops.h"
 #include "kernels/philox.h"
@@ -195,12 +196,24 @@ TEST_F(CudaOpsTest, RmsNormAndAddRmsNorm) {
   }
 }
 
-// TPSERVE_ABLATE_OPS (benchmarks only): the named ops launch nothing, the others still run.
+// TPSERVE_ABLATE_OPS's list (benchmarks only, bench_knobs.h): known names, or an error.
+TEST(BenchKnobsTest, AblatedOpsListIsParsedAndChecked) {
+  auto ops = ParseAblatedOps("AddRmsNorm,,Gemm.square");
+  ASSERT_TRUE(ops.ok()) << ops.status();
+  EXPECT_EQ(*ops, (std::set<std::string, std::less<>>{"AddRmsNorm", "Gemm.square"}));
+  auto bad = ParseAblatedOps("AddRmsNorm,Softmax");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("unknown op 'Softmax'"), std::string::npos);
+}
+
+// Ablation (TPSERVE_ABLATE_OPS in the benchmarks): the named ops launch nothing, the others
+// still run.
 TEST_F(CudaOpsTest, AblatedOpsLaunchNothing) {
-  ASSERT_EQ(setenv("TPSERVE_ABLATE_OPS", "AddRmsNorm,Gemm.square", 1), 0);
   std::unique_ptr<Ops> ablated = MakeCudaOps(0);
-  unsetenv("TPSERVE_ABLATE_OPS");
   auto* cuda = static_cast<CudaOps*>(ablated.get());
+  auto names = ParseAblatedOps("AddRmsNorm,Gemm.square");
+  ASSERT_TRUE(names.ok()) << names.status();
+  cuda->set_ablated_ops(*names);
   EXPECT_TRUE(cuda->Ablated("AddRmsNorm"));
   EXPECT_TRUE(cuda->Ablated("Gemm.square"));
   EXPECT_FALSE(cuda->Ablated("AttentionDecode"));

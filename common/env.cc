@@ -1,0 +1,341 @@
+// The declared environment variables and their parsing (see env.h). This is the one place that
+// calls getenv.
+#include "common/env.h"
+
+#include <atomic>
+#include <cstdlib>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "common/logging.h"
+
+namespace tpserve {
+namespace env {
+
+constexpr int64_t kMaxRanks = 1 << 20;
+
+const EnvVar kLogLevel = {"TPSERVE_LOG_LEVEL",
+                          EnvType::kChoice,
+                          "info",
+                          "threshold of the log lines on stderr",
+                          0,
+                          0,
+                          "debug|info|warning|error"};
+const EnvVar kServer = {"TPSERVE_SERVER", EnvType::kString, "localhost:50051",
+                        "server of the client commands (generate, info, health, bench) "
+                        "without --server"};
+const EnvVar kWorker = {"TPSERVE_WORKER", EnvType::kString, "",
+                        "tpserve-worker binary the coordinator spawns without --worker-binary "
+                        "(default: next to the coordinator, then PATH)"};
+const EnvVar kMpirun = {"TPSERVE_MPIRUN", EnvType::kString, "mpirun",
+                        "mpirun the coordinator uses to spawn several local workers"};
+const EnvVar kRank = {"TPSERVE_RANK",
+                      EnvType::kInt,
+                      "0",
+                      "worker rank without --rank and without MPI (else SLURM_PROCID)",
+                      0,
+                      kMaxRanks};
+const EnvVar kWorldSize = {"TPSERVE_WORLD_SIZE",
+                           EnvType::kInt,
+                           "1",
+                           "number of workers without --world-size and without MPI (else "
+                           "SLURM_NTASKS)",
+                           1,
+                           kMaxRanks};
+const EnvVar kWorkerCudaGraphs = {"TPSERVE_WORKER_CUDA_GRAPHS", EnvType::kBool, "1",
+                                  "the service's workers replay decode steps as CUDA graphs "
+                                  "(tp = pp = 1); 0 runs them eagerly"};
+const EnvVar kPdl = {"TPSERVE_PDL", EnvType::kBool, "1",
+                     "programmatic dependent launch of the CUDA kernels (sm_90+); 0 turns it off"};
+const EnvVar kPrefillTile = {"TPSERVE_PREFILL_TILE",
+                             EnvType::kChoice,
+                             "128",
+                             "query rows per block of the prefill attention kernel",
+                             0,
+                             0,
+                             "128|64"};
+const EnvVar kCublasLtAutotune = {"TPSERVE_CUBLASLT_AUTOTUNE", EnvType::kBool, "0",
+                                  "time cuBLASLt's candidate algorithms for M <= 256 instead of "
+                                  "taking its heuristic (faster, not bitwise reproducible across "
+                                  "processes)"};
+const EnvVar kLoadThreads = {"TPSERVE_LOAD_THREADS",
+                             EnvType::kInt,
+                             "0",
+                             "host threads copying weights to the GPU; 0: min(8, cores), at most "
+                             "64",
+                             0,
+                             1 << 20};
+const EnvVar kOpProfile = {"TPSERVE_OP_PROFILE",
+                           EnvType::kBool,
+                           "0",
+                           "tpserve-engine-bench: time every op with CUDA events",
+                           0,
+                           0,
+                           "",
+                           true};
+const EnvVar kFusedSkinny = {"TPSERVE_FUSED_SKINNY",
+                             EnvType::kBool,
+                             "1",
+                             "tpserve-engine-bench: 0 forces the unfused decode GEMM paths (A/B)",
+                             0,
+                             0,
+                             "",
+                             true};
+const EnvVar kFusedNorm = {"TPSERVE_FUSED_NORM",
+                           EnvType::kBool,
+                           "1",
+                           "tpserve-engine-bench: 0 forces a separate RMSNorm kernel (A/B)",
+                           0,
+                           0,
+                           "",
+                           true};
+const EnvVar kAblateOps = {"TPSERVE_ABLATE_OPS",
+                           EnvType::kString,
+                           "",
+                           "tpserve-engine-bench: skip these ops (AttentionDecode,AddRmsNorm,"
+                           "Gemm.square); every result is wrong, timing only",
+                           0,
+                           0,
+                           "",
+                           true};
+const EnvVar kCudaVisibleDevices = {"CUDA_VISIBLE_DEVICES",
+                                    EnvType::kString,
+                                    "",
+                                    "GPUs a spawned group may use (serve counts them)",
+                                    0,
+                                    0,
+                                    "",
+                                    false,
+                                    true};
+const EnvVar kOpenblasNumThreads = {"OPENBLAS_NUM_THREADS",
+                                    EnvType::kString,
+                                    "",
+                                    "CPU workers' BLAS threads (spawned workers get 1 if unset)",
+                                    0,
+                                    0,
+                                    "",
+                                    false,
+                                    true};
+const EnvVar kOmpiCommWorldSize = {"OMPI_COMM_WORLD_SIZE",
+                                   EnvType::kString,
+                                   "",
+                                   "set by Open MPI's mpirun: ranks come from MPI",
+                                   0,
+                                   0,
+                                   "",
+                                   false,
+                                   true};
+const EnvVar kPmiSize = {"PMI_SIZE", EnvType::kString,
+                         "",         "set by a PMI process manager: ranks come from MPI",
+                         0,          0,
+                         "",         false,
+                         true};
+const EnvVar kPmixRank = {"PMIX_RANK", EnvType::kString,
+                          "",          "set by a PMIx process manager: ranks come from MPI",
+                          0,           0,
+                          "",          false,
+                          true};
+const EnvVar kSlurmProcid = {"SLURM_PROCID",
+                             EnvType::kInt,
+                             "0",
+                             "Slurm task id: the worker rank without --rank / TPSERVE_RANK",
+                             0,
+                             kMaxRanks,
+                             "",
+                             false,
+                             true};
+const EnvVar kSlurmNtasks = {"SLURM_NTASKS",
+                             EnvType::kInt,
+                             "1",
+                             "Slurm task count: the world size without --world-size",
+                             1,
+                             kMaxRanks,
+                             "",
+                             false,
+                             true};
+const EnvVar kSlurmLocalid = {"SLURM_LOCALID",
+                              EnvType::kInt,
+                              "0",
+                              "Slurm node-local task id: the GPU without --gpu / LOCAL_RANK",
+                              0,
+                              kMaxRanks,
+                              "",
+                              false,
+                              true};
+const EnvVar kLocalRank = {"LOCAL_RANK",
+                           EnvType::kInt,
+                           "0",
+                           "node-local rank (torchrun, Kubernetes): the GPU without --gpu",
+                           0,
+                           kMaxRanks,
+                           "",
+                           false,
+                           true};
+
+}  // namespace env
+
+namespace {
+
+const char* TypeName(const EnvVar& v) {
+  switch (v.type) {
+    case EnvType::kBool:
+      return "bool";
+    case EnvType::kInt:
+      return "int";
+    case EnvType::kChoice:
+      return "choice";
+    default:
+      return "string";
+  }
+}
+
+std::optional<bool> ParseBool(const std::string& text) {
+  const std::string t = absl::AsciiStrToLower(text);
+  if (t == "1" || t == "true" || t == "on" || t == "yes") return true;
+  if (t == "0" || t == "false" || t == "off" || t == "no") return false;
+  return std::nullopt;
+}
+
+// The normalized text of a valid value, or nullopt with `why` set.
+std::optional<std::string> Normalize(const EnvVar& v, const std::string& raw, std::string* why) {
+  switch (v.type) {
+    case EnvType::kBool: {
+      auto b = ParseBool(raw);
+      if (!b) *why = "expects 1|0|true|false|on|off|yes|no";
+      return b ? std::optional<std::string>(*b ? "1" : "0") : std::nullopt;
+    }
+    case EnvType::kInt: {
+      int64_t i = 0;
+      if (absl::SimpleAtoi(raw, &i) && i >= v.min && i <= v.max) return absl::StrCat(i);
+      *why = absl::StrCat("expects an integer in [", v.min, ", ", v.max, "]");
+      return std::nullopt;
+    }
+    case EnvType::kChoice:
+      for (absl::string_view c : absl::StrSplit(v.choices, '|')) {
+        if (raw == c) return raw;
+      }
+      *why = absl::StrCat("expects one of ", v.choices);
+      return std::nullopt;
+    default:
+      return raw;
+  }
+}
+
+}  // namespace
+
+const std::vector<const EnvVar*>& DeclaredEnvVars() {
+  static const std::vector<const EnvVar*>* const vars = new std::vector<const EnvVar*>{
+      &env::kLogLevel,
+      &env::kServer,
+      &env::kWorker,
+      &env::kMpirun,
+      &env::kRank,
+      &env::kWorldSize,
+      &env::kWorkerCudaGraphs,
+      &env::kPdl,
+      &env::kPrefillTile,
+      &env::kCublasLtAutotune,
+      &env::kLoadThreads,
+      &env::kOpProfile,
+      &env::kFusedSkinny,
+      &env::kFusedNorm,
+      &env::kAblateOps,
+      &env::kCudaVisibleDevices,
+      &env::kOpenblasNumThreads,
+      &env::kOmpiCommWorldSize,
+      &env::kPmiSize,
+      &env::kPmixRank,
+      &env::kSlurmProcid,
+      &env::kSlurmNtasks,
+      &env::kSlurmLocalid,
+      &env::kLocalRank,
+  };
+  return *vars;
+}
+
+EnvRegistry::EnvRegistry(const Lookup& lookup) {
+  for (const EnvVar* v : DeclaredEnvVars()) {
+    Value value;
+    value.text = v->default_value;
+    if (std::optional<std::string> raw = lookup(v->name)) {
+      std::string why;
+      if (std::optional<std::string> text = Normalize(*v, *raw, &why)) {
+        value.set = true;
+        value.text = *text;
+        if (!v->external && value.text != v->default_value) {
+          changed_.push_back(absl::StrCat(v->name, "=", *raw, " (", v->meaning, ")"));
+        }
+      } else {
+        warnings_.push_back(absl::StrCat(v->name, "='", *raw, "' is ignored: ", why,
+                                         "; using the default '", v->default_value, "'"));
+      }
+    }
+    values_[v->name] = value;
+  }
+}
+
+const EnvRegistry::Value& EnvRegistry::Get(const EnvVar& var) const {
+  auto it = values_.find(var.name);
+  TP_CHECK(it != values_.end()) << var.name << " is not in DeclaredEnvVars()";
+  return it->second;
+}
+
+bool EnvRegistry::IsSet(const EnvVar& var) const { return Get(var).set; }
+
+bool EnvRegistry::Bool(const EnvVar& var) const { return Get(var).text == "1"; }
+
+int64_t EnvRegistry::Int(const EnvVar& var) const {
+  int64_t i = 0;
+  return absl::SimpleAtoi(Get(var).text, &i) ? i : 0;
+}
+
+std::string EnvRegistry::String(const EnvVar& var) const { return Get(var).text; }
+
+std::string EnvRegistry::Table() const {
+  std::string out = absl::StrFormat("%-28s %-7s %-16s %-16s %s\n", "NAME", "TYPE", "DEFAULT",
+                                    "CURRENT", "MEANING");
+  auto section = [&](const char* title, auto keep) {
+    absl::StrAppend(&out, "\n", title, "\n");
+    for (const EnvVar* v : DeclaredEnvVars()) {
+      if (!keep(*v)) continue;
+      const Value& value = Get(*v);
+      std::string def = *v->default_value ? v->default_value : "-";
+      std::string cur = value.set ? value.text : "(unset)";
+      if (v->type == EnvType::kChoice) def += " (" + std::string(v->choices) + ")";
+      absl::StrAppend(&out, absl::StrFormat("%-28s %-7s %-16s %-16s %s\n", v->name, TypeName(*v),
+                                            def, cur, v->meaning));
+    }
+  };
+  section("# service, command line and kernels",
+          [](const EnvVar& v) { return !v.bench_only && !v.external; });
+  section("# benchmarks only (tpserve-engine-bench)", [](const EnvVar& v) { return v.bench_only; });
+  section("# read from launchers (MPI, Slurm, CUDA)", [](const EnvVar& v) { return v.external; });
+  return out;
+}
+
+const EnvRegistry& EnvWithoutLogging() {
+  static const EnvRegistry* const registry = new EnvRegistry([](const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr ? std::optional<std::string>(v) : std::nullopt;
+  });
+  return *registry;
+}
+
+const EnvRegistry& Env() {
+  const EnvRegistry& registry = EnvWithoutLogging();
+  static std::atomic<bool> logged{false};
+  if (!logged.exchange(true)) {
+    for (const std::string& w : registry.warnings()) TP_LOG(WARNING) << w;
+    for (const std::string& c : registry.changed()) TP_LOG(INFO) << c;
+  }
+  return registry;
+}
+
+bool UnderMpi() {
+  return EnvIsSet(env::kOmpiCommWorldSize) || EnvIsSet(env::kPmiSize) || EnvIsSet(env::kPmixRank);
+}
+
+}  // namespace tpserve

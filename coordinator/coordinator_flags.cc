@@ -1,0 +1,123 @@
+// The coordinator's flag table and its translation into CoordinatorOptions (see
+// coordinator_flags.h).
+#include "coordinator/coordinator_flags.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace tpserve {
+namespace {
+
+CommandSpec MakeSpec(bool serve_command) {
+  CommandSpec s;
+  s.name = serve_command ? "tpserve serve" : "tpserve-coordinator";
+  s.summary = serve_command
+                  ? "Serves a model over gRPC with local workers (one per visible GPU, or CPU "
+                    "workers) that it spawns."
+                  : "The coordinator: public gRPC API, scheduler, KV block manager and the "
+                    "workers' control plane.";
+  s.flags = {
+      StringFlag("model", "DIR", "model directory (config.json, *.safetensors) [required]"),
+      StringFlag("host", "H", "address to listen on (default 0.0.0.0)"),
+      IntFlag("port", 0, 65535, "gRPC port; 0: any free port (see --ready-file) (default 50051)",
+              "P"),
+      IntFlag("workers", 1, 4096, "number of workers (default tp x pp, or the visible GPUs)"),
+      IntFlag("tp", 1, 4096, "tensor-parallel degree (default --workers)", "T"),
+      IntFlag("pp", 1, 4096, "pipeline-parallel stages (needs --tp; default 1)", "P"),
+      StringFlag("device-map", "MAP", "manual layer split over stages, e.g. 0-15:0,16-31:1"),
+      BoolFlag("spawn-workers", "start the local workers (always on for tpserve serve)"),
+      BoolFlag("enable-prefix-caching",
+               "reuse the KV blocks of cached prompt prefixes (on by default; "
+               "--no-enable-prefix-caching turns it off)"),
+      StringFlag("device", "cpu|cuda|auto", "device of spawned workers (default auto)"),
+      StringFlag("worker-binary", "B",
+                 "tpserve-worker to spawn (default: TPSERVE_WORKER, next to this binary, PATH)"),
+      IntFlag("kv-cache-mb", 0, int64_t{1} << 30,
+              "KV cache per worker in MiB; 0: sized from --gpu-memory-utilization", "MB"),
+      FloatFlag("gpu-memory-utilization", 0, 1,
+                "fraction of each GPU for weights, workspace and KV cache (default 0.9)", "F",
+                /*min_exclusive=*/true),
+      IntFlag("block-size", 1, 1024, "tokens per KV-cache block (default 16)"),
+      IntFlag("max-num-seqs", 1, 1 << 16, "sequences in one step (default 64)"),
+      IntFlag("max-num-batched-tokens", 1, 1 << 20, "tokens in one step (default 512)"),
+      IntFlag("max-queued-requests", 0, 1 << 20,
+              "requests waiting beyond that answer RESOURCE_EXHAUSTED (default 256)"),
+      IntFlag("default-max-new-tokens", 1, 1 << 20,
+              "max_new_tokens of requests that set none (default 256)"),
+      IntFlag("register-timeout", 1, 86400, "seconds for all workers to register (default 120)",
+              "S"),
+      IntFlag("load-timeout", 1, 86400, "seconds for the workers to load and warm up (default 600)",
+              "S"),
+      IntFlag("drain-timeout", 0, 86400,
+              "seconds to finish running requests after SIGTERM (default 30)", "S"),
+      FloatFlag("heartbeat-timeout", 0.5, 86400,
+                "seconds without a worker heartbeat before the group fails (default 4)", "S"),
+      IntFlag("step-timeout", 1, 86400, "seconds one step may take (default 120)", "S"),
+      StringFlag("ready-file", "PATH", "written with HOST:PORT once the server is SERVING"),
+  };
+  s.notes = serve_command
+                ? "example: tpserve serve --model models/tiny-coder --device cpu --port 50051"
+                : "example (MPMD): mpirun -np 1 tpserve-coordinator --model DIR : -np 8 "
+                  "tpserve-worker --coordinator HOST:50052";
+  return s;
+}
+
+}  // namespace
+
+const CommandSpec& CoordinatorFlagSpec(bool serve_command) {
+  static const CommandSpec* const coordinator = new CommandSpec(MakeSpec(false));
+  static const CommandSpec* const serve = new CommandSpec(MakeSpec(true));
+  return serve_command ? *serve : *coordinator;
+}
+
+absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::string>& args,
+                                                         bool serve_command) {
+  TP_ASSIGN_OR_RETURN(Flags a, Flags::Parse(CoordinatorFlagSpec(serve_command), args));
+  CoordinatorOptions o;
+  if (a.help()) {
+    o.help = true;
+    return o;
+  }
+  TP_ASSIGN_OR_RETURN(o.model_dir, a.Required("model"));
+  o.host = a.GetOr("host", o.host);
+  o.device_map = a.GetOr("device-map", "");
+  o.device = a.GetOr("device", "auto");
+  o.worker_binary = a.GetOr("worker-binary", "");
+  o.ready_file = a.GetOr("ready-file", "");
+  o.spawn_workers = serve_command || a.Flag("spawn-workers");
+  o.enable_prefix_caching = a.GetBool("enable-prefix-caching", true);
+  o.kv_cache_mb = a.GetInt("kv-cache-mb", 0);
+  o.gpu_memory_utilization = a.GetDouble("gpu-memory-utilization", o.gpu_memory_utilization);
+  o.heartbeat_timeout_s = a.GetDouble("heartbeat-timeout", o.heartbeat_timeout_s);
+  struct IntField {
+    const char* name;
+    int* value;
+  };
+  const IntField ints[] = {
+      {"port", &o.port},
+      {"workers", &o.world_size},
+      {"tp", &o.tp},
+      {"pp", &o.pp},
+      {"block-size", &o.block_size},
+      {"max-num-seqs", &o.max_num_seqs},
+      {"max-num-batched-tokens", &o.max_num_batched_tokens},
+      {"max-queued-requests", &o.max_queued_requests},
+      {"default-max-new-tokens", &o.default_max_new_tokens},
+      {"register-timeout", &o.register_timeout_s},
+      {"load-timeout", &o.load_timeout_s},
+      {"drain-timeout", &o.drain_timeout_s},
+      {"step-timeout", &o.step_timeout_s},
+  };
+  for (const IntField& f : ints) *f.value = static_cast<int>(a.GetInt(f.name, *f.value));
+  if (a.Has("workers") && a.Has("tp") && o.world_size != o.tp * o.pp) {
+    return absl::InvalidArgumentError(absl::StrCat("--workers ", o.world_size, " but --tp ", o.tp,
+                                                   " x --pp ", o.pp, " = ", o.tp * o.pp));
+  }
+  if (!a.Has("tp") && a.Has("pp")) {
+    return absl::InvalidArgumentError("--pp needs --tp as well");
+  }
+  if (o.tp > 0 && o.world_size == 0) o.world_size = o.tp * o.pp;
+  return o;
+}
+
+}  // namespace tpserve
