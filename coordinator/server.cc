@@ -23,8 +23,11 @@
 #include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
+#include "coordinator/http/http_server.h"
 #include "coordinator/inference_service.h"
+#include "coordinator/metrics.h"
 #include "coordinator/scheduler.h"
+#include "coordinator/serving_metrics.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "coordinator/worker_group.h"
 #include "parallel/shard_plan.h"
@@ -33,7 +36,8 @@
 namespace tpserve {
 
 const char kCoordinatorUsage[] =
-    "usage: tpserve-coordinator --model DIR [--port P] [--host H] [--workers N | --tp T --pp P]\n"
+    "usage: tpserve-coordinator --model DIR [--port P] [--http-port P (0: off)] [--api-key K]\n"
+    "         [--host H] [--workers N | --tp T --pp P]\n"
     "         [--device-map MAP] [--spawn-workers [--device cpu|cuda|auto] [--worker-binary B]]\n"
     "         [--gpu-memory-utilization F] [--kv-cache-mb MB] [--max-num-seqs N]\n"
     "         [--max-num-batched-tokens N] [--max-queued-requests N] [--register-timeout S]\n"
@@ -142,6 +146,8 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   auto parsed = CliArgs::Parse(args,
                                {"model",
                                 "port",
+                                "http-port",
+                                "api-key",
                                 "host",
                                 "workers",
                                 "tp",
@@ -175,6 +181,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   o.device = a.GetOr("device", "auto");
   o.worker_binary = a.GetOr("worker-binary", "");
   o.ready_file = a.GetOr("ready-file", "");
+  o.api_key = a.GetOr("api-key", "");
   o.spawn_workers = serve_command || a.Flag("spawn-workers");
   struct IntFlag {
     const char* name;
@@ -193,6 +200,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   }
   const IntFlag ints[] = {
       {"port", &o.port, 0, 65535},
+      {"http-port", &o.http_port, 0, 65535},
       {"workers", &o.world_size, 1, 4096},
       {"tp", &o.tp, 1, 4096},
       {"pp", &o.pp, 1, 4096},
@@ -289,6 +297,8 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
   g.step_timeout = std::chrono::seconds(o.step_timeout_s);
   auto group = std::make_unique<WorkerGroup>(g, config);
   InferenceService service(tokenizer.get());
+  MetricsRegistry metrics;
+  ServingMetrics serving_metrics(&metrics);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -305,8 +315,23 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
   if (server == nullptr || port == 0) {
     return absl::UnavailableError(absl::StrCat("could not listen on ", listen));
   }
+  std::unique_ptr<HttpFrontend> http;
+  if (o.http_port > 0) {
+    HttpFrontendOptions ho;
+    ho.threads = std::min(1024, o.max_num_seqs + o.max_queued_requests + 16);
+    ho.model_aliases = {o.model_dir, g.model_dir};
+    ho.api_key = o.api_key;
+    // TODO(lead, merge): pass ChatTemplate::Load(o.model_dir)->Render here.
+    http = std::make_unique<HttpFrontend>(&service, &metrics, ChatRenderer(), ho);
+    absl::StatusOr<int> http_port = http->Start(o.host, o.http_port);
+    if (!http_port.ok()) {
+      server->Shutdown(std::chrono::system_clock::now());
+      return http_port.status();
+    }
+  }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   auto set_health = [&](bool serving) {
+    if (http) http->SetServing(serving);
     health->SetServingStatus(serving);
     health->SetServingStatus("tpserve.v1.Inference", serving);
   };
@@ -347,6 +372,7 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
     started.store(true);
     if (watcher.joinable()) watcher.join();
     group->Shutdown("the coordinator is exiting");
+    if (http) http->Stop();
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     StopChild(child);
     return status;
@@ -366,6 +392,10 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
   so.block_size = o.block_size;
   so.context_length = config.max_position_embeddings;
   so.eos_token_ids = eos;
+  so.on_request_finished = [&serving_metrics](const absl::Status& status, const FinalInfo& info) {
+    serving_metrics.OnRequestFinished(status, info);
+  };
+  so.on_step = [&serving_metrics](double seconds) { serving_metrics.OnStep(seconds); };
   auto scheduler = std::make_unique<Scheduler>(so, tokenizer.get(), group.get());
   scheduler->Start();
   Scheduler* sched = scheduler.get();
@@ -425,6 +455,7 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
   info.set_max_num_seqs(o.max_num_seqs);
   info.set_max_num_batched_tokens(o.max_num_batched_tokens);
   service.Activate(sched, limits, info);
+  serving_metrics.SetScheduler(sched);
   if (group->failure().ok()) set_health(true);
   if (!o.ready_file.empty()) {
     const std::string tmp = o.ready_file + ".tmp";
@@ -449,6 +480,7 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
   }
   scheduler->Fail(absl::UnavailableError("the server shut down before this request finished"));
   group->Shutdown("the coordinator is shutting down");
+  if (http) http->Stop();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   scheduler.reset();
   StopChild(child);
