@@ -83,7 +83,8 @@ std::string EscapeLabelValue(const std::string& v) {
 
 std::string LabelKey(const MetricLabels& labels) {
   std::vector<std::string> parts;
-  for (const auto& [k, v] : labels) parts.push_back(absl::StrCat(k, "=\"", EscapeLabelValue(v), "\""));
+  for (const auto& [k, v] : labels)
+    parts.push_back(absl::StrCat(k, "=\"", EscapeLabelValue(v), "\""));
   return absl::StrJoin(parts, ",");
 }
 
@@ -165,8 +166,7 @@ std::string MetricsRegistry::Render() {
     for (const auto& [key, h] : f.histograms) {
       const Histogram::Snapshot s = h->snapshot();
       for (size_t i = 0; i < s.cumulative.size(); ++i) {
-        const std::string le =
-            i < s.bounds.size() ? Number(s.bounds[i]) : std::string("+Inf");
+        const std::string le = i < s.bounds.size() ? Number(s.bounds[i]) : std::string("+Inf");
         absl::StrAppend(&out, Series(name + "_bucket", key, absl::StrCat("le=\"", le, "\"")), " ",
                         s.cumulative[i], "\n");
       }

@@ -456,6 +456,11 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
   info.set_max_num_batched_tokens(o.max_num_batched_tokens);
   service.Activate(sched, limits, info);
   serving_metrics.SetScheduler(sched);
+  const std::vector<worker::KvReport> reports = group->kv_reports();
+  for (size_t r = 0; r < reports.size(); ++r) {
+    serving_metrics.SetWorkerMemory(static_cast<int>(r), reports[r].device_memory_used_bytes(),
+                                    reports[r].device_memory_total_bytes());
+  }
   if (group->failure().ok()) set_health(true);
   if (!o.ready_file.empty()) {
     const std::string tmp = o.ready_file + ".tmp";

@@ -9,9 +9,9 @@ namespace tpserve {
 
 namespace {
 const std::vector<double>& LatencyBuckets() {  // 1 ms .. ~160 s
-  static const std::vector<double> b = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,
-                                        0.25,  0.5,   0.75, 1.0,  2.5,  5.0,  7.5,  10.0,
-                                        20.0,  40.0,  80.0, 160.0};
+  static const std::vector<double> b = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,
+                                        0.1,   0.25,  0.5,  0.75, 1.0,  2.5,  5.0,
+                                        7.5,   10.0,  20.0, 40.0, 80.0, 160.0};
   return b;
 }
 const std::vector<double>& TokenBuckets() {  // time per output token / step: 0.1 ms .. 10 s
@@ -25,8 +25,8 @@ const std::vector<double>& TokenBuckets() {  // time per output token / step: 0.
 ServingMetrics::ServingMetrics(MetricsRegistry* r) : registry_(r) {
   running_ = r->GetGauge("tpserve:num_requests_running", "Requests running on the workers.");
   waiting_ = r->GetGauge("tpserve:num_requests_waiting", "Requests waiting to be scheduled.");
-  kv_usage_ = r->GetGauge("tpserve:kv_cache_usage_perc",
-                          "Fraction of KV-cache blocks in use (1 = full).");
+  kv_usage_ =
+      r->GetGauge("tpserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).");
   preemptions_ = r->GetCounter("tpserve:num_preemptions_total",
                                "Sequences preempted (recomputed later) for lack of KV blocks.");
   prompt_tokens_ =
@@ -34,7 +34,8 @@ ServingMetrics::ServingMetrics(MetricsRegistry* r) : registry_(r) {
   generation_tokens_ =
       r->GetCounter("tpserve:generation_tokens_total", "Tokens generated (finished requests).");
   const std::string finished = "tpserve:request_success_total";
-  const std::string finished_help = "Finished requests by finish reason (abort: cancelled or failed).";
+  const std::string finished_help =
+      "Finished requests by finish reason (abort: cancelled or failed).";
   finished_stop_ = r->GetCounter(finished, finished_help, {{"finished_reason", "stop"}});
   finished_length_ = r->GetCounter(finished, finished_help, {{"finished_reason", "length"}});
   finished_abort_ = r->GetCounter(finished, finished_help, {{"finished_reason", "abort"}});
@@ -47,9 +48,9 @@ ServingMetrics::ServingMetrics(MetricsRegistry* r) : registry_(r) {
                           TokenBuckets());
   e2e_ = r->GetHistogram("tpserve:e2e_request_latency_seconds",
                          "Time from arrival to the end of the request.", LatencyBuckets());
-  step_time_ = r->GetHistogram("tpserve:step_duration_seconds",
-                               "Scheduler step time: plan, worker round trip, apply.",
-                               TokenBuckets());
+  step_time_ =
+      r->GetHistogram("tpserve:step_duration_seconds",
+                      "Scheduler step time: plan, worker round trip, apply.", TokenBuckets());
   r->AddCollector([this] { Collect(); });
 }
 
@@ -89,9 +90,8 @@ void ServingMetrics::Collect() {
   const SchedulerStats st = s->stats();
   running_->Set(st.running);
   waiting_->Set(st.waiting);
-  kv_usage_->Set(st.total_blocks > 0
-                     ? 1.0 - static_cast<double>(st.free_blocks) / st.total_blocks
-                     : 0.0);
+  kv_usage_->Set(st.total_blocks > 0 ? 1.0 - static_cast<double>(st.free_blocks) / st.total_blocks
+                                     : 0.0);
   preemptions_->Set(static_cast<double>(st.preemptions));
 }
 

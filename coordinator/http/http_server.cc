@@ -171,15 +171,14 @@ void HttpFrontend::Impl::Routes() {
   });
   // Unrouted paths, methods and httplib's own errors (413, 400...) in OpenAI's error shape;
   // handlers' own error bodies are left alone.
-  server.set_error_handler(httplib::Server::HandlerWithResponse(
-      [](const httplib::Request& req, httplib::Response& res) {
+  server.set_error_handler(httplib::Server::HandlerWithResponse([](const httplib::Request& req,
+                                                                   httplib::Response& res) {
     if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
     const absl::Status status =
-        res.status == 404 ? absl::NotFoundError(absl::StrCat("no route for ", req.method, " ",
-                                                             req.path))
-        : res.status == 413
-            ? absl::InvalidArgumentError("the request body is too large")
-            : absl::InvalidArgumentError(absl::StrCat("HTTP error ", res.status));
+        res.status == 404
+            ? absl::NotFoundError(absl::StrCat("no route for ", req.method, " ", req.path))
+        : res.status == 413 ? absl::InvalidArgumentError("the request body is too large")
+                            : absl::InvalidArgumentError(absl::StrCat("HTTP error ", res.status));
     const int code = res.status;
     SendJson(res, code, openai::ErrorJson(status));
     return httplib::Server::HandlerResponse::Handled;
@@ -211,10 +210,10 @@ absl::Status HttpFrontend::Impl::CheckModel(const std::string& model) const {
   for (const std::string& a : options.model_aliases) {
     if (model == a) return absl::OkStatus();
   }
-  return openai::WithParam(
-      absl::NotFoundError(absl::StrCat("the model `", model, "` does not exist; this server serves `",
-                                       service->static_info().model(), "`")),
-      "model");
+  return openai::WithParam(absl::NotFoundError(absl::StrCat(
+                               "the model `", model, "` does not exist; this server serves `",
+                               service->static_info().model(), "`")),
+                           "model");
 }
 
 void HttpFrontend::Impl::Generate(Endpoint endpoint, const httplib::Request& req,
@@ -223,38 +222,38 @@ void HttpFrontend::Impl::Generate(Endpoint endpoint, const httplib::Request& req
   absl::StatusOr<openai::ParsedRequest> parsed = openai::ParseRequest(endpoint, req.body);
   if (!parsed.ok()) return SendError(res, parsed.status());
   if (service->scheduler() == nullptr) {
-    return SendError(res, absl::UnavailableError(
-                              "the server is starting: the workers are loading the model"));
+    return SendError(
+        res, absl::UnavailableError("the server is starting: the workers are loading the model"));
   }
   if (absl::Status m = CheckModel(parsed->model); !m.ok()) return SendError(res, m);
   const std::string model = service->static_info().model();
 
   if (endpoint == Endpoint::kChat) {
     if (!render_chat) {
-      return SendError(res, openai::InvalidParam(
-                                "messages",
-                                "this model has no chat template (tokenizer_config.json has no "
-                                "chat_template): use /v1/completions with a prompt"));
+      return SendError(
+          res, openai::InvalidParam("messages",
+                                    "this model has no chat template (tokenizer_config.json has no "
+                                    "chat_template): use /v1/completions with a prompt"));
     }
     const Tokenizer* tokenizer = service->tokenizer();
     if (tokenizer == nullptr) {
-      return SendError(res, openai::InvalidParam(
-                                "messages", "the model directory has no tokenizer.json: chat "
-                                            "needs one; use /v1/completions with token ids"));
+      return SendError(res, openai::InvalidParam("messages",
+                                                 "the model directory has no tokenizer.json: chat "
+                                                 "needs one; use /v1/completions with token ids"));
     }
     absl::StatusOr<std::string> prompt =
         render_chat(parsed->messages, /*add_generation_prompt=*/true);
     if (!prompt.ok()) {
-      return SendError(res, openai::InvalidParam(
-                                "messages", absl::StrCat("the chat template failed: ",
-                                                         prompt.status().message())));
+      return SendError(res,
+                       openai::InvalidParam("messages", absl::StrCat("the chat template failed: ",
+                                                                     prompt.status().message())));
     }
     if (static_cast<int64_t>(prompt->size()) > service->limits().max_prompt_text_bytes) {
-      return SendError(res, openai::InvalidParam(
-                                "messages", absl::StrCat("the rendered chat is ", prompt->size(),
-                                                         " bytes; at most ",
-                                                         service->limits().max_prompt_text_bytes,
-                                                         " are accepted")));
+      return SendError(
+          res,
+          openai::InvalidParam(
+              "messages", absl::StrCat("the rendered chat is ", prompt->size(), " bytes; at most ",
+                                       service->limits().max_prompt_text_bytes, " are accepted")));
     }
     // The template writes the BOS and the other special tokens itself.
     const std::vector<int32_t> ids = tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
@@ -306,7 +305,7 @@ void HttpFrontend::Impl::Stream(const openai::ParsedRequest& request,
     std::shared_ptr<Waiter> waiter = std::make_shared<Waiter>();
     std::string id, model;
     int64_t created = 0;
-    bool first = true;
+    bool first = true;  // chat's first chunk carries the role, sent at once
     int64_t text_offset = 0;
   };
   auto ss = std::make_shared<StreamState>();
@@ -333,7 +332,8 @@ void HttpFrontend::Impl::Stream(const openai::ParsedRequest& request,
             sink.done();
             return true;
           }
-          if (ss->first || t.finished || !t.text.empty() || !t.ids.empty()) {
+          const bool role_chunk = ss->first && ss->request.endpoint == Endpoint::kChat;
+          if (role_chunk || t.finished || !t.text.empty() || !t.ids.empty()) {
             openai::Chunk c;
             c.text = std::move(t.text);
             c.ids = std::move(t.ids);

@@ -30,7 +30,8 @@ const char* TypeName(const json& v) {
 }
 
 absl::Status WrongType(const std::string& key, const char* want, const json& got) {
-  return InvalidParam(key, absl::StrCat("`", key, "` must be ", want, " (got ", TypeName(got), ")"));
+  return InvalidParam(key,
+                      absl::StrCat("`", key, "` must be ", want, " (got ", TypeName(got), ")"));
 }
 
 // Typed readers: nullopt when the field is absent or null.
@@ -73,8 +74,8 @@ absl::StatusOr<std::optional<int32_t>> Int32(const json& j, const std::string& k
   return std::optional<int32_t>(static_cast<int32_t>(**v));
 }
 
-#define TP_API_ASSIGN(lhs, expr)         \
-  auto lhs##_or = (expr);                \
+#define TP_API_ASSIGN(lhs, expr)                \
+  auto lhs##_or = (expr);                       \
   if (!lhs##_or.ok()) return lhs##_or.status(); \
   auto lhs = *std::move(lhs##_or)
 
@@ -88,22 +89,32 @@ bool IsNoOp(const std::string& key, const json& v) {
   if (key == "logit_bias" || key == "metadata") return v.is_object() && v.empty();
   if (key == "tools" || key == "functions") return v.is_array() && v.empty();
   if (key == "tool_choice" || key == "function_call") return v == "none";
-  if (key == "response_format") return v.is_object() && v.value("type", "") == "text" && v.size() == 1;
+  if (key == "response_format")
+    return v.is_object() && v.value("type", "") == "text" && v.size() == 1;
   if (key == "suffix") return v.is_string() && v.get<std::string>().empty();
   return false;
 }
 
 absl::Status CheckFields(Endpoint endpoint, const json& j) {
   static const std::set<std::string> common = {
-      "model", "max_tokens", "temperature", "top_p",  "seed",        "stop",
-      "n",     "logprobs",   "stream",      "stream_options", "user", "top_k",
-      "repetition_penalty"};
+      "model", "max_tokens", "temperature",        "top_p",     "seed",
+      "stop",  "n",          "logprobs",           "stream",    "stream_options",
+      "user",  "top_k",      "repetition_penalty", "ignore_eos"};
   static const std::set<std::string> completions = {"prompt"};
   static const std::set<std::string> chat = {"messages", "max_completion_tokens", "top_logprobs"};
-  static const std::set<std::string> unsupported = {
-      "presence_penalty", "frequency_penalty", "logit_bias", "best_of", "echo", "suffix",
-      "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-      "response_format", "metadata"};
+  static const std::set<std::string> unsupported = {"presence_penalty",
+                                                    "frequency_penalty",
+                                                    "logit_bias",
+                                                    "best_of",
+                                                    "echo",
+                                                    "suffix",
+                                                    "tools",
+                                                    "tool_choice",
+                                                    "functions",
+                                                    "function_call",
+                                                    "parallel_tool_calls",
+                                                    "response_format",
+                                                    "metadata"};
   std::vector<std::string> unknown, refused;
   for (const auto& [key, value] : j.items()) {
     if (common.count(key) || (endpoint == Endpoint::kCompletions ? completions : chat).count(key)) {
@@ -116,10 +127,10 @@ absl::Status CheckFields(Endpoint endpoint, const json& j) {
     unknown.push_back(key);
   }
   if (!unknown.empty()) {
-    return InvalidParam(unknown[0], absl::StrCat("unknown field", unknown.size() > 1 ? "s" : "",
-                                                 " `", absl::StrJoin(unknown, "`, `"),
-                                                 "`: tpserve does not recognise ",
-                                                 unknown.size() > 1 ? "them" : "it"));
+    return InvalidParam(
+        unknown[0], absl::StrCat("unknown field", unknown.size() > 1 ? "s" : "", " `",
+                                 absl::StrJoin(unknown, "`, `"), "`: tpserve does not recognise ",
+                                 unknown.size() > 1 ? "them" : "it"));
   }
   if (!refused.empty()) {
     return InvalidParam(refused[0],
@@ -140,8 +151,8 @@ absl::Status ParseStop(const json& j, v1::StoppingOptions* s) {
   if (!it->is_array()) return WrongType("stop", "a string or an array of strings", *it);
   for (size_t i = 0; i < it->size(); ++i) {
     if (!(*it)[i].is_string()) {
-      return InvalidParam("stop", absl::StrCat("`stop[", i, "]` must be a string (got ",
-                                               TypeName((*it)[i]), ")"));
+      return InvalidParam(
+          "stop", absl::StrCat("`stop[", i, "]` must be a string (got ", TypeName((*it)[i]), ")"));
     }
     s->add_stop((*it)[i].get<std::string>());
   }
@@ -170,8 +181,8 @@ absl::Status ParsePrompt(const json& j, v1::GenerateRequest* g) {
     const json& v = (*it)[i];
     if (!v.is_number_integer() || v.get<int64_t>() < std::numeric_limits<int32_t>::min() ||
         v.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
-      return InvalidParam("prompt", absl::StrCat("`prompt[", i, "]` must be a token id (got ",
-                                                 v.dump(), ")"));
+      return InvalidParam(
+          "prompt", absl::StrCat("`prompt[", i, "]` must be a token id (got ", v.dump(), ")"));
     }
     g->mutable_token_ids()->add_ids(v.get<int32_t>());
   }
@@ -265,7 +276,8 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, std::string_view b
   TP_API_ASSIGN(n, Integer(j, "n"));
   if (n.has_value() && *n != 1) {
     return InvalidParam("n", absl::StrCat("`n` must be 1: tpserve returns one choice per request "
-                                          "(got ", *n, ")"));
+                                          "(got ",
+                                          *n, ")"));
   }
   if (auto u = j.find("user"); u != j.end() && !u->is_null() && !u->is_string()) {
     return WrongType("user", "a string", *u);
@@ -318,6 +330,8 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, std::string_view b
     st->set_max_new_tokens(*m);
   }
   if (absl::Status stop = ParseStop(j, st); !stop.ok()) return stop;
+  TP_API_ASSIGN(ignore_eos, Bool(j, "ignore_eos"));  // vLLM's extension
+  if (ignore_eos) st->set_ignore_eos(*ignore_eos);
 
   TP_API_ASSIGN(stream, Bool(j, "stream"));
   r.stream = stream.value_or(false);
@@ -549,12 +563,11 @@ json UsageChunkJson(const ParsedRequest& request, const std::string& id, int64_t
 
 json ModelsJson(const std::string& model, int64_t created, int64_t context_length) {
   return {{"object", "list"},
-          {"data",
-           json::array({{{"id", model},
-                         {"object", "model"},
-                         {"created", created},
-                         {"owned_by", "tpserve"},
-                         {"max_model_len", context_length}}})}};
+          {"data", json::array({{{"id", model},
+                                 {"object", "model"},
+                                 {"created", created},
+                                 {"owned_by", "tpserve"},
+                                 {"max_model_len", context_length}}})}};
 }
 
 }  // namespace tpserve::openai

@@ -39,8 +39,9 @@ struct ParsedRequest {
   int top_logprobs = 0;
 };
 
-// Parses a request body. Unknown fields, unsupported ones (unless at their no-op value), wrong
-// types and n != 1 are INVALID_ARGUMENT naming the field (ParamOf gives it).
+// Parses a request body. Extensions beside OpenAI's fields: top_k, repetition_penalty and
+// ignore_eos (as vLLM names them). Unknown fields, unsupported ones (unless at their no-op value),
+// wrong types and n != 1 are INVALID_ARGUMENT naming the field (ParamOf gives it).
 absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, std::string_view body);
 
 // The field an error is about ("" when none).
@@ -97,8 +98,8 @@ struct Chunk {
 nlohmann::json ChunkJson(const ParsedRequest& request, const std::string& id, int64_t created,
                          const std::string& model, const Chunk& chunk, const TokenText& text);
 // The final usage chunk (choices empty) of stream_options.include_usage.
-nlohmann::json UsageChunkJson(const ParsedRequest& request, const std::string& id,
-                              int64_t created, const std::string& model, const FinalInfo& info);
+nlohmann::json UsageChunkJson(const ParsedRequest& request, const std::string& id, int64_t created,
+                              const std::string& model, const FinalInfo& info);
 
 // {"object": "list", "data": [{"id", "object": "model", "created", "owned_by": "tpserve"}]}.
 nlohmann::json ModelsJson(const std::string& model, int64_t created, int64_t context_length);
