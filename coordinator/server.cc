@@ -42,8 +42,9 @@ const char kCoordinatorUsage[] =
     "         [--gpu-memory-utilization F] [--kv-cache-mb MB] [--max-num-seqs N]\n"
     "         [--max-num-batched-tokens N] [--max-queued-requests N] [--register-timeout S]\n"
     "         [--drain-timeout S] [--heartbeat-timeout S] [--ready-file PATH]\n"
-    "       tpserve serve --model DIR [--workers N | --tp T --pp P] [--device cpu|cuda|auto]\n"
-    "         [--port P] (same flags; spawns the local workers)";
+    "       tpserve serve [--model DIR (default: the bundled tiny-coder)]\n"
+    "         [--workers N | --tp T --pp P] [--device cpu|cuda|auto] [--port P] [--http-port P]\n"
+    "         (same flags; spawns the local workers)";
 
 namespace {
 
@@ -64,6 +65,21 @@ std::string FindWorkerBinary(const std::string& flag) {
     if (access(c.c_str(), X_OK) == 0) return c;
   }
   return "tpserve-worker";
+}
+
+// The small bundled model: installed (<prefix>/share/tpserve/models/tiny-coder beside
+// <prefix>/bin) or in the source tree of a build (build/tools/tpserve).
+absl::StatusOr<std::string> BundledModelDir() {
+  const std::string dir = SelfDir();
+  for (const std::string& c :
+       {dir + "/../share/tpserve/models/tiny-coder", dir + "/../../models/tiny-coder"}) {
+    if (std::filesystem::exists(c + "/config.json")) {
+      return std::filesystem::canonical(c).string();
+    }
+  }
+  return absl::InvalidArgumentError(
+      "no --model given and no bundled model found (looked in ../share/tpserve/models/tiny-coder "
+      "beside this binary)");
 }
 
 int VisibleGpuCount() {
@@ -175,7 +191,11 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   }
   const CliArgs& a = *parsed;
   CoordinatorOptions o;
-  TP_ASSIGN_OR_RETURN(o.model_dir, a.Required("model"));
+  if (serve_command && !a.Has("model")) {
+    TP_ASSIGN_OR_RETURN(o.model_dir, BundledModelDir());
+  } else {
+    TP_ASSIGN_OR_RETURN(o.model_dir, a.Required("model"));
+  }
   o.host = a.GetOr("host", o.host);
   o.device_map = a.GetOr("device-map", "");
   o.device = a.GetOr("device", "auto");
@@ -336,8 +356,9 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
     health->SetServingStatus("tpserve.v1.Inference", serving);
   };
   set_health(false);
-  TP_LOG(INFO) << "listening on " << o.host << ":" << port << " (" << config.architecture << ", "
-               << o.world_size << " worker" << (o.world_size > 1 ? "s" : "") << ")";
+  TP_LOG(INFO) << "listening on " << o.host << ":" << port << " (" << g.model_dir << ", "
+               << config.architecture << ", " << o.world_size << " worker"
+               << (o.world_size > 1 ? "s" : "") << ")";
 
   struct sigaction sa = {};
   sa.sa_handler = OnSignal;

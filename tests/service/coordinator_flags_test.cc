@@ -1,5 +1,5 @@
 // The coordinator's flags that size the workers: --gpu-memory-utilization (forwarded to every
-// worker in its Assignment) and --kv-cache-mb.
+// worker in its Assignment) and --kv-cache-mb; the HTTP front end's --http-port and --api-key.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -33,6 +33,20 @@ TEST(CoordinatorFlagsTest, GpuMemoryUtilizationIsParsedAndRangeChecked) {
   o = ParseCoordinatorFlags({"--model", "m", "--gpu-memory-utilization", "most"}, true);
   EXPECT_FALSE(o.ok());
   EXPECT_THAT(std::string(kCoordinatorUsage), HasSubstr("--gpu-memory-utilization F"));
+}
+
+TEST(CoordinatorFlagsTest, HttpPortDefaultsTo8000AndZeroTurnsItOff) {
+  auto o = ParseCoordinatorFlags({"--model", "m"}, true);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->http_port, 8000);
+  EXPECT_TRUE(o->api_key.empty());
+  o = ParseCoordinatorFlags({"--model", "m", "--http-port", "0", "--api-key", "k"}, false);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->http_port, 0);
+  EXPECT_EQ(o->api_key, "k");
+  o = ParseCoordinatorFlags({"--model", "m", "--http-port", "70000"}, true);
+  ASSERT_FALSE(o.ok());
+  EXPECT_NE(o.status().message().find("--http-port"), std::string::npos) << o.status();
 }
 
 }  // namespace

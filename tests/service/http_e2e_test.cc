@@ -296,5 +296,99 @@ TEST_F(HttpServiceTest, PrometheusScrapesTheMetrics) {
   EXPECT_LT(got[queries[6]], 60.0);
 }
 
+// `cmake --install` into a temporary prefix; `tpserve serve` from there (no --model: the
+// installed bundled model; its worker binary found beside it) answers one request over HTTP and
+// exits cleanly on SIGTERM.
+TEST(HttpInstallTest, InstalledServeAnswersOverHttp) {
+  const char* build = std::getenv("TPSERVE_BINARY_DIR");
+  ASSERT_NE(build, nullptr);
+  const fs::path prefix =
+      fs::path(::testing::TempDir()) / ("tpserve_install_" + std::to_string(getpid()));
+  fs::remove_all(prefix);
+  const CommandResult install =
+      RunCommand(std::string("cmake --install ") + build + " --prefix " + prefix.string(), 120);
+  ASSERT_EQ(install.exit_code, 0) << install.output;
+  for (const char* f : {"bin/tpserve", "bin/tpserve-coordinator", "bin/tpserve-worker",
+                        "share/tpserve/models/tiny-coder/config.json",
+                        "share/tpserve/models/tiny-coder/model.safetensors"}) {
+    EXPECT_TRUE(fs::exists(prefix / f)) << f;
+  }
+  const int http_port = FreePort();
+  const std::string ready = (prefix / "ready").string();
+  const std::string log = (prefix / "log").string();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    FILE* f = std::fopen(log.c_str(), "w");
+    dup2(fileno(f), 1);
+    dup2(fileno(f), 2);
+    unsetenv("TPSERVE_WORKER");
+    setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    const std::string bin = (prefix / "bin/tpserve").string();
+    const std::string hp = std::to_string(http_port);
+    execl(bin.c_str(), "tpserve", "serve", "--device", "cpu", "--workers", "1", "--host",
+          "127.0.0.1", "--port", "0", "--http-port", hp.c_str(), "--ready-file", ready.c_str(),
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  auto read_log = [&] {
+    std::ifstream in(log);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  bool exited = false;
+  int status = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  while (!fs::exists(ready) && std::chrono::steady_clock::now() < end) {
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      exited = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (fs::exists(ready)) {
+    const CommandResult r = RunCommand(
+        "curl -sS --max-time 30 -H 'Content-Type: application/json' -d '{\"model\": "
+        "\"tiny-coder\", \"prompt\": \"def main():\", \"max_tokens\": 3, \"ignore_eos\": true}' "
+        "http://127.0.0.1:" +
+            std::to_string(http_port) + "/v1/completions",
+        60);
+    const json j = json::parse(r.output, nullptr, false);
+    EXPECT_FALSE(j.is_discarded()) << r.output;
+    if (!j.is_discarded()) EXPECT_EQ(j["usage"]["completion_tokens"], 3) << r.output;
+  } else {
+    ADD_FAILURE() << "the installed server did not start:\n" << read_log();
+  }
+  if (!exited) {
+    kill(pid, SIGTERM);
+    const auto stop_end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < stop_end) {
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        exited = true;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (!exited) {
+      ADD_FAILURE() << "the installed server ignored SIGTERM:\n" << read_log();
+      kill(-pid, SIGKILL);
+      waitpid(pid, &status, 0);
+    } else {
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_log();
+    }
+  }
+  kill(-pid, SIGKILL);  // the worker, if anything was left
+  EXPECT_NE(read_log().find(prefix.string() + "/share/tpserve/models/tiny-coder"),
+            std::string::npos)
+      << "the bundled model was not served from the prefix:\n"
+      << read_log();
+  EXPECT_NE(read_log().find(prefix.string() + "/bin/tpserve-worker"), std::string::npos)
+      << "the worker binary beside tpserve was not used:\n"
+      << read_log();
+  fs::remove_all(prefix);
+}
+
 }  // namespace
 }  // namespace tpserve
