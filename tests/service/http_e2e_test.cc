@@ -296,6 +296,91 @@ TEST_F(HttpServiceTest, PrometheusScrapesTheMetrics) {
   EXPECT_LT(got[queries[6]], 60.0);
 }
 
+// A full queue answers 429 in OpenAI's error shape; once SIGTERM starts the drain, /health and new
+// requests answer 503 while the running request completes.
+TEST(HttpOverloadTest, QueueFullIs429AndDrainingIs503) {
+  const int http_port = FreePort();
+  auto server = ServerProcess::Start(
+      service_test::ServiceModelDir(),
+      {"--workers", "1", "--http-port", std::to_string(http_port), "--max-num-seqs", "1",
+       "--max-queued-requests", "1", "--drain-timeout", "10"});
+  ASSERT_NE(server, nullptr);
+  const std::string url = "http://127.0.0.1:" + std::to_string(http_port);
+  const std::string model = fs::path(service_test::ServiceModelDir()).filename();
+  const std::string body =
+      R"({"model": ")" + model + R"(", "prompt": "x", "max_tokens": 400, "ignore_eos": true})";
+  // Six at once: one runs, one waits, the rest find the queue full.
+  std::string cmd;
+  for (int i = 0; i < 6; ++i) {
+    cmd +=
+        "curl -sS --max-time 60 -o /dev/null -w '%{http_code}\\n' -H 'Content-Type: "
+        "application/json' -d '" +
+        body + "' " + url + "/v1/completions & ";
+  }
+  cmd += "wait";
+  const CommandResult codes = RunCommand(cmd, 90);
+  int ok = 0, full = 0;
+  std::istringstream in(codes.output);
+  for (std::string line; std::getline(in, line);) {
+    ok += line == "200";
+    full += line == "429";
+  }
+  EXPECT_GE(ok, 2) << codes.output;
+  EXPECT_GE(full, 1) << codes.output;
+  EXPECT_EQ(ok + full, 6) << codes.output;
+
+  // The error body of a 429: flood until one comes back with its body.
+  bool saw_body = false;
+  for (int attempt = 0; attempt < 5 && !saw_body; ++attempt) {
+    std::string flood;
+    for (int i = 0; i < 4; ++i) {
+      flood += "curl -sS --max-time 60 -H 'Content-Type: application/json' -d '" + body + "' " +
+               url + "/v1/completions; echo; ";
+    }
+    const std::string both = "(" + flood + ") & (" + flood + ") & (" + flood + ") & wait";
+    const CommandResult r = RunCommand(both, 120);
+    std::istringstream lines(r.output);
+    for (std::string line; std::getline(lines, line);) {
+      const json j = json::parse(line, nullptr, false);
+      if (!j.is_discarded() && j.contains("error") && j["error"]["code"] == "queue_full") {
+        EXPECT_EQ(j["error"]["type"], "rate_limit_error") << line;
+        saw_body = true;
+      }
+    }
+  }
+  EXPECT_TRUE(saw_body) << "no 429 body with code queue_full";
+
+  // Draining: a long request runs, SIGTERM, then /health and new requests are 503.
+  const std::string long_body =
+      R"({"model": ")" + model + R"(", "prompt": "x", "max_tokens": 1500, "ignore_eos": true})";
+  CommandResult running;
+  std::thread long_request([&] {
+    running = RunCommand(
+        "curl -sS --max-time 60 -o /dev/null -w '%{http_code}' -H "
+        "'Content-Type: application/json' -d '" +
+            long_body + "' " + url + "/v1/completions",
+        90);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  kill(server->pid(), SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const CommandResult health =
+      RunCommand("curl -sS --max-time 5 -o /dev/null -w '%{http_code}' " + url + "/health", 10);
+  EXPECT_EQ(health.output, "503");
+  const CommandResult late =
+      RunCommand("curl -sS --max-time 5 -H 'Content-Type: application/json' -d '" + body + "' " +
+                     url + "/v1/completions",
+                 10);
+  const json lj = json::parse(late.output, nullptr, false);
+  EXPECT_FALSE(lj.is_discarded()) << late.output;
+  if (!lj.is_discarded())
+    EXPECT_EQ(lj["error"]["type"], "service_unavailable_error") << late.output;
+  const int status = server->Stop();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  long_request.join();
+  EXPECT_EQ(running.output, "200") << "the running request did not complete during the drain";
+}
+
 // `cmake --install` into a temporary prefix; `tpserve serve` from there (no --model: the
 // installed bundled model; its worker binary found beside it) answers one request over HTTP and
 // exits cleanly on SIGTERM.
