@@ -92,9 +92,9 @@ class HttpChatTest : public ::testing::Test {
   }
 
   // Starts the front end with `render` (may be empty); returns its base URL.
-  std::string StartHttp(ChatRenderer render) {
+  std::string StartHttp(ChatRenderer render, HttpFrontendOptions options = {}) {
     http_ = std::make_unique<HttpFrontend>(service_.get(), &metrics_, std::move(render),
-                                           HttpFrontendOptions());
+                                           std::move(options));
     absl::StatusOr<int> port = http_->Start("127.0.0.1", 0);
     EXPECT_TRUE(port.ok()) << port.status();
     http_->SetServing(true);
@@ -197,6 +197,30 @@ TEST_F(HttpChatTest, ModelWithoutChatTemplateAnswers400SayingSo) {
   EXPECT_NE(r["error"]["message"].get<std::string>().find("no chat template"), std::string::npos)
       << r.dump();
   EXPECT_EQ(r["error"]["param"], "messages");
+}
+
+TEST_F(HttpChatTest, ApiKeyIsRequiredWhenSet) {
+  HttpFrontendOptions options;
+  options.api_key = "sesame";
+  const std::string base = StartHttp(ChatRenderer(), options);
+  auto status_of = [&](const std::string& extra) {
+    const CommandResult r = RunCommand("curl -sS --max-time 10 -o /dev/null -w '%{http_code}' " +
+                                           extra + " " + base + "/v1/models",
+                                       20);
+    return r.output;
+  };
+  EXPECT_EQ(status_of(""), "401");
+  EXPECT_EQ(status_of("-H 'Authorization: Bearer wrong'"), "401");
+  EXPECT_EQ(status_of("-H 'Authorization: Bearer sesame'"), "200");
+  const CommandResult body = RunCommand("curl -sS --max-time 10 " + base + "/v1/models", 20);
+  const json j = json::parse(body.output, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << body.output;
+  EXPECT_EQ(j["error"]["type"], "authentication_error");
+  // /health and /metrics stay open (probes and scrapers carry no key).
+  EXPECT_EQ(
+      RunCommand("curl -sS --max-time 10 -o /dev/null -w '%{http_code}' " + base + "/health", 20)
+          .output,
+      "200");
 }
 
 }  // namespace
