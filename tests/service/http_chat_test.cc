@@ -1,7 +1,8 @@
 // Chat completions over HTTP with the official `openai` npm SDK: the HTTP front end, the real
 // scheduler and tokenizer, a deterministic stand-in for the workers and a test chat renderer
 // (the model's real chat template is wired in by the coordinator). Checks that the rendered
-// chat is tokenized without an added BOS, and the error of a model without a chat template.
+// chat is tokenized without an added BOS, the error of a model without a chat template, and
+// the API key.
 #include <chrono>
 #include <filesystem>
 #include <mutex>
