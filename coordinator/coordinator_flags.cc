@@ -2,11 +2,30 @@
 // coordinator_flags.h).
 #include "coordinator/coordinator_flags.h"
 
+#include <filesystem>
+
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
 namespace tpserve {
 namespace {
+
+// The small bundled model: installed (<prefix>/share/tpserve/models/tiny-coder beside
+// <prefix>/bin) or in the source tree of a build (build/tools/tpserve).
+absl::StatusOr<std::string> BundledModelDir() {
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const std::string dir = ec ? std::string(".") : exe.parent_path().string();
+  for (const std::string& c :
+       {dir + "/../share/tpserve/models/tiny-coder", dir + "/../../models/tiny-coder"}) {
+    if (std::filesystem::exists(c + "/config.json")) {
+      return std::filesystem::canonical(c).string();
+    }
+  }
+  return absl::InvalidArgumentError(
+      "no --model given and no bundled model found (looked in ../share/tpserve/models/tiny-coder "
+      "beside this binary)");
+}
 
 CommandSpec MakeSpec(bool serve_command) {
   CommandSpec s;
@@ -17,10 +36,16 @@ CommandSpec MakeSpec(bool serve_command) {
                   : "The coordinator: public gRPC API, scheduler, KV block manager and the "
                     "workers' control plane.";
   s.flags = {
-      StringFlag("model", "DIR", "model directory (config.json, *.safetensors) [required]"),
+      StringFlag("model", "DIR",
+                 serve_command ? "model directory (config.json, *.safetensors); default: the "
+                                 "bundled tiny-coder"
+                               : "model directory (config.json, *.safetensors) [required]"),
       StringFlag("host", "H", "address to listen on (default 0.0.0.0)"),
       IntFlag("port", 0, 65535, "gRPC port; 0: any free port (see --ready-file) (default 50051)",
               "P"),
+      IntFlag("http-port", 0, 65535,
+              "OpenAI-compatible HTTP API, /health and /metrics; 0: off (default 8000)", "P"),
+      StringFlag("api-key", "K", "HTTP /v1 requests need `Authorization: Bearer K`"),
       IntFlag("workers", 1, 4096, "number of workers (default tp x pp, or the visible GPUs)"),
       IntFlag("tp", 1, 4096, "tensor-parallel degree (default --workers)", "T"),
       IntFlag("pp", 1, 4096, "pipeline-parallel stages (needs --tp; default 1)", "P"),
@@ -78,7 +103,12 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
     o.help = true;
     return o;
   }
-  TP_ASSIGN_OR_RETURN(o.model_dir, a.Required("model"));
+  if (serve_command && !a.Has("model")) {
+    TP_ASSIGN_OR_RETURN(o.model_dir, BundledModelDir());
+  } else {
+    TP_ASSIGN_OR_RETURN(o.model_dir, a.Required("model"));
+  }
+  o.api_key = a.GetOr("api-key", "");
   o.host = a.GetOr("host", o.host);
   o.device_map = a.GetOr("device-map", "");
   o.device = a.GetOr("device", "auto");
@@ -95,6 +125,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   };
   const IntField ints[] = {
       {"port", &o.port},
+      {"http-port", &o.http_port},
       {"workers", &o.world_size},
       {"tp", &o.tp},
       {"pp", &o.pp},

@@ -376,8 +376,8 @@ absl::Status NotReady() {
 }
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Admit(
-    grpc::CallbackServerContext* context, const v1::GenerateRequest& request) {
+absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Submit(
+    const v1::GenerateRequest& request, Clock::time_point deadline) {
   Scheduler* scheduler = scheduler_.load(std::memory_order_acquire);
   if (scheduler == nullptr) return NotReady();
   absl::StatusOr<RequestParams> params = ValidateGenerateRequest(request, tokenizer_, limits_);
@@ -385,15 +385,22 @@ absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Admit(
   if (params->request_id.empty()) {
     params->request_id = absl::StrCat("req-", next_request_.fetch_add(1));
   }
-  const auto deadline = context->deadline();
-  if (deadline != std::chrono::system_clock::time_point::max()) {
-    const auto left = deadline - std::chrono::system_clock::now();
-    params->deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
-  }
+  params->deadline = deadline;
   auto state = std::make_shared<RequestState>(std::move(*params));
   absl::Status submitted = scheduler->Submit(state);
   if (!submitted.ok()) return submitted;
   return state;
+}
+
+absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Admit(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest& request) {
+  Clock::time_point deadline = Clock::time_point::max();
+  const auto grpc_deadline = context->deadline();
+  if (grpc_deadline != std::chrono::system_clock::time_point::max()) {
+    const auto left = grpc_deadline - std::chrono::system_clock::now();
+    deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
+  }
+  return Submit(request, deadline);
 }
 
 grpc::ServerUnaryReactor* InferenceService::Generate(grpc::CallbackServerContext* context,

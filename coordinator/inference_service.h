@@ -41,6 +41,18 @@ class InferenceService final : public v1::Inference::CallbackService {
   // `info` is the static part of GetModelInfo; the KV statistics come from the scheduler.
   void Activate(Scheduler* scheduler, ServiceLimits limits, v1::ModelInfo info);
 
+  // The one path from a request to the scheduler, for the gRPC and the HTTP front ends alike:
+  // UNAVAILABLE until Activate, validation (INVALID_ARGUMENT naming the field), a request id
+  // when none is given, the queue (RESOURCE_EXHAUSTED when full, UNAVAILABLE when draining).
+  absl::StatusOr<std::shared_ptr<RequestState>> Submit(const v1::GenerateRequest& request,
+                                                       Clock::time_point deadline);
+  // Null until Activate.
+  Scheduler* scheduler() const { return scheduler_.load(std::memory_order_acquire); }
+  const Tokenizer* tokenizer() const { return tokenizer_; }
+  // Valid once scheduler() is not null.
+  const ServiceLimits& limits() const { return limits_; }
+  const v1::ModelInfo& static_info() const { return info_; }
+
   grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* context,
                                      const v1::GenerateRequest* request,
                                      v1::GenerateResponse* response) override;

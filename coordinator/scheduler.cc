@@ -242,6 +242,7 @@ void Scheduler::Finish(Seq& seq, absl::Status status, tpserve::Finish reason) {
   info.queued_s = Seconds((seq.scheduled ? seq.first_scheduled : now) - arrival);
   info.ttft_s = seq.got_token ? Seconds(seq.first_token - arrival) : 0.0;
   info.total_s = Seconds(now - arrival);
+  if (options_.on_request_finished) options_.on_request_finished(status, info);
   seq.req->Complete(std::move(status), info);
 }
 
@@ -578,7 +579,9 @@ void Scheduler::Loop() {
     std::erase_if(running_, [](const std::unique_ptr<Seq>& s) { return s->done; });
     execute_seconds_ += Seconds(exec_end - p.submitted);
     forward_seconds_ += executor_->last_forward_seconds();
-    step_seconds_ += Seconds(Clock::now() - step_start);
+    const double step_s = Seconds(Clock::now() - step_start);
+    step_seconds_ += step_s;
+    if (options_.on_step) options_.on_step(step_s);
     PublishStats();
   }
   FailAll(absl::UnavailableError("the server is shutting down"));

@@ -57,6 +57,10 @@ struct SchedulerOptions {
   int64_t context_length = 2048;
   std::vector<int32_t> eos_token_ids;
   bool enable_prefix_caching = true;
+  // Metrics hooks, called on the scheduler thread (must be cheap): a request ended (any way),
+  // a step was applied (its whole time).
+  std::function<void(const absl::Status&, const FinalInfo&)> on_request_finished;
+  std::function<void(double step_seconds)> on_step;
 };
 
 struct SchedulerStats {

@@ -31,8 +31,11 @@
 #include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
+#include "coordinator/http/http_server.h"
 #include "coordinator/inference_service.h"
+#include "coordinator/metrics.h"
 #include "coordinator/scheduler.h"
+#include "coordinator/serving_metrics.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "coordinator/worker_group.h"
 #include "parallel/shard_plan.h"
@@ -272,6 +275,7 @@ struct Layout {
   std::vector<int32_t> eos;
   std::unique_ptr<Tokenizer> tokenizer;  // null: token-id prompts only
   std::string spawn_device;
+  ChatRenderer chat_renderer;  // empty: the model has no chat template (chat answers 400)
 };
 
 absl::StatusOr<Layout> ResolveLayout(const CoordinatorOptions& opts) {
@@ -338,11 +342,13 @@ WorkerGroupOptions GroupOptions(const CoordinatorOptions& o) {
 // The listening servers and their health state.
 class Servers {
  public:
-  // The gRPC server: public API, the workers' control plane, health, reflection. (The HTTP
-  // front end, when there is one, starts here beside it.)
+  // The gRPC server (public API, the workers' control plane, health, reflection) and, unless
+  // --http-port is 0, the OpenAI-compatible HTTP front end beside it (/v1, /health, /metrics).
   static absl::StatusOr<std::unique_ptr<Servers>> Start(const CoordinatorOptions& o,
                                                         WorkerGroup* group,
-                                                        InferenceService* service) {
+                                                        InferenceService* service,
+                                                        MetricsRegistry* metrics,
+                                                        ChatRenderer render_chat) {
     auto s = std::unique_ptr<Servers>(new Servers());
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -358,22 +364,43 @@ class Servers {
     if (s->grpc_ == nullptr || s->port_ == 0) {
       return absl::UnavailableError(absl::StrCat("could not listen on ", listen));
     }
+    if (o.http_port > 0) {
+      HttpFrontendOptions ho;
+      // A thread per request in flight: the scheduler's queue, not the pool, answers 429.
+      ho.threads = std::min(1024, o.max_num_seqs + o.max_queued_requests + 16);
+      ho.model_aliases = {o.model_dir, std::filesystem::absolute(o.model_dir).string()};
+      ho.api_key = o.api_key;
+      s->http_ = std::make_unique<HttpFrontend>(service, metrics, std::move(render_chat), ho);
+      absl::StatusOr<int> http_port = s->http_->Start(o.host, o.http_port);
+      if (!http_port.ok()) {
+        s->grpc_->Shutdown(std::chrono::system_clock::now());
+        return http_port.status();
+      }
+      s->http_port_ = *http_port;
+    }
     s->SetHealth(false);
     return s;
   }
 
   int port() const { return port_; }
+  int http_port() const { return http_port_; }  // 0: no HTTP front end
   void SetHealth(bool serving) {
+    if (http_ != nullptr) http_->SetServing(serving);
     grpc::HealthCheckServiceInterface* health = grpc_->GetHealthCheckService();
     health->SetServingStatus(serving);
     health->SetServingStatus("tpserve.v1.Inference", serving);
   }
-  void Shutdown() { grpc_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2)); }
+  void Shutdown() {
+    if (http_ != nullptr) http_->Stop();
+    grpc_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  }
 
  private:
   Servers() = default;
   std::unique_ptr<grpc::Server> grpc_;
+  std::unique_ptr<HttpFrontend> http_;
   int port_ = 0;
+  int http_port_ = 0;
 };
 
 // Spawns the local workers (when asked) and waits until every worker registered and loaded
@@ -398,7 +425,7 @@ absl::Status StartWorkers(const Layout& layout, const Servers& servers, WorkerGr
 }
 
 std::unique_ptr<Scheduler> StartScheduler(const Layout& layout, WorkerGroup* group,
-                                          Servers* servers) {
+                                          Servers* servers, ServingMetrics* metrics) {
   const CoordinatorOptions& o = layout.options;
   SchedulerOptions so;
   so.max_num_seqs = o.max_num_seqs;
@@ -409,6 +436,10 @@ std::unique_ptr<Scheduler> StartScheduler(const Layout& layout, WorkerGroup* gro
   so.context_length = layout.config.max_position_embeddings;
   so.eos_token_ids = layout.eos;
   so.enable_prefix_caching = o.enable_prefix_caching;
+  so.on_request_finished = [metrics](const absl::Status& status, const FinalInfo& info) {
+    metrics->OnRequestFinished(status, info);
+  };
+  so.on_step = [metrics](double seconds) { metrics->OnStep(seconds); };
   auto scheduler = std::make_unique<Scheduler>(so, layout.tokenizer.get(), group);
   scheduler->Start();
   Scheduler* sched = scheduler.get();
@@ -449,7 +480,7 @@ absl::Status WarmUp(const Layout& layout, Scheduler* scheduler, ProcessEvents* e
 
 // Opens the public API: model info and limits, health SERVING, the ready file.
 void Activate(const Layout& layout, WorkerGroup* group, Scheduler* scheduler,
-              InferenceService* service, Servers* servers) {
+              InferenceService* service, Servers* servers, ServingMetrics* metrics) {
   const CoordinatorOptions& o = layout.options;
   const ModelConfig& config = layout.config;
   ServiceLimits limits;
@@ -471,14 +502,22 @@ void Activate(const Layout& layout, WorkerGroup* group, Scheduler* scheduler,
   info.set_max_num_seqs(o.max_num_seqs);
   info.set_max_num_batched_tokens(o.max_num_batched_tokens);
   service->Activate(scheduler, limits, info);
+  metrics->SetScheduler(scheduler);
+  const std::vector<worker::KvReport> reports = group->kv_reports();
+  for (size_t r = 0; r < reports.size(); ++r) {
+    metrics->SetWorkerMemory(static_cast<int>(r), reports[r].device_memory_used_bytes(),
+                             reports[r].device_memory_total_bytes());
+  }
   if (group->failure().ok()) servers->SetHealth(true);
   if (!o.ready_file.empty()) {
     const std::string tmp = o.ready_file + ".tmp";
     std::ofstream(tmp) << o.host << ":" << servers->port() << "\n";
     std::filesystem::rename(tmp, o.ready_file);
   }
-  TP_LOG(INFO) << "SERVING on port " << servers->port() << ": KV cache " << group->num_blocks()
-               << " blocks x " << o.block_size << " tokens";
+  TP_LOG(INFO) << "SERVING on port " << servers->port()
+               << (servers->http_port() > 0 ? absl::StrCat(" (HTTP ", servers->http_port(), ")")
+                                            : std::string())
+               << ": KV cache " << group->num_blocks() << " blocks x " << o.block_size << " tokens";
 }
 
 // After a signal: refuse new requests and let the running ones finish, up to --drain-timeout.
@@ -500,21 +539,25 @@ absl::Status RunCoordinator(const CoordinatorOptions& options) {
   TP_ASSIGN_OR_RETURN(Layout layout, ResolveLayout(options));
   auto group = std::make_unique<WorkerGroup>(GroupOptions(layout.options), layout.config);
   InferenceService service(layout.tokenizer.get());
-  TP_ASSIGN_OR_RETURN(std::unique_ptr<Servers> servers,
-                      Servers::Start(layout.options, group.get(), &service));
+  MetricsRegistry metrics;
+  ServingMetrics serving_metrics(&metrics);
+  TP_ASSIGN_OR_RETURN(
+      std::unique_ptr<Servers> servers,
+      Servers::Start(layout.options, group.get(), &service, &metrics, layout.chat_renderer));
   TP_LOG(INFO) << "listening on " << layout.options.host << ":" << servers->port() << " ("
-               << layout.config.architecture << ", " << layout.options.world_size << " worker"
+               << layout.options.model_dir << ", " << layout.config.architecture << ", "
+               << layout.options.world_size << " worker"
                << (layout.options.world_size > 1 ? "s" : "") << ")";
   ProcessEvents events;
   std::unique_ptr<Scheduler> scheduler;
   absl::Status status = StartWorkers(layout, *servers, group.get(), &events);
   if (status.ok()) {
-    scheduler = StartScheduler(layout, group.get(), servers.get());
+    scheduler = StartScheduler(layout, group.get(), servers.get(), &serving_metrics);
     status = group->failure();
   }
   if (status.ok()) status = WarmUp(layout, scheduler.get(), &events);
   if (status.ok()) {
-    Activate(layout, group.get(), scheduler.get(), &service, servers.get());
+    Activate(layout, group.get(), scheduler.get(), &service, servers.get(), &serving_metrics);
     Drain(layout.options, events.WaitForSignal(), scheduler.get(), servers.get());
   }
   // Shut down (after a drain or a failed start): end what is left, stop the workers and the

@@ -1,4 +1,5 @@
 // The coordinator process: the gRPC server (public API, control plane, health, reflection), the
+// HTTP server (OpenAI-compatible API, /health, /metrics), the
 // worker group, the scheduler, optional local worker processes, warm-up, SIGTERM drain.
 // Used by `tpserve-coordinator` and `tpserve serve`.
 #pragma once
@@ -14,9 +15,11 @@ namespace tpserve {
 struct CoordinatorOptions {
   std::string model_dir;
   std::string host = "0.0.0.0";
-  int port = 50051;    // 0: any free port (see ready_file)
-  int world_size = 0;  // workers; 0: tp * pp, or 1
-  int tp = 0;          // 0: world_size
+  int port = 50051;      // 0: any free port (see ready_file)
+  int http_port = 8000;  // OpenAI-compatible HTTP API, /health, /metrics; 0: off
+  std::string api_key;   // not empty: HTTP /v1 requests need `Authorization: Bearer <key>`
+  int world_size = 0;    // workers; 0: tp * pp, or 1
+  int tp = 0;            // 0: world_size
   int pp = 1;
   std::string device_map;
   // Local workers: spawn them (one per visible GPU with --device cuda, else CPU workers).

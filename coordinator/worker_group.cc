@@ -57,6 +57,13 @@ std::vector<std::string> WorkerGroup::rank_devices() {
   return out;
 }
 
+std::vector<worker::KvReport> WorkerGroup::kv_reports() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<worker::KvReport> out;
+  for (const auto& s : slots_) out.push_back(s->kv);
+  return out;
+}
+
 bool WorkerGroup::Send(int rank, const worker::CoordinatorMessage& msg) {
   Slot& slot = *slots_[rank];
   std::lock_guard<std::mutex> lock(slot.write_mu);

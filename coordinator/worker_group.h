@@ -70,6 +70,8 @@ class WorkerGroup final : public worker::WorkerControl::Service, public StepExec
   int num_blocks() const { return num_blocks_; }
   int block_size() const { return options_.block_size; }
   std::vector<std::string> rank_devices();
+  // Each rank's KV report (device memory after loading), by rank; valid after Start.
+  std::vector<worker::KvReport> kv_reports();
 
   grpc::Status Control(
       grpc::ServerContext* context,

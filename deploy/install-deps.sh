@@ -10,9 +10,11 @@ packages=(
   libopenmpi-dev openmpi-bin
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libpcre2-dev libutf8proc-dev libopenblas-dev
+  libcpp-httplib-dev curl prometheus
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy python3-matplotlib
 )
-# Node.js and npm run the tokenizer conformance references; any install that provides the
+# Node.js and npm run the tokenizer conformance references and the openai SDK test of the HTTP
+# API; any install that provides the
 # commands will do (Debian's packages, or a Node.js build that bundles npm).
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
   packages+=(nodejs npm)

@@ -43,7 +43,8 @@ struct Command {
 };
 
 const Command kCommands[] = {
-    {"serve", "start the gRPC service (coordinator + local workers)", tpserve::RunServeCommand},
+    {"serve", "start the service: gRPC, OpenAI-compatible HTTP (coordinator + local workers)",
+     tpserve::RunServeCommand},
     {"generate", "generate through a running server (gRPC)", tpserve::RunGenerateCommand},
     {"info", "print a server's model info as JSON", tpserve::RunInfoCommand},
     {"health", "check a server's health (grpc.health.v1)", tpserve::RunHealthCommand},

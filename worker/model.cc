@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/model_files.h"
+#include "common/progress.h"
 #include "common/status.h"
 #include "worker/kv_budget.h"
 
@@ -301,9 +302,13 @@ absl::Status LlamaModel::LoadWeights(const ModelFiles& files) {
     converted += static_cast<int64_t>(host.size());
     return absl::OkStatus();
   };
+  ByteProgress progress(
+      absl::StrCat("loading weights of layers [", shard_.layer_begin, ", ", shard_.layer_end, ")"),
+      static_cast<int64_t>(total));
   for (size_t i = 0; i < plan.size(); ++i) {
     const PlannedWeight& w = plan[i];
     char* dst = arena + offsets[i];
+    progress.Update(static_cast<int64_t>(offsets[i]));
     const Tensor t = MakeTensor(dst, w.shape, dt, device);
     size_t filled = 0;
     for (const Part& p : w.parts) {

@@ -73,6 +73,16 @@ int64_t AvailableHostMemory() {
   return 0;
 }
 
+// A "Key: N kB" line of a /proc file, in bytes (0 when absent).
+int64_t ProcFieldBytes(const char* path, const std::string& key) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) return std::atoll(line.c_str() + key.size()) * 1024;
+  }
+  return 0;
+}
+
 std::string Hostname() {
   char buf[256] = {};
   gethostname(buf, sizeof(buf) - 1);
@@ -151,6 +161,15 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   report.mutable_kv_report()->set_weight_bytes(runner->model().weight_bytes());
   report.mutable_kv_report()->set_load_seconds(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  {
+    size_t free_bytes = 0, total_bytes = 0;
+    const bool device = ops->MemoryInfo(&free_bytes, &total_bytes);
+    report.mutable_kv_report()->set_device_memory_used_bytes(
+        device ? static_cast<int64_t>(total_bytes - free_bytes)
+               : ProcFieldBytes("/proc/self/status", "VmRSS:"));
+    report.mutable_kv_report()->set_device_memory_total_bytes(
+        device ? static_cast<int64_t>(total_bytes) : ProcFieldBytes("/proc/meminfo", "MemTotal:"));
+  }
   if (!client.Send(report)) return absl::UnavailableError("could not send the KV report");
   TP_LOG(INFO) << "loaded layers [" << runner->model().shard().layer_begin << ", "
                << runner->model().shard().layer_end << "), " << runner->num_blocks()

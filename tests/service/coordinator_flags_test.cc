@@ -1,5 +1,6 @@
 // The coordinator's flag table: the options it fills, its ranges and errors, --help, the flags
-// that size the workers (--gpu-memory-utilization, --kv-cache-mb) and --enable-prefix-caching.
+// that size the workers (--gpu-memory-utilization, --kv-cache-mb), --enable-prefix-caching and
+// the HTTP front end's --http-port and --api-key.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -47,8 +48,14 @@ TEST(CoordinatorFlagsTest, RangesUnknownFlagsAndPositionalArgumentsAreErrors) {
       {{"--model", "m", "stray"}, "unexpected argument 'stray'"},
       {{"--model", "m", "--tp", "2", "--workers", "3"}, "--workers 3 but --tp 2"},
       {{"--model", "m", "--pp", "2"}, "--pp needs --tp"},
-      {{"--port", "1"}, "missing required flag --model"},
+      {{"--model", "m", "--http-port", "65536"}, "--http-port expects an integer in [0, 65535]"},
   };
+  // Without --model the coordinator refuses; `tpserve serve` looks for the bundled model
+  // (not beside this test binary, so it refuses too, saying where it looked).
+  auto no_model = ParseCoordinatorFlags({"--port", "1"}, false);
+  EXPECT_THAT(std::string(no_model.status().message()), HasSubstr("missing required flag --model"));
+  no_model = ParseCoordinatorFlags({"--port", "1"}, true);
+  EXPECT_THAT(std::string(no_model.status().message()), HasSubstr("no bundled model found"));
   for (const auto& [args, message] : cases) {
     for (bool serve : {false, true}) {
       auto o = ParseCoordinatorFlags(args, serve);
@@ -169,6 +176,20 @@ TEST(CoordinatorFlagsTest, PrefixCachingIsOnByDefaultAndCanBeTurnedOff) {
   o = ParseCoordinatorFlags({"--model", "m", "--enable-prefix-caching=maybe"}, true);
   EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Usage(CoordinatorFlagSpec(true)), HasSubstr("--enable-prefix-caching"));
+}
+
+TEST(CoordinatorFlagsTest, HttpPortDefaultsTo8000AndZeroTurnsItOff) {
+  auto o = ParseCoordinatorFlags({"--model", "m"}, true);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->http_port, 8000);
+  EXPECT_TRUE(o->api_key.empty());
+  o = ParseCoordinatorFlags({"--model", "m", "--http-port", "0", "--api-key", "k"}, false);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->http_port, 0);
+  EXPECT_EQ(o->api_key, "k");
+  o = ParseCoordinatorFlags({"--model", "m", "--http-port", "70000"}, true);
+  ASSERT_FALSE(o.ok());
+  EXPECT_NE(o.status().message().find("--http-port"), std::string::npos) << o.status();
 }
 
 }  // namespace

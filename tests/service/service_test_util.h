@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -160,6 +161,10 @@ class ServerProcess {
                                      "cpu",
                                      "--worker-binary",
                                      TPSERVE_WORKER_BIN};
+    // HTTP is off unless the test asks for it (its default port would collide between tests).
+    if (std::find(extra.begin(), extra.end(), "--http-port") == extra.end()) {
+      args.insert(args.end(), {"--http-port", "0"});
+    }
     args.insert(args.end(), extra.begin(), extra.end());
     p->pid_ = fork();
     if (p->pid_ == 0) {

@@ -1,0 +1,377 @@
+// The HTTP front end (see http_server.h): routes, auth, the wait for a whole answer and the
+// Server-Sent Events stream of a streamed one.
+#include "coordinator/http/http_server.h"
+
+#include <signal.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+#include <random>
+
+#include <httplib.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
+#include "coordinator/inference_service.h"
+#include "coordinator/metrics.h"
+#include "coordinator/request.h"
+#include "coordinator/scheduler.h"
+#include "coordinator/tokenizer/tokenizer.h"
+
+namespace tpserve {
+
+using nlohmann::json;
+using openai::Endpoint;
+
+namespace {
+
+int64_t UnixSeconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string RandomId(const char* prefix) {
+  static std::mutex mu;
+  static std::mt19937_64 rng{std::random_device{}()};
+  std::lock_guard<std::mutex> lock(mu);
+  return absl::StrFormat("%s%016x", prefix, rng());
+}
+
+// Wakes the HTTP thread that waits on a request.
+class Waiter final : public RequestListener {
+ public:
+  void OnRequestUpdate() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      updated_ = true;
+    }
+    cv_.notify_all();
+  }
+  void Wait(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, timeout, [this] { return updated_; });
+    updated_ = false;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool updated_ = false;
+};
+
+void SendJson(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  res.set_content(body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+}
+
+void SendError(httplib::Response& res, const absl::Status& status) {
+  SendJson(res, openai::HttpStatus(status), openai::ErrorJson(status));
+}
+
+std::string SseEvent(const json& data) {
+  return absl::StrCat("data: ", data.dump(-1, ' ', false, json::error_handler_t::replace), "\n\n");
+}
+
+}  // namespace
+
+struct HttpFrontend::Impl {
+  InferenceService* service;
+  MetricsRegistry* metrics;
+  ChatRenderer render_chat;
+  HttpFrontendOptions options;
+  const std::atomic<bool>* serving;
+  httplib::Server server;
+  std::thread thread;
+  std::atomic<bool> stopping{false};
+
+  void Routes();
+  absl::Status CheckAuth(const httplib::Request& req) const;
+  absl::Status CheckModel(const std::string& model) const;
+  void Generate(Endpoint endpoint, const httplib::Request& req, httplib::Response& res);
+  void Whole(const openai::ParsedRequest& request, std::shared_ptr<RequestState> state,
+             const std::string& model, httplib::Response& res);
+  void Stream(const openai::ParsedRequest& request, std::shared_ptr<RequestState> state,
+              const std::string& model, httplib::Response& res);
+  openai::TokenText TokenTextFn() const {
+    const Tokenizer* t = service->tokenizer();
+    return [t](int32_t id) {
+      return t != nullptr ? t->Decode({id}, /*skip_special_tokens=*/false) : std::string();
+    };
+  }
+};
+
+HttpFrontend::HttpFrontend(InferenceService* service, MetricsRegistry* metrics,
+                           ChatRenderer render_chat, HttpFrontendOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->service = service;
+  impl_->metrics = metrics;
+  impl_->render_chat = std::move(render_chat);
+  impl_->options = std::move(options);
+  impl_->serving = &serving_;
+}
+
+HttpFrontend::~HttpFrontend() { Stop(); }
+
+absl::StatusOr<int> HttpFrontend::Start(const std::string& host, int port) {
+  signal(SIGPIPE, SIG_IGN);  // a client that hung up makes send() fail, not kill the process
+  Impl& m = *impl_;
+  const int threads = std::max(1, m.options.threads);
+  m.server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  m.server.set_read_timeout(m.options.read_timeout_s, 0);
+  m.server.set_write_timeout(m.options.write_timeout_s, 0);
+  m.server.set_keep_alive_timeout(m.options.keep_alive_timeout_s);
+  m.server.set_payload_max_length(m.options.max_body_bytes);
+  m.Routes();
+  int bound = port;
+  if (port == 0) {
+    bound = m.server.bind_to_any_port(host);
+    if (bound <= 0) return absl::UnavailableError(absl::StrCat("HTTP: could not listen on ", host));
+  } else if (!m.server.bind_to_port(host, port)) {
+    return absl::UnavailableError(absl::StrCat("HTTP: could not listen on ", host, ":", port));
+  }
+  m.thread = std::thread([&m] { m.server.listen_after_bind(); });
+  TP_LOG(INFO) << "HTTP (OpenAI API, /metrics, /health) listening on " << host << ":" << bound;
+  return bound;
+}
+
+void HttpFrontend::Stop() {
+  if (!impl_ || !impl_->thread.joinable()) return;
+  impl_->stopping.store(true);
+  impl_->server.stop();
+  impl_->thread.join();
+}
+
+void HttpFrontend::Impl::Routes() {
+  server.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    const bool ok = serving->load();
+    SendJson(res, ok ? 200 : 503, {{"status", ok ? "SERVING" : "NOT_SERVING"}});
+  });
+  server.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics->Render(), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  server.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+    if (absl::Status auth = CheckAuth(req); !auth.ok()) return SendError(res, auth);
+    if (service->scheduler() == nullptr) {
+      return SendError(res, absl::UnavailableError("the server is starting: the workers are "
+                                                   "loading the model"));
+    }
+    SendJson(res, 200,
+             openai::ModelsJson(service->static_info().model(), UnixSeconds(),
+                                service->static_info().context_length()));
+  });
+  server.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    Generate(Endpoint::kCompletions, req, res);
+  });
+  server.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    Generate(Endpoint::kChat, req, res);
+  });
+  // Unrouted paths, methods and httplib's own errors (413, 400...) in OpenAI's error shape;
+  // handlers' own error bodies are left alone.
+  server.set_error_handler(httplib::Server::HandlerWithResponse([](const httplib::Request& req,
+                                                                   httplib::Response& res) {
+    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    const absl::Status status =
+        res.status == 404
+            ? absl::NotFoundError(absl::StrCat("no route for ", req.method, " ", req.path))
+        : res.status == 413 ? absl::InvalidArgumentError("the request body is too large")
+                            : absl::InvalidArgumentError(absl::StrCat("HTTP error ", res.status));
+    const int code = res.status;
+    SendJson(res, code, openai::ErrorJson(status));
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+  server.set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown exception";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        SendError(res, absl::InternalError(absl::StrCat("internal error: ", what)));
+      });
+}
+
+absl::Status HttpFrontend::Impl::CheckAuth(const httplib::Request& req) const {
+  if (options.api_key.empty()) return absl::OkStatus();
+  if (req.get_header_value("Authorization") == "Bearer " + options.api_key) {
+    return absl::OkStatus();
+  }
+  return absl::UnauthenticatedError(
+      "missing or wrong API key: send the header `Authorization: Bearer <key>`");
+}
+
+absl::Status HttpFrontend::Impl::CheckModel(const std::string& model) const {
+  if (model == service->static_info().model()) return absl::OkStatus();
+  for (const std::string& a : options.model_aliases) {
+    if (model == a) return absl::OkStatus();
+  }
+  return openai::WithParam(absl::NotFoundError(absl::StrCat(
+                               "the model `", model, "` does not exist; this server serves `",
+                               service->static_info().model(), "`")),
+                           "model");
+}
+
+void HttpFrontend::Impl::Generate(Endpoint endpoint, const httplib::Request& req,
+                                  httplib::Response& res) {
+  if (absl::Status auth = CheckAuth(req); !auth.ok()) return SendError(res, auth);
+  absl::StatusOr<openai::ParsedRequest> parsed = openai::ParseRequest(endpoint, req.body);
+  if (!parsed.ok()) return SendError(res, parsed.status());
+  if (service->scheduler() == nullptr) {
+    return SendError(
+        res, absl::UnavailableError("the server is starting: the workers are loading the model"));
+  }
+  if (absl::Status m = CheckModel(parsed->model); !m.ok()) return SendError(res, m);
+  const std::string model = service->static_info().model();
+
+  if (endpoint == Endpoint::kChat) {
+    if (!render_chat) {
+      return SendError(
+          res, openai::InvalidParam("messages",
+                                    "this model has no chat template (tokenizer_config.json has no "
+                                    "chat_template): use /v1/completions with a prompt"));
+    }
+    const Tokenizer* tokenizer = service->tokenizer();
+    if (tokenizer == nullptr) {
+      return SendError(res, openai::InvalidParam("messages",
+                                                 "the model directory has no tokenizer.json: chat "
+                                                 "needs one; use /v1/completions with token ids"));
+    }
+    absl::StatusOr<std::string> prompt =
+        render_chat(parsed->messages, /*add_generation_prompt=*/true);
+    if (!prompt.ok()) {
+      return SendError(res,
+                       openai::InvalidParam("messages", absl::StrCat("the chat template failed: ",
+                                                                     prompt.status().message())));
+    }
+    if (static_cast<int64_t>(prompt->size()) > service->limits().max_prompt_text_bytes) {
+      return SendError(
+          res,
+          openai::InvalidParam(
+              "messages", absl::StrCat("the rendered chat is ", prompt->size(), " bytes; at most ",
+                                       service->limits().max_prompt_text_bytes, " are accepted")));
+    }
+    // The template writes the BOS and the other special tokens itself.
+    const std::vector<int32_t> ids = tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
+    parsed->generate.mutable_token_ids()->mutable_ids()->Assign(ids.begin(), ids.end());
+  }
+  parsed->generate.set_request_id(RandomId(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-"));
+
+  absl::StatusOr<std::shared_ptr<RequestState>> state =
+      service->Submit(parsed->generate, Clock::time_point::max());
+  if (!state.ok()) return SendError(res, openai::ToApiNames(state.status(), endpoint));
+  if (parsed->stream) {
+    Stream(*parsed, *state, model, res);
+  } else {
+    Whole(*parsed, *state, model, res);
+  }
+}
+
+void HttpFrontend::Impl::Whole(const openai::ParsedRequest& request,
+                               std::shared_ptr<RequestState> state, const std::string& model,
+                               httplib::Response& res) {
+  auto waiter = std::make_shared<Waiter>();
+  state->SetListener(waiter);
+  // A whole answer ends with its request (bounded by max_tokens); a server stop cancels it.
+  while (!state->finished()) {
+    if (stopping.load()) {
+      state->Cancel();
+      if (Scheduler* s = service->scheduler()) s->Wake();
+    }
+    waiter->Wait(std::chrono::milliseconds(500));
+  }
+  RequestState::Taken t = state->Take();
+  if (!t.status.ok()) return SendError(res, t.status);
+  openai::Answer a;
+  a.id = state->params().request_id;
+  a.created = UnixSeconds();
+  a.model = model;
+  a.info = t.info;
+  state->Whole(&a.text, &a.ids, &a.logprobs);
+  SendJson(res, 200, openai::ResponseJson(request, a, TokenTextFn()));
+}
+
+void HttpFrontend::Impl::Stream(const openai::ParsedRequest& request,
+                                std::shared_ptr<RequestState> state, const std::string& model,
+                                httplib::Response& res) {
+  // State shared by the provider calls (httplib calls the provider until done or failure).
+  struct StreamState {
+    openai::ParsedRequest request;
+    std::shared_ptr<RequestState> state;
+    std::shared_ptr<Waiter> waiter = std::make_shared<Waiter>();
+    std::string id, model;
+    int64_t created = 0;
+    bool first = true;  // chat's first chunk carries the role, sent at once
+    int64_t text_offset = 0;
+  };
+  auto ss = std::make_shared<StreamState>();
+  ss->request = request;
+  ss->state = state;
+  ss->id = state->params().request_id;
+  ss->model = model;
+  ss->created = UnixSeconds();
+  state->SetListener(ss->waiter);
+  res.set_header("Cache-Control", "no-cache");
+  res.set_header("X-Accel-Buffering", "no");
+  const openai::TokenText token_text = TokenTextFn();
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, ss, token_text](size_t, httplib::DataSink& sink) {
+        auto write = [&](const std::string& s) { return sink.write(s.data(), s.size()); };
+        auto idle_since = Clock::now();
+        while (true) {
+          if (stopping.load()) return false;  // releaser cancels
+          RequestState::Taken t = ss->state->Take();
+          if (t.finished && !t.status.ok()) {
+            write(SseEvent(openai::ErrorJson(t.status)));
+            write("data: [DONE]\n\n");
+            sink.done();
+            return true;
+          }
+          const bool role_chunk = ss->first && ss->request.endpoint == Endpoint::kChat;
+          if (role_chunk || t.finished || !t.text.empty() || !t.ids.empty()) {
+            openai::Chunk c;
+            c.text = std::move(t.text);
+            c.ids = std::move(t.ids);
+            c.logprobs = std::move(t.logprobs);
+            c.first = ss->first;
+            c.last = t.finished;
+            c.reason = t.info.reason;
+            c.text_offset = ss->text_offset;
+            ss->text_offset += static_cast<int64_t>(c.text.size());
+            ss->first = false;
+            if (!write(SseEvent(openai::ChunkJson(ss->request, ss->id, ss->created, ss->model, c,
+                                                  token_text)))) {
+              return false;
+            }
+            if (t.finished) {
+              if (ss->request.include_usage) {
+                write(SseEvent(
+                    openai::UsageChunkJson(ss->request, ss->id, ss->created, ss->model, t.info)));
+              }
+              write("data: [DONE]\n\n");
+              sink.done();
+            }
+            return true;
+          }
+          // Nothing new: probe the connection now and then (an SSE comment) so that a client
+          // that left while its request waits in the queue is noticed.
+          if (Clock::now() - idle_since > std::chrono::seconds(2)) {
+            if (!write(": waiting\n\n")) return false;
+            return true;
+          }
+          ss->waiter->Wait(std::chrono::milliseconds(200));
+        }
+      },
+      [this, ss](bool success) {
+        if (success && ss->state->finished()) return;
+        ss->state->Cancel();  // the client left (or the server stops): free its blocks
+        if (Scheduler* s = service->scheduler()) s->Wake();
+      });
+}
+
+}  // namespace tpserve
