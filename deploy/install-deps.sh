@@ -11,6 +11,8 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libpcre2-dev libutf8proc-dev libopenblas-dev
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy python3-matplotlib
+  # clang with libFuzzer builds the chat-template fuzzer that ctest runs (tests/coordinator).
+  clang-14 libclang-rt-14-dev
 )
 # Node.js and npm run the tokenizer conformance references; any install that provides the
 # commands will do (Debian's packages, or a Node.js build that bundles npm).

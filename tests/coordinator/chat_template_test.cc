@@ -268,6 +268,19 @@ TEST(ChatTemplateInterpreter, WorkIsBounded) {
   EXPECT_NE(rr.status().message().find("nested too deeply"), std::string::npos) << rr.status();
 }
 
+TEST(ChatTemplateInterpreter, NoCyclesAndBoundedNesting) {
+  EXPECT_EQ(R("{% set ns = namespace(x=1) %}{% set ns.self = ns %}"),
+            "ERROR: line 1: a namespace cannot be stored in a namespace attribute");
+  EXPECT_EQ(R("{% set ns = namespace(x=1) %}{% set ns.l = [1, [ns]] %}"),
+            "ERROR: line 1: a namespace cannot be stored in a namespace attribute");
+  EXPECT_EQ(R("{% set ns = namespace(x=0) %}{% for i in range(1000) %}{% set ns.x = [ns.x] %}"
+              "{% endfor %}{{ ns.x|length }}"),
+            "ERROR: line 1: value nested too deeply");
+  EXPECT_EQ(R("{% set ns = namespace(x=0) %}{% for i in range(100) %}{% set ns.x = [ns.x] %}"
+              "{% endfor %}{{ ns.x|length }}"),
+            "1");
+}
+
 TEST(ChatTemplate, RenderMessagesAndTokens) {
   auto t = ChatTemplate::FromString(
       "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}"
@@ -286,6 +299,17 @@ TEST(ChatTemplate, RenderMessagesAndTokens) {
   ASSERT_TRUE(tools.ok());
   EXPECT_EQ(*tools, "<s><user>x</s>T");
   EXPECT_FALSE((*t)->RenderJson(OrderedJson::object(), false).ok());
+  // Request JSON nested without end is refused before it is converted (no deep recursion).
+  OrderedJson deep = OrderedJson::array();
+  OrderedJson* at = &deep;
+  for (int i = 0; i < 100000; ++i) {
+    at->push_back(OrderedJson::array());
+    at = &at->back();
+  }
+  OrderedJson deep_messages = OrderedJson::array();
+  deep_messages.push_back({{"role", "user"}, {"content", std::move(deep)}});
+  auto deep_r = (*t)->RenderJson(deep_messages, false);
+  EXPECT_EQ(deep_r.status().code(), absl::StatusCode::kInvalidArgument) << deep_r.status();
   auto bad = ChatTemplate::FromString("{{ x|nope }}", "", "");
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().message(), "chat template line 1: unknown filter 'nope'");
