@@ -9,6 +9,7 @@
 #include <set>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
@@ -194,8 +195,9 @@ Value GetAttributePath(const Value& item, const std::string& path) {
       v = f ? *f : Value();
     } else if (v.is_array() && !part.empty() &&
                std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-      size_t idx = std::stoul(part);
-      v = idx < v.array().size() ? v.array()[idx] : Value();
+      size_t idx = 0;
+      if (!absl::SimpleAtoi(part, &idx) || idx >= v.array().size()) return Value();
+      v = v.array()[idx];
     } else {
       return Value();
     }
@@ -307,15 +309,11 @@ absl::StatusOr<Value> ToInt(const Value& v, const Value& def) {
     case Value::Kind::kString: {
       std::string s = StripChars(v.str(), nullptr, true, true);
       if (s.empty()) return def;
-      size_t used = 0;
-      try {
-        long long i = std::stoll(s, &used, 10);
-        if (used == s.size()) return Value::Int(i);
-        double d = std::stod(s, &used);
-        if (used == s.size() && std::isfinite(d) && std::fabs(d) < 9.2e18) {
-          return Value::Int(static_cast<int64_t>(d));
-        }
-      } catch (...) {
+      int64_t i = 0;
+      if (absl::SimpleAtoi(s, &i)) return Value::Int(i);
+      double d = 0;
+      if (absl::SimpleAtod(s, &d) && std::isfinite(d) && std::fabs(d) < 9.2e18) {
+        return Value::Int(static_cast<int64_t>(d));
       }
       return def;
     }
@@ -328,13 +326,8 @@ absl::StatusOr<Value> ToFloat(const Value& v, const Value& def) {
   if (v.is_number()) return Value::Float(v.number());
   if (v.is_bool()) return Value::Float(v.bool_value() ? 1 : 0);
   if (v.is_string()) {
-    std::string s = StripChars(v.str(), nullptr, true, true);
-    try {
-      size_t used = 0;
-      double d = std::stod(s, &used);
-      if (used == s.size() && !s.empty()) return Value::Float(d);
-    } catch (...) {
-    }
+    double d = 0;
+    if (absl::SimpleAtod(StripChars(v.str(), nullptr, true, true), &d)) return Value::Float(d);
   }
   return def;
 }

@@ -2,6 +2,8 @@
 #include "coordinator/chat_template/lexer.h"
 
 #include <algorithm>
+#include <charconv>
+#include <system_error>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -202,11 +204,12 @@ class Lexer {
           if (src_[i] != '_') text.push_back(src_[i]);
         }
         Token t = Make(is_float ? Token::Kind::kFloat : Token::Kind::kInt, text, start);
-        if (is_float) {
-          t.float_value = std::stod(text);
-        } else {
-          if (text.size() > 18) return Error(start, "integer literal too large: " + text);
-          t.int_value = std::stoll(text);
+        const char* first = text.data();
+        const char* last = text.data() + text.size();
+        std::from_chars_result r = is_float ? std::from_chars(first, last, t.float_value)
+                                            : std::from_chars(first, last, t.int_value);
+        if (r.ec != std::errc() || r.ptr != last) {
+          return Error(start, "number literal out of range: " + text.substr(0, 40));
         }
         tokens_.push_back(std::move(t));
         continue;

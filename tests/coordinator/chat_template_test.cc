@@ -241,6 +241,11 @@ TEST(ChatTemplateInterpreter, UnsupportedConstructsFailAtLoadNamingThem) {
   EXPECT_EQ(LoadError("{% break %}"), "line 1: 'break' outside a for loop");
   EXPECT_EQ(LoadError("{{ 1 + }}"), "line 1: unexpected '}}' in expression");
   EXPECT_EQ(LoadError("{{ a ? b }}"), "line 1: unexpected character '?'");
+  // Found by the fuzzer: literals beyond double or int64 are load errors, not exceptions.
+  EXPECT_EQ(LoadError("{{ 6666660025832808491e6666 }}"),
+            "line 1: number literal out of range: 6666660025832808491e6666");
+  EXPECT_EQ(LoadError("{{ 99999999999999999999 }}"),
+            "line 1: number literal out of range: 99999999999999999999");
   // A macro defined anywhere in the template may be called before its definition.
   EXPECT_EQ(LoadError("{{ m() }}{% macro m() %}x{% endmacro %}"), "(loaded)");
   // Nesting is bounded instead of overflowing the stack.
