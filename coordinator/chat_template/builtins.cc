@@ -680,7 +680,7 @@ absl::StatusOr<Value> ApplyFilter(const std::string& name, const Value& input, C
     }
     Value::Array out;
     for (const auto& [k, v] : input.object().items()) {
-      out.push_back(Value::NewArray({Value::String(k), v}));
+      out.push_back(Value::NewTuple({Value::String(k), v}));
     }
     return Value::NewArray(std::move(out));
   }
@@ -915,7 +915,7 @@ absl::StatusOr<Value> CallMethod(const Value& obj, const std::string& name, Call
       Value::Array out;
       for (const auto& [k, v] : o.items()) {
         if (name == "items") {
-          out.push_back(Value::NewArray({Value::String(k), v}));
+          out.push_back(Value::NewTuple({Value::String(k), v}));
         } else {
           out.push_back(name == "keys" ? Value::String(k) : v);
         }

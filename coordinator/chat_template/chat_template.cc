@@ -152,7 +152,7 @@ absl::StatusOr<std::string> ChatTemplate::RenderJson(const OrderedJson& messages
   // transformers always passes tools (None without tools).
   vars.object().Set("tools", jinja::Value::FromJson(tools));
   absl::StatusOr<std::string> out = template_->Render(vars);
-  if (!out.ok() && absl::StartsWith(out.status().message(), "line ")) {
+  if (!out.ok() && !jinja::IsRaisedError(out.status())) {
     return absl::InvalidArgumentError(absl::StrCat("chat template ", out.status().message()));
   }
   return out;

@@ -5,6 +5,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -31,6 +32,7 @@ using ScopePtr = std::shared_ptr<Scope>;
 enum class Flow { kNormal, kBreak, kContinue };
 
 constexpr int kMaxValueDepth = 128;
+constexpr char kRaisedPayload[] = "tpserve.jinja.raise_exception";
 
 bool CheckedMul(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 
@@ -43,12 +45,12 @@ class Interpreter {
     for (const char* f : {"range", "namespace", "dict", "strftime_now"}) {
       globals->vars[f] = MakeGlobalFunction(f);
     }
-    globals->vars["raise_exception"] =
-        Value::Function([this](CallArgs& args) -> absl::StatusOr<Value> {
-          raised_ = true;
-          std::string msg = args.positional.empty() ? "" : args.positional[0].ToString();
-          return absl::InvalidArgumentError(msg);
-        });
+    globals->vars["raise_exception"] = Value::Function([](CallArgs& args) -> absl::StatusOr<Value> {
+      std::string msg = args.positional.empty() ? "" : args.positional[0].ToString();
+      absl::Status s = absl::InvalidArgumentError(msg);
+      s.SetPayload(kRaisedPayload, absl::Cord("1"));
+      return s;
+    });
     auto top = std::make_shared<Scope>(globals);
     if (variables.is_object()) {
       for (const auto& [k, v] : variables.object().items()) top->vars[k] = v;
@@ -62,7 +64,7 @@ class Interpreter {
   }
   // Adds the line to errors of builtins; an error raised by the template passes unchanged.
   absl::Status AtLine(int line, const absl::Status& s) const {
-    if (s.ok() || raised_) return s;
+    if (s.ok() || IsRaisedError(s)) return s;
     if (absl::StartsWith(s.message(), "line ")) return s;
     return Err(line, std::string(s.message()));
   }
@@ -344,6 +346,7 @@ class Interpreter {
           TP_ASSIGN_OR_RETURN(Value v, Eval(*x, scope));
           items.push_back(std::move(v));
         }
+        if (e.kind == Expr::Kind::kTuple) return Value::NewTuple(std::move(items));
         return Value::NewArray(std::move(items));
       }
       case Expr::Kind::kDict: {
@@ -682,13 +685,16 @@ class Interpreter {
 
   const RenderLimits& limits_;
   Flow flow_ = Flow::kNormal;
-  bool raised_ = false;
   int64_t steps_ = 0;
   int call_depth_ = 0;
   int eval_depth_ = 0;
 };
 
 }  // namespace
+
+bool IsRaisedError(const absl::Status& status) {
+  return status.GetPayload(kRaisedPayload).has_value();
+}
 
 absl::StatusOr<std::unique_ptr<Template>> Template::Parse(const std::string& source) {
   TP_ASSIGN_OR_RETURN(Program program, ParseTemplate(source));

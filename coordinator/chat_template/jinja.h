@@ -18,6 +18,9 @@ struct RenderLimits {
   int max_call_depth = 64;         // macro recursion
 };
 
+// Whether a Render error is the template's own raise_exception(msg) (its message is exactly msg).
+bool IsRaisedError(const absl::Status& status);
+
 class Template {
  public:
   // InvalidArgument "line N: ..." naming what cannot be parsed or is unsupported.

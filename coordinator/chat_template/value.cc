@@ -72,6 +72,11 @@ Value Value::NewArray(Array items) {
   v.a_ = std::make_shared<Array>(std::move(items));
   return v;
 }
+Value Value::NewTuple(Array items) {
+  Value v = NewArray(std::move(items));
+  v.tuple_ = true;
+  return v;
+}
 Value Value::NewObject() {
   Value v;
   v.kind_ = Kind::kObject;
@@ -237,12 +242,13 @@ std::string Value::Repr() const {
     case Kind::kString:
       return StringRepr(*s_);
     case Kind::kArray: {
-      std::string out = "[";
+      std::string out = tuple_ ? "(" : "[";
       for (size_t i = 0; i < a_->size(); ++i) {
         if (i) out += ", ";
         out += (*a_)[i].Repr();
       }
-      return out + "]";
+      if (tuple_ && a_->size() == 1) out += ",";
+      return out + (tuple_ ? ")" : "]");
     }
     case Kind::kObject: {
       if (namespace_) return "<Namespace>";
@@ -285,6 +291,7 @@ bool Value::Equals(const Value& o) const {
       return *s_ == *o.s_;
     case Kind::kArray: {
       if (a_ == o.a_) return true;
+      if (tuple_ != o.tuple_) return false;  // Python: (1,) != [1]
       if (a_->size() != o.a_->size()) return false;
       for (size_t i = 0; i < a_->size(); ++i) {
         if (!(*a_)[i].Equals((*o.a_)[i])) return false;

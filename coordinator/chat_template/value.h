@@ -34,6 +34,8 @@ class Value {
   static Value Float(double d);
   static Value String(std::string s);
   static Value NewArray(Array items = {});
+  // A list that prints as a Python tuple: (a, b). Tuple literals and dict items are tuples.
+  static Value NewTuple(Array items);
   static Value NewObject();
   static Value NewNamespace();
   static Value Function(NativeFunction fn);
@@ -85,6 +87,7 @@ class Value {
   bool namespace_ = false;
   int array_depth_ = 0;
   bool array_has_namespace_ = false;
+  bool tuple_ = false;
   int64_t i_ = 0;
   double d_ = 0;
   std::shared_ptr<const std::string> s_;

@@ -118,7 +118,8 @@ TEST(ChatTemplateInterpreter, Expressions) {
               "{{ 7 / 2 }} {{ 2 ** 10 }} {{ 'ab' * 2 }}"),
             "7 9 3 -4 2 3.5 1024 abab");
   EXPECT_EQ(R("{{ 'a' ~ 1 ~ none ~ x }}"), "a1None");
-  EXPECT_EQ(R("{{ [1] + [2] }} {{ 'x' + 'y' }}"), "[1, 2] xy");
+  EXPECT_EQ(R("{{ [1] + [2] }} {{ 'x' + 'y' }} {{ (1, 'a') }} {{ (1,) }} {{ (1,) == [1] }}"),
+            "[1, 2] xy (1, 'a') (1,) False");
   EXPECT_EQ(R("{{ 'a' + 1 }}"), "ERROR: line 1: unsupported operand types for +: 'str' and 'int'");
   EXPECT_EQ(R("{{ 'b' in 'abc' }} {{ 2 in [1, 2] }} {{ 'k' in d }} {{ 'z' not in d }}",
               R"({"d": {"k": 1}})"),
@@ -210,7 +211,7 @@ TEST(ChatTemplateInterpreter, StringAndDictMethods) {
   EXPECT_EQ(R("{{ d.get('a') }} {{ d.get('z') }} {{ d.get('z', 0) }} {{ d.keys()|list }} "
               "{{ d.values()|list }} {{ d.items()|list }}",
               R"({"d": {"a": 1, "b": 2}})"),
-            "1 None 0 ['a', 'b'] [1, 2] [['a', 1], ['b', 2]]");
+            "1 None 0 ['a', 'b'] [1, 2] [('a', 1), ('b', 2)]");
   EXPECT_EQ(R("{{ 5.strip() }}"), "ERROR: line 1: 'int' object has no method 'strip'");
 }
 
@@ -223,6 +224,14 @@ TEST(ChatTemplateInterpreter, RaiseException) {
   ASSERT_TRUE(tmpl.ok());
   auto r = (*tmpl)->Render(Value::FromJson(OrderedJson::parse(R"({"messages": []})")));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(jinja::IsRaisedError(r.status()));
+  // The message stays exact even when it looks like a located error.
+  auto ct = ChatTemplate::FromString("{{ raise_exception('line 3: custom') }}", "", "");
+  ASSERT_TRUE(ct.ok());
+  EXPECT_EQ((*ct)->Render({}, false).status().message(), "line 3: custom");
+  auto other = Template::Parse("{{ 1 // 0 }}");
+  ASSERT_TRUE(other.ok());
+  EXPECT_FALSE(jinja::IsRaisedError((*other)->Render(Value::NewObject()).status()));
 }
 
 TEST(ChatTemplateInterpreter, UnsupportedConstructsFailAtLoadNamingThem) {
