@@ -31,6 +31,7 @@
 #include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
+#include "coordinator/chat_template/chat_template.h"
 #include "coordinator/http/http_server.h"
 #include "coordinator/inference_service.h"
 #include "coordinator/metrics.h"
@@ -290,6 +291,23 @@ absl::StatusOr<Layout> ResolveLayout(const CoordinatorOptions& opts) {
     TP_ASSIGN_OR_RETURN(l.tokenizer, Tokenizer::Load(o.model_dir));
   } else {
     TP_LOG(WARNING) << o.model_dir << " has no tokenizer.json: only token-id prompts are served";
+  }
+  // The model's chat template, checked now: a construct the interpreter cannot render stops the
+  // start with a message naming it, rather than giving wrong prompts later.
+  absl::StatusOr<std::unique_ptr<ChatTemplate>> chat = ChatTemplate::Load(o.model_dir);
+  if (chat.ok()) {
+    std::shared_ptr<const ChatTemplate> t = std::move(*chat);
+    l.chat_renderer = [t](const std::vector<openai::HttpChatMessage>& messages,
+                          bool add_generation_prompt) {
+      std::vector<ChatMessage> m;
+      m.reserve(messages.size());
+      for (const openai::HttpChatMessage& x : messages) m.push_back({x.role, x.content});
+      return t->Render(m, add_generation_prompt);
+    };
+  } else if (absl::IsNotFound(chat.status())) {
+    TP_LOG(WARNING) << o.model_dir << " has no chat template: chat completions answer 400";
+  } else {
+    return Annotate(chat.status(), "loading the chat template");
   }
   l.spawn_device = o.device;
   if (o.world_size == 0) {

@@ -12,6 +12,8 @@ packages=(
   nlohmann-json3-dev libpcre2-dev libutf8proc-dev libopenblas-dev
   libcpp-httplib-dev curl prometheus
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy python3-matplotlib
+  # clang with libFuzzer builds the chat-template fuzzer that ctest runs (tests/coordinator).
+  clang-14 libclang-rt-14-dev
 )
 # Node.js and npm run the tokenizer conformance references and the openai SDK test of the HTTP
 # API; any install that provides the

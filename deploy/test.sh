@@ -12,5 +12,7 @@ cmake --build "$build" -j "$(nproc)"
 bash tests/tokenizer_conformance/setup.sh
 # The official openai npm SDK for the HTTP API tests (cached under .cache/).
 bash tests/service/openai_sdk/setup.sh
+# The chat template reference renderer @huggingface/jinja (npm, cached under .cache/).
+bash tests/chat_template_conformance/setup.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_THREADS=1
 ctest --test-dir "$build" --output-on-failure -LE bench -j "$(nproc)" "$@"

@@ -11,6 +11,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "coordinator/chat_template/chat_template.h"
+#include "coordinator/tokenizer/tokenizer.h"
 #include "tests/service/http_test_util.h"
 #include "tests/service/service_test_util.h"
 
@@ -150,6 +152,41 @@ TEST_F(HttpServiceTest, CurlCompletionsStreamModelsHealthAndErrors) {
   EXPECT_TRUE(route.Json()["error"].is_object()) << route.body;
   HttpAnswer bad_json = Curl("/v1/completions", "{not json");
   EXPECT_EQ(bad_json.status, 400);
+}
+
+// Chat completions render the model's own chat template (tiny-coder's, from its
+// tokenizer_config.json) and tokenize it without adding a BOS: the answer equals a completion of
+// exactly those token ids, and the prompt token count is theirs.
+TEST_F(HttpServiceTest, ChatUsesTheModelsChatTemplate) {
+  auto chat = ChatTemplate::Load(service_test::ServiceModelDir());
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  auto tokenizer = Tokenizer::Load(service_test::ServiceModelDir());
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  const std::vector<ChatMessage> messages = {{"system", "You write Python."},
+                                             {"user", "Sort a list. Ünïcödé 字"}};
+  auto rendered = (*chat)->Render(messages, /*add_generation_prompt=*/true);
+  ASSERT_TRUE(rendered.ok()) << rendered.status();
+  const std::vector<int32_t> ids = (*tokenizer)->Encode(*rendered, /*add_special_tokens=*/false);
+  json msgs = json::array();
+  for (const ChatMessage& m : messages) msgs.push_back({{"role", m.role}, {"content", m.content}});
+  HttpAnswer answer = Curl("/v1/chat/completions", json{{"model", Model()},
+                                                        {"messages", msgs},
+                                                        {"max_tokens", 8},
+                                                        {"ignore_eos", true},
+                                                        {"temperature", 0}}
+                                                       .dump());
+  ASSERT_EQ(answer.status, 200) << answer.body;
+  const json a = answer.Json();
+  EXPECT_EQ(a["usage"]["prompt_tokens"], static_cast<int>(ids.size()));
+  HttpAnswer same = Curl("/v1/completions", json{{"model", Model()},
+                                                 {"prompt", ids},
+                                                 {"max_tokens", 8},
+                                                 {"ignore_eos", true},
+                                                 {"temperature", 0}}
+                                                .dump());
+  ASSERT_EQ(same.status, 200) << same.body;
+  EXPECT_EQ(a["choices"][0]["message"]["content"], same.Json()["choices"][0]["text"]);
+  EXPECT_EQ(a["choices"][0]["message"]["role"], "assistant");
 }
 
 TEST_F(HttpServiceTest, OpenAiNpmSdkCompletionsModelsAndErrors) {
