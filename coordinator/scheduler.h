@@ -2,7 +2,10 @@
 // requests under --max-num-seqs, packs decode tokens then prefill chunks under
 // --max-num-batched-tokens, owns every block table (BlockManager), preempts the newest sequence
 // when blocks run out (it is recomputed later), sends each step to the executor (the worker
-// group), and turns sampled ids into text, stop decisions and answers.
+// group), and turns sampled ids into text, stop decisions and answers. With overlap (pp = 1)
+// step n + 1 is planned and sent while step n runs: a decoding sequence of step n continues in
+// step n + 1 with feed_last_sampled, so the coordinator learns each token one step late and
+// drops the one extra token of a sequence that stopped.
 #pragma once
 
 #include <atomic>
@@ -54,6 +57,10 @@ struct SchedulerOptions {
   int block_size = 16;
   int64_t context_length = 2048;
   std::vector<int32_t> eos_token_ids;
+  // Keep two steps in flight at pp = 1 (an executor with max_in_flight() == 1), decoding
+  // sequences continuing with feed_last_sampled. Pipelines (max_in_flight() > 1) keep their
+  // disjoint steps either way.
+  bool overlap = true;
 };
 
 struct SchedulerStats {
@@ -69,6 +76,11 @@ struct SchedulerStats {
   double execute_seconds = 0;
   double forward_seconds = 0;
   int64_t step_tokens = 0;
+  // CPU time of the scheduler thread (CLOCK_THREAD_CPUTIME_ID) spent planning and sending
+  // steps and handling their results (detokenization, stop checks, streaming), over all steps.
+  double cpu_seconds = 0;
+  // Sampled tokens dropped because their sequence had already finished (overlap).
+  int64_t dropped_tokens = 0;
 };
 
 class Scheduler {
@@ -94,6 +106,7 @@ class Scheduler {
 
  private:
   struct Seq;
+  struct Pending;
   void Loop();
   void Reap(std::vector<uint64_t>& finished_ids);
   void Admit();
@@ -103,6 +116,10 @@ class Scheduler {
   void ApplyToken(Seq& seq, int32_t id, const TokenLogprobs* logprobs,
                   std::vector<uint64_t>& finished_ids);
   void Finish(Seq& seq, absl::Status status, Finish reason);
+  // Releases the blocks of a finished sequence once no step in flight holds it.
+  void ReleaseIfIdle(Seq& seq);
+  // Applies a collected step's result (it was checked against the plan).
+  void ApplyResult(const Pending& p, const worker::StepResult& result);
   void FailAll(const absl::Status& status);
   void PublishStats();
 
@@ -133,13 +150,16 @@ class Scheduler {
   std::vector<std::unique_ptr<Seq>> running_;  // in admission order
   std::vector<uint64_t> finished_ids_;         // to tell the workers in the next step
   std::deque<Pending> pending_;                // submitted steps, oldest first
+  worker::StepPlan plan_;                      // the plan being built (reused)
+  std::vector<Seq*> order_;                    // BuildStep's candidates (reused)
   uint64_t next_seq_id_ = 1;
   uint64_t next_step_id_ = 1;
   uint64_t admit_counter_ = 0;
   int64_t preemptions_ = 0;
   int64_t steps_ = 0;
-  double step_seconds_ = 0, execute_seconds_ = 0, forward_seconds_ = 0;
-  int64_t step_tokens_ = 0;
+  double step_seconds_ = 0, execute_seconds_ = 0, forward_seconds_ = 0, cpu_seconds_ = 0;
+  int64_t step_tokens_ = 0, dropped_tokens_ = 0;
+  bool overlap_ = false;        // options_.overlap at pp = 1
   std::atomic<int> queued_{0};  // submitted, never admitted
   std::thread thread_;
 };
