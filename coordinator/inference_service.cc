@@ -486,6 +486,9 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   steps->set_step_seconds(s.step_seconds);
   steps->set_round_trip_seconds(s.execute_seconds);
   steps->set_forward_seconds(s.forward_seconds);
+  steps->set_scheduler_cpu_seconds(s.cpu_seconds);
+  steps->set_dropped_tokens(s.dropped_tokens);
+  steps->set_overlap_scheduling(s.overlap);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -180,6 +180,7 @@ void Scheduler::PublishStats() {
   stats_.step_tokens = step_tokens_;
   stats_.cpu_seconds = cpu_seconds_;
   stats_.dropped_tokens = dropped_tokens_;
+  stats_.overlap = overlap_;
 }
 
 void Scheduler::Finish(Seq& seq, absl::Status status, tpserve::Finish reason) {

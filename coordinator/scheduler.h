@@ -81,6 +81,7 @@ struct SchedulerStats {
   double cpu_seconds = 0;
   // Sampled tokens dropped because their sequence had already finished (overlap).
   int64_t dropped_tokens = 0;
+  bool overlap = false;  // two steps in flight over the same sequences (pp = 1)
 };
 
 class Scheduler {

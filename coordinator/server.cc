@@ -38,6 +38,7 @@ const char kCoordinatorUsage[] =
     "         [--gpu-memory-utilization F] [--kv-cache-mb MB] [--max-num-seqs N]\n"
     "         [--max-num-batched-tokens N] [--max-queued-requests N] [--register-timeout S]\n"
     "         [--drain-timeout S] [--heartbeat-timeout S] [--ready-file PATH]\n"
+    "         [--no-overlap-scheduling]\n"
     "       tpserve serve --model DIR [--workers N | --tp T --pp P] [--device cpu|cuda|auto]\n"
     "         [--port P] (same flags; spawns the local workers)";
 
@@ -162,7 +163,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
                                 "heartbeat-timeout",
                                 "step-timeout",
                                 "ready-file"},
-                               {"spawn-workers"});
+                               {"spawn-workers", "no-overlap-scheduling"});
   if (!parsed.ok()) {
     return absl::Status(parsed.status().code(),
                         absl::StrCat(parsed.status().message(), "\n", kCoordinatorUsage));
@@ -176,6 +177,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   o.worker_binary = a.GetOr("worker-binary", "");
   o.ready_file = a.GetOr("ready-file", "");
   o.spawn_workers = serve_command || a.Flag("spawn-workers");
+  o.overlap_scheduling = !a.Flag("no-overlap-scheduling");
   struct IntFlag {
     const char* name;
     int* value;
@@ -366,6 +368,7 @@ absl::Status RunCoordinator(const CoordinatorOptions& opts) {
   so.block_size = o.block_size;
   so.context_length = config.max_position_embeddings;
   so.eos_token_ids = eos;
+  so.overlap = o.overlap_scheduling;
   auto scheduler = std::make_unique<Scheduler>(so, tokenizer.get(), group.get());
   scheduler->Start();
   Scheduler* sched = scheduler.get();

@@ -35,7 +35,8 @@ struct CoordinatorOptions {
   int drain_timeout_s = 30;
   double heartbeat_timeout_s = 4;
   int step_timeout_s = 120;
-  std::string ready_file;  // written with "HOST:PORT" once the server is SERVING
+  bool overlap_scheduling = true;  // --no-overlap-scheduling: one step at a time at pp = 1
+  std::string ready_file;          // written with "HOST:PORT" once the server is SERVING
 };
 
 // Flags shared by tpserve-coordinator and `tpserve serve` (the latter spawns workers by

@@ -3,12 +3,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include <google/protobuf/util/json_util.h>
@@ -20,6 +22,7 @@
 #include "tools/bench/load_gen.h"
 #include "tools/bench/workload.h"
 #include "tools/cli_args.h"
+#include "worker/engine.h"
 
 namespace tpserve {
 namespace {
@@ -39,7 +42,12 @@ constexpr char kBenchUsage[] =
     "  sampling: [--temperature T] [--top-p P] [--top-k K] [--sampling-seed S]\n"
     "            [--repetition-penalty R] [--no-ignore-eos] [--no-stream]\n"
     "  output:   [--json FILE|- (- : JSON on stdout instead of the table)] [--per-request]\n"
-    "            [--label TEXT] [--progress|--no-progress] [--allow-errors] [--list-presets]";
+    "            [--label TEXT] [--progress|--no-progress] [--allow-errors] [--list-presets]\n"
+    "  engine:   [--compare-engine MODEL_DIR [--engine-device cpu|cuda|auto]\n"
+    "            [--engine-gpu-memory-utilization F (0.4)]]: after the served run, run the\n"
+    "            in-process engine on the first --concurrency planned requests as one batch and\n"
+    "            print served time per output token / engine ms per decode step (on one GPU,\n"
+    "            start the server with a --gpu-memory-utilization that leaves room for it)";
 
 struct Flags {
   std::string server;
@@ -51,7 +59,55 @@ struct Flags {
   bool per_request = false;
   bool progress = false;
   bool allow_errors = false;
+  std::string engine_model;  // --compare-engine
+  std::string engine_device = "auto";
+  double engine_gpu_memory_utilization = 0.4;
 };
+
+// The in-process engine on the same lengths: one batch of the plan's first `concurrency`
+// requests, greedy (lengths matter here, not tokens), after a warm-up.
+struct EngineComparison {
+  int batch = 0;
+  double ms_per_token = 0;  // median over the batch of each sequence's mean decode step
+};
+
+absl::StatusOr<EngineComparison> RunEngine(const Flags& f,
+                                           const std::vector<bench::PlannedRequest>& plan) {
+  EngineOptions options;
+  options.device = f.engine_device;
+  options.gpu_memory_utilization = f.engine_gpu_memory_utilization;
+  options.model.max_batch_seqs = static_cast<int>(std::max<int64_t>(f.load.concurrency, 1));
+  TP_ASSIGN_OR_RETURN(auto engine, Engine::Create(f.engine_model, options));
+  std::vector<GenerateRequest> reqs;
+  for (const bench::PlannedRequest& p : plan) {
+    if (static_cast<int64_t>(reqs.size()) >= std::max<int64_t>(f.load.concurrency, 1)) break;
+    GenerateRequest r;
+    r.prompt = p.prompt;
+    r.max_new_tokens = static_cast<int>(p.max_new_tokens);
+    r.ignore_eos = true;
+    reqs.push_back(std::move(r));
+  }
+  if (reqs.empty()) return absl::InvalidArgumentError("--compare-engine: no request planned");
+  std::vector<GenerateRequest> warm = reqs;
+  for (GenerateRequest& r : warm) r.max_new_tokens = std::min(r.max_new_tokens, 4);
+  TP_RETURN_IF_ERROR(engine->Generate(warm).status());
+  TP_ASSIGN_OR_RETURN(std::vector<GenerateResult> results, engine->Generate(reqs));
+  std::vector<double> per_seq;
+  for (const GenerateResult& r : results) {
+    if (r.step_ms.size() < 2) continue;  // the first step is the prefill
+    double sum = 0;
+    for (size_t i = 1; i < r.step_ms.size(); ++i) sum += r.step_ms[i];
+    per_seq.push_back(sum / static_cast<double>(r.step_ms.size() - 1));
+  }
+  if (per_seq.empty()) {
+    return absl::InvalidArgumentError("--compare-engine needs --output-len of at least 2");
+  }
+  std::sort(per_seq.begin(), per_seq.end());
+  EngineComparison c;
+  c.batch = static_cast<int>(reqs.size());
+  c.ms_per_token = per_seq[per_seq.size() / 2];
+  return c;
+}
 
 absl::StatusOr<LengthDist> LengthFlag(const CliArgs& a, const std::string& name,
                                       const LengthDist& fallback) {
@@ -169,6 +225,14 @@ absl::StatusOr<Flags> ParseFlags(const CliArgs& a) {
   f.per_request = a.Flag("per-request");
   f.progress = a.Flag("progress") || (!a.Flag("no-progress") && isatty(STDERR_FILENO));
   f.allow_errors = a.Flag("allow-errors");
+  f.engine_model = a.GetOr("compare-engine", "");
+  f.engine_device = a.GetOr("engine-device", f.engine_device);
+  TP_ASSIGN_OR_RETURN(
+      f.engine_gpu_memory_utilization,
+      a.GetDouble("engine-gpu-memory-utilization", f.engine_gpu_memory_utilization));
+  if (!(f.engine_gpu_memory_utilization > 0 && f.engine_gpu_memory_utilization <= 1)) {
+    return absl::InvalidArgumentError("--engine-gpu-memory-utilization must be in (0, 1]");
+  }
   return f;
 }
 
@@ -389,7 +453,10 @@ absl::Status RunBenchCommand(const std::vector<std::string>& args) {
                                 "warmup",
                                 "json",
                                 "label",
-                                "info-timeout"},
+                                "info-timeout",
+                                "compare-engine",
+                                "engine-device",
+                                "engine-gpu-memory-utilization"},
                                {"no-stream", "no-ignore-eos", "per-request", "progress",
                                 "no-progress", "allow-errors", "list-presets", "help"});
   if (!parsed.ok()) return Annotate(parsed.status(), kBenchUsage);
@@ -433,11 +500,53 @@ absl::Status RunBenchCommand(const std::vector<std::string>& args) {
   }
   TP_RETURN_IF_ERROR(result.status());
   const bench::Report report = bench::ComputeReport(result->records, result->duration_s);
-  const nlohmann::json j = ReportJson(f, info, report, *result);
+  nlohmann::json j = ReportJson(f, info, report, *result);
+  // The server's own step counters over the run: how much of a step the coordinator costs.
+  absl::StatusOr<v1::ModelInfo> after = bench::FetchModelInfo(f.server, info_timeout);
+  if (after.ok() && after->steps().steps() > info.steps().steps()) {
+    const v1::StepStats& a = after->steps();
+    const v1::StepStats& b = info.steps();
+    const double n = static_cast<double>(a.steps() - b.steps());
+    j["server_steps"] = {
+        {"steps", a.steps() - b.steps()},
+        {"overlap_scheduling", a.overlap_scheduling()},
+        {"step_ms", (a.step_seconds() - b.step_seconds()) * 1e3 / n},
+        {"forward_ms", (a.forward_seconds() - b.forward_seconds()) * 1e3 / n},
+        {"scheduler_cpu_ms", (a.scheduler_cpu_seconds() - b.scheduler_cpu_seconds()) * 1e3 / n},
+        {"dropped_tokens", a.dropped_tokens() - b.dropped_tokens()}};
+  }
+  std::optional<EngineComparison> engine;
+  if (!f.engine_model.empty()) {
+    TP_ASSIGN_OR_RETURN(engine, RunEngine(f, plan));
+    const double ratio =
+        engine->ms_per_token > 0 ? report.tpot_ms.median / engine->ms_per_token : 0.0;
+    j["engine"] = {{"model", f.engine_model},
+                   {"batch", engine->batch},
+                   {"ms_per_token", engine->ms_per_token},
+                   {"served_tpot_median_ms", report.tpot_ms.median},
+                   {"served_over_engine", ratio}};
+  }
   if (f.json_path == "-") {
     std::cout << j.dump(2) << std::endl;
   } else {
     PrintTable(f, info, report);
+    if (j.contains("server_steps")) {
+      const nlohmann::json& st = j["server_steps"];
+      std::printf(
+          "%-30s %lld steps (overlap %s): per step %.3f ms, worker forward %.3f ms, "
+          "scheduler CPU %.3f ms; %lld tokens dropped after stops\n",
+          "server steps", static_cast<long long>(st["steps"].get<int64_t>()),
+          st["overlap_scheduling"].get<bool>() ? "on" : "off", st["step_ms"].get<double>(),
+          st["forward_ms"].get<double>(), st["scheduler_cpu_ms"].get<double>(),
+          static_cast<long long>(st["dropped_tokens"].get<int64_t>()));
+    }
+    if (engine) {
+      std::printf("%-30s %.3f ms per decode step (batch of %d, in-process)\n", "engine",
+                  engine->ms_per_token, engine->batch);
+      std::printf("%-30s %.3f (served median TPOT %.3f ms / engine %.3f ms)\n", "served / engine",
+                  j["engine"]["served_over_engine"].get<double>(), report.tpot_ms.median,
+                  engine->ms_per_token);
+    }
     if (!f.json_path.empty()) {
       std::ofstream out(f.json_path);
       out << j.dump(2) << "\n";
