@@ -749,7 +749,7 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
   std::vector<v1::GenerateRequest> reqs(kRequests);
   for (int i = 0; i < kRequests; ++i) {
     ereqs[i].prompt = PromptIds(50 + i * 7, 30 + i);
-    ereqs[i].max_new_tokens = 60 + i * 3;
+    ereqs[i].max_new_tokens = 100 + i * 5;
     ereqs[i].ignore_eos = true;
     if (i % 2 == 1) {
       ereqs[i].sampling.temperature = 0.8f;
@@ -783,22 +783,27 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
     text_reqs.push_back(t);
   }
   std::vector<std::vector<Result>> text_results;
-  const std::vector<std::vector<std::string>> layouts = {
-      {"--workers", "2"},
-      {"--workers", "2", "--no-overlap-scheduling"},
-      {"--tp", "1", "--pp", "2"}};
-  for (const std::vector<std::string>& layout : layouts) {
-    std::vector<std::string> args = layout;
+  struct Layout {
+    std::string name;
+    std::vector<std::string> args;
+    bool overlap;
+  };
+  const std::vector<Layout> layouts = {
+      {"tp=2 overlapped", {"--workers", "2"}, true},
+      {"tp=2 serial", {"--workers", "2", "--no-overlap-scheduling"}, false},
+      {"pp=2 (disjoint steps in flight)", {"--tp", "1", "--pp", "2"}, false}};
+  for (const Layout& layout : layouts) {
+    std::vector<std::string> args = layout.args;
     for (const char* a :
          {"--kv-cache-mb", "1", "--max-num-seqs", "8", "--max-num-batched-tokens", "96"}) {
       args.push_back(a);
     }
-    const std::string name = layout.back();
+    const std::string& name = layout.name;
     auto server = ServerProcess::Start(model, args);
     ASSERT_NE(server, nullptr);
     auto stub = v1::Inference::NewStub(server->Channel());
     const v1::ModelInfo info = Info(*stub);
-    EXPECT_EQ(info.steps().overlap_scheduling(), name == "2") << name;
+    EXPECT_EQ(info.steps().overlap_scheduling(), layout.overlap) << name;
     std::vector<Result> results(kRequests);
     std::vector<std::thread> threads;
     for (int i = 0; i < kRequests; ++i) {
@@ -816,7 +821,8 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
                 ereqs[i].stop_token_ids.empty() ? v1::FINISH_REASON_LENGTH : v1::FINISH_REASON_STOP)
           << name << " request " << i;
     }
-    EXPECT_GT(Info(*stub).kv().preemptions(), 0) << name << ": the small pool should preempt";
+    EXPECT_GT(Info(*stub).kv().preemptions(), 0) << name << ": the small pool should preempt ("
+                                                 << Info(*stub).kv().total_blocks() << " blocks)";
     EXPECT_TRUE(WaitAllBlocksFree(*stub, 5)) << name;
     text_results.emplace_back();
     for (const v1::GenerateRequest& t : text_reqs) {
@@ -866,9 +872,9 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
   for (size_t l = 1; l < text_results.size(); ++l) {
     for (size_t i = 0; i < text_reqs.size(); ++i) {
       EXPECT_EQ(text_results[l][i].response.text(), text_results[0][i].response.text())
-          << layouts[l].back() << " stop string " << i;
+          << layouts[l].name << " stop string " << i;
       EXPECT_EQ(Ids(text_results[l][i].response), Ids(text_results[0][i].response))
-          << layouts[l].back() << " stop string " << i;
+          << layouts[l].name << " stop string " << i;
     }
   }
 }
