@@ -51,6 +51,9 @@ CommandSpec MakeSpec(bool serve_command) {
       IntFlag("pp", 1, 4096, "pipeline-parallel stages (needs --tp; default 1)", "P"),
       StringFlag("device-map", "MAP", "manual layer split over stages, e.g. 0-15:0,16-31:1"),
       BoolFlag("spawn-workers", "start the local workers (always on for tpserve serve)"),
+      BoolFlag("overlap-scheduling",
+               "at pp = 1, plan and send step n + 1 while step n runs (on by default; "
+               "--no-overlap-scheduling turns it off)"),
       BoolFlag("enable-prefix-caching",
                "reuse the KV blocks of cached prompt prefixes (on by default; "
                "--no-enable-prefix-caching turns it off)"),
@@ -116,6 +119,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   o.ready_file = a.GetOr("ready-file", "");
   o.spawn_workers = serve_command || a.Flag("spawn-workers");
   o.enable_prefix_caching = a.GetBool("enable-prefix-caching", true);
+  o.overlap_scheduling = a.GetBool("overlap-scheduling", true);
   o.kv_cache_mb = a.GetInt("kv-cache-mb", 0);
   o.gpu_memory_utilization = a.GetDouble("gpu-memory-utilization", o.gpu_memory_utilization);
   o.heartbeat_timeout_s = a.GetDouble("heartbeat-timeout", o.heartbeat_timeout_s);

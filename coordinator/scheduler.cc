@@ -1,6 +1,8 @@
 // The scheduler loop (see scheduler.h).
 #include "coordinator/scheduler.h"
 
+#include <time.h>
+
 #include <algorithm>
 #include <optional>
 
@@ -32,9 +34,15 @@ struct Scheduler::Seq {
   size_t sent = 0;   // bytes of `text` already emitted
   size_t max_stop_len = 0;
   Clock::time_point first_scheduled, first_token;
-  bool scheduled = false, got_token = false;
+  bool ever_scheduled = false, got_token = false;
   bool in_plan = false, preempted = false, done = false;
-  bool in_flight = false;  // in a submitted step whose result has not come back
+  // Steps in flight that hold the sequence (the workers may still write its KV blocks), and
+  // how many of them sample it (tokens the coordinator does not know yet). With overlap a
+  // decoding sequence is in up to two: step n samples token t, step n + 1 feeds t.
+  int pending_steps = 0;
+  int pending_samples = 0;
+  size_t scheduled = 0;   // tokens [0, scheduled) are computed or in a step in flight
+  bool released = false;  // done, blocks released, id told to the workers
 };
 
 namespace {
@@ -56,6 +64,13 @@ size_t SafeEnd(const std::string& text, const std::vector<std::string>& stops) {
 }
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// CPU time of the calling thread.
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
+}
 
 }  // namespace
 
@@ -99,6 +114,9 @@ Scheduler::~Scheduler() {
 }
 
 void Scheduler::Start() {
+  // A pipeline already keeps max_in_flight disjoint steps going; at pp = 1 overlap adds a second
+  // step over the same sequences.
+  overlap_ = options_.overlap && executor_->max_in_flight() <= 1;
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -225,25 +243,36 @@ void Scheduler::PublishStats() {
   stats_.cached_blocks = blocks_.cached_blocks();
   stats_.evictable_blocks = blocks_.evictable_blocks();
   idle_cv_.notify_all();
+  stats_.cpu_seconds = cpu_seconds_;
+  stats_.dropped_tokens = dropped_tokens_;
+  stats_.overlap = overlap_;
 }
 
 void Scheduler::Finish(Seq& seq, absl::Status status, tpserve::Finish reason) {
   if (seq.done) return;
   seq.done = true;
   if (!seq.ever_admitted) queued_.fetch_sub(1);
-  blocks_.Release(seq.blocks);
-  if (seq.ever_admitted) finished_ids_.push_back(seq.id);
   const Clock::time_point now = Clock::now();
   FinalInfo info;
   info.reason = reason;
   info.prompt_tokens = seq.prompt_len;
   info.output_tokens = seq.outputs;
   const Clock::time_point arrival = seq.req->arrival();
-  info.queued_s = Seconds((seq.scheduled ? seq.first_scheduled : now) - arrival);
+  info.queued_s = Seconds((seq.ever_scheduled ? seq.first_scheduled : now) - arrival);
   info.ttft_s = seq.got_token ? Seconds(seq.first_token - arrival) : 0.0;
   info.total_s = Seconds(now - arrival);
   if (options_.on_request_finished) options_.on_request_finished(status, info);
   seq.req->Complete(std::move(status), info);
+  ReleaseIfIdle(seq);
+}
+
+void Scheduler::ReleaseIfIdle(Seq& seq) {
+  if (!seq.done || seq.pending_steps > 0 || seq.released) return;
+  seq.released = true;
+  if (!seq.preempted) RegisterComputed(seq);  // its computed blocks stay cached for reuse
+  blocks_.Release(seq.blocks);
+  // The workers drop the sequence's state with the next plan, after every step holding it.
+  if (seq.ever_admitted) finished_ids_.push_back(seq.id);
 }
 
 void Scheduler::FailAll(const absl::Status& status) {
@@ -252,9 +281,15 @@ void Scheduler::FailAll(const absl::Status& status) {
     std::lock_guard<std::mutex> lock(mu_);
     incoming.swap(incoming_);
   }
+  // The steps in flight are lost with the group: nothing holds a sequence any more.
+  pending_.clear();
   for (auto& s : incoming) Finish(*s, status, Finish::kNone);
   for (auto& s : waiting_) Finish(*s, status, Finish::kNone);
-  for (auto& s : running_) Finish(*s, status, Finish::kNone);
+  for (auto& s : running_) {
+    s->pending_steps = s->pending_samples = 0;
+    Finish(*s, status, Finish::kNone);
+    ReleaseIfIdle(*s);
+  }
   waiting_.clear();
   running_.clear();
   // The workers' KV contents cannot be trusted after a failure (a restarted group starts empty).
@@ -265,9 +300,9 @@ void Scheduler::FailAll(const absl::Status& status) {
 void Scheduler::Reap(std::vector<uint64_t>& finished_ids) {
   const Clock::time_point now = Clock::now();
   auto check = [&](Seq& s) {
-    // A sequence in a step still in flight is reaped when its result is back: the workers may
-    // still be writing its KV blocks.
-    if (s.in_flight) return;
+    // A sequence in a step still in flight is answered now; its blocks are released when no
+    // step holds it any more (the workers may still be writing them), see ReleaseIfIdle.
+    if (s.done) return;
     if (s.req->cancelled()) {
       Finish(s, absl::CancelledError("the request was cancelled"), Finish::kNone);
     } else if (now >= s.req->params().deadline) {
@@ -276,7 +311,8 @@ void Scheduler::Reap(std::vector<uint64_t>& finished_ids) {
   };
   for (auto& s : running_) check(*s);
   for (auto& s : waiting_) check(*s);
-  std::erase_if(running_, [](const std::unique_ptr<Seq>& s) { return s->done; });
+  std::erase_if(running_,
+                [](const std::unique_ptr<Seq>& s) { return s->done && s->pending_steps == 0; });
   std::erase_if(waiting_, [](const std::unique_ptr<Seq>& s) { return s->done; });
 }
 
@@ -329,7 +365,11 @@ void Scheduler::ExtendHashes(Seq& seq, size_t full_blocks) {
 }
 
 void Scheduler::RegisterComputed(Seq& seq) {
-  if (!blocks_.prefix_caching() || !seq.cacheable) return;
+  // Only while no step in flight holds the sequence: registering may swap one of its blocks for
+  // an identical cached one and free its own copy, which a step in flight still lists (workers
+  // run steps in order, but the accounting stays simple and checkable this way). A sequence that
+  // decodes with overlap registers its blocks when it ends (ReleaseIfIdle).
+  if (!blocks_.prefix_caching() || !seq.cacheable || seq.pending_steps > 0) return;
   const size_t bs = static_cast<size_t>(blocks_.block_size());
   const size_t full = seq.computed / bs;
   ExtendHashes(seq, full);
@@ -350,6 +390,7 @@ void Scheduler::Preempt(Seq* seq) {
   seq->computed = 0;
   seq->registered = 0;
   seq->send_prefix = false;
+  seq->scheduled = 0;
   seq->preempted = true;
   ++preemptions_;
   TP_LOG(DEBUG) << "preempted sequence " << seq->id << " (" << seq->tokens.size()
@@ -359,14 +400,25 @@ void Scheduler::Preempt(Seq* seq) {
 bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
                           std::vector<std::pair<Seq*, int>>& chunks) {
   int budget = options_.max_num_batched_tokens;
-  std::vector<Seq*> order;
+  // A sequence in flight continues in this step (overlap) when the one step holding it samples
+  // its next token after all its known tokens, and that token cannot be its last by length.
+  auto continues = [&](const Seq& s) {
+    return overlap_ && s.pending_steps == 1 && s.pending_samples == 1 &&
+           s.scheduled == s.tokens.size() && s.outputs + 1 < s.req->params().max_new_tokens &&
+           static_cast<int64_t>(s.tokens.size()) + 1 < options_.context_length;
+  };
+  std::vector<Seq*>& order = order_;
+  order.clear();
   for (auto& s : running_) {
     s->in_plan = false;
-    if (s->in_flight) continue;
-    if (s->tokens.size() - s->computed == 1) order.push_back(s.get());  // decodes first
+    if (s->done) continue;
+    const bool decode = s->pending_steps == 0 ? s->tokens.size() - s->computed == 1 : continues(*s);
+    if (decode) order.push_back(s.get());  // decodes first
   }
   for (auto& s : running_) {
-    if (!s->in_flight && s->tokens.size() - s->computed != 1) order.push_back(s.get());
+    if (!s->done && s->pending_steps == 0 && s->tokens.size() - s->computed != 1) {
+      order.push_back(s.get());
+    }
   }
   // With k steps in flight (pipeline stages), each step takes about 1/k of the running
   // sequences so that every stage has a micro-batch to work on.
@@ -377,14 +429,18 @@ bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
   for (Seq* s : order) {
     if (s->preempted || budget <= 0) continue;
     if (static_cast<size_t>(plan.seqs_size()) >= max_seqs) break;
-    const int remaining = static_cast<int>(s->tokens.size() - s->computed);
+    // A continuation computes the token its step in flight samples, at position tokens.size().
+    const bool feed = s->pending_steps > 0;
+    const size_t start = feed ? s->tokens.size() : s->computed;
+    const int remaining = feed ? 1 : static_cast<int>(s->tokens.size() - s->computed);
     const int chunk = std::min(remaining, budget);
-    const int need = blocks_.BlocksFor(static_cast<int64_t>(s->computed) + chunk);
+    const int need = blocks_.BlocksFor(static_cast<int64_t>(start) + chunk);
     while (!blocks_.GrowTo(s->blocks, need)) {
-      // Out of blocks: preempt the newest sequence not in this step (possibly `s` itself).
+      // Out of blocks: preempt the newest sequence not in this step nor in flight (possibly `s`
+      // itself; a continuation is in flight, it just waits for its result instead).
       Seq* victim = nullptr;
       for (auto& r : running_) {
-        if (!r->in_plan && !r->in_flight && !r->preempted &&
+        if (!r->in_plan && r->pending_steps == 0 && !r->preempted && !r->done &&
             (!victim || r->admit_order > victim->admit_order)) {
           victim = r.get();
         }
@@ -399,14 +455,21 @@ bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
         << "sequence " << s->id << " would write into a cached KV block";
     worker::SeqStep* step = plan.add_seqs();
     step->set_seq_id(s->id);
-    step->set_start_pos(static_cast<int32_t>(s->computed));
+    step->set_start_pos(static_cast<int32_t>(start));
     if (s->send_prefix) {
-      // The cached prefix this sequence skips: the sampling worker's token history.
+      // The cached prefix this sequence skips: the sampling worker's token history. (Only on
+      // its first step after admission, never a fed one: start == computed then.)
       for (size_t i = 0; i < s->computed; ++i) step->add_prefix_token_ids(s->tokens[i]);
       s->send_prefix = false;
     }
-    for (int i = 0; i < chunk; ++i) step->add_token_ids(s->tokens[s->computed + i]);
-    for (int32_t b : s->blocks) step->add_block_table(b);
+    if (feed) {
+      step->add_token_ids(0);  // the workers put the token they sampled for it last step here
+      step->set_feed_last_sampled(true);
+    } else {
+      step->mutable_token_ids()->Add(s->tokens.begin() + s->computed,
+                                     s->tokens.begin() + s->computed + chunk);
+    }
+    step->mutable_block_table()->Add(s->blocks.begin(), s->blocks.end());
     const bool sample = chunk == remaining;
     step->set_sample(sample);
     const RequestParams& p = s->req->params();
@@ -418,8 +481,9 @@ bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
     sp->set_repetition_penalty(p.repetition_penalty);
     if (p.logprobs >= 0) sp->set_logprobs(p.logprobs);
     s->in_plan = true;
-    if (!s->scheduled) {
-      s->scheduled = true;
+    s->scheduled = start + chunk;
+    if (!s->ever_scheduled) {
+      s->ever_scheduled = true;
       s->first_scheduled = now;
     }
     chunks.emplace_back(s, chunk);
@@ -481,6 +545,40 @@ void Scheduler::ApplyToken(Seq& seq, int32_t id, const TokenLogprobs* logprobs,
   if (reason != Finish::kNone) Finish(seq, absl::OkStatus(), reason);
 }
 
+void Scheduler::ApplyResult(const Pending& p, const worker::StepResult& result) {
+  ++steps_;
+  for (auto& [seq, n] : p.chunks) {
+    seq->computed += n;
+    --seq->pending_steps;
+    step_tokens_ += n;
+    RegisterComputed(*seq);
+  }
+  int next_logprobs = 0;
+  for (size_t i = 0; i < p.sampled.size(); ++i) {
+    Seq& seq = *p.sampled[i];
+    --seq.pending_samples;
+    const bool wants_logprobs = seq.req->params().logprobs >= 0;
+    if (seq.done) {
+      // The sequence finished (stop, length, cancel, deadline) after this step was sent: the
+      // token is one too many. Never emitted, never appended.
+      ++dropped_tokens_;
+      next_logprobs += wants_logprobs;
+      continue;
+    }
+    std::optional<TokenLogprobs> lp;
+    if (wants_logprobs) {
+      const worker::SampledLogprobs& w = result.logprobs(next_logprobs++);
+      lp.emplace();
+      lp->logprob = w.logprob();
+      for (const worker::TokenLogprob& t : w.top()) lp->top.push_back({t.token_id(), t.logprob()});
+    }
+    ApplyToken(seq, result.token_ids(static_cast<int>(i)), lp ? &*lp : nullptr, finished_ids_);
+  }
+  for (auto& [seq, n] : p.chunks) ReleaseIfIdle(*seq);
+  std::erase_if(running_,
+                [](const std::unique_ptr<Seq>& s) { return s->done && s->pending_steps == 0; });
+}
+
 void Scheduler::Loop() {
   while (true) {
     absl::Status fail;
@@ -507,17 +605,23 @@ void Scheduler::Loop() {
     }
     RunDrops();
     const Clock::time_point step_start = Clock::now();
+    double cpu_start = ThreadCpuSeconds();
     Reap(finished_ids_);
     Admit();
-    // Fill the pipeline: up to max_in_flight steps over disjoint sequences.
+    // Fill the pipeline: up to max_in_flight steps over disjoint sequences; with overlap (pp = 1)
+    // two steps, the second continuing the decodes of the first.
+    const int depth = overlap_ ? 2 : std::max(1, executor_->max_in_flight());
     bool failed = false;
-    while (static_cast<int>(pending_.size()) < std::max(1, executor_->max_in_flight())) {
+    while (static_cast<int>(pending_.size()) < depth) {
       Pending p;
-      worker::StepPlan plan;
+      // One message, reused: its repeated fields keep their memory from step to step.
+      worker::StepPlan& plan = plan_;
+      plan.Clear();
       if (!BuildStep(plan, p.sampled, p.chunks)) break;
       p.step_id = plan.step_id();
       p.submitted = Clock::now();
-      for (auto& [seq, n] : p.chunks) seq->in_flight = true;
+      for (auto& [seq, n] : p.chunks) ++seq->pending_steps;
+      for (Seq* seq : p.sampled) ++seq->pending_samples;
       absl::Status st = executor_->Submit(plan);
       if (!st.ok()) {
         TP_LOG(ERROR) << "step " << plan.step_id() << " could not be submitted: " << st;
@@ -529,6 +633,7 @@ void Scheduler::Loop() {
       pending_.push_back(std::move(p));
     }
     PublishStats();
+    cpu_seconds_ += ThreadCpuSeconds() - cpu_start;
     if (failed) continue;
     if (pending_.empty()) {
       // Nothing runnable (everything waits for blocks): should not happen; avoid spinning.
@@ -542,6 +647,7 @@ void Scheduler::Loop() {
     pending_.pop_front();
     absl::StatusOr<worker::StepResult> result = executor_->Collect(p.step_id);
     const Clock::time_point exec_end = Clock::now();
+    cpu_start = ThreadCpuSeconds();
     const int want_logprobs = static_cast<int>(std::count_if(
         p.sampled.begin(), p.sampled.end(), [](Seq* s) { return s->req->params().logprobs >= 0; }));
     if (result.ok() && (result->token_ids_size() != static_cast<int>(p.sampled.size()) ||
@@ -556,31 +662,12 @@ void Scheduler::Loop() {
       Fail(result.status());
       continue;
     }
-    ++steps_;
-    for (auto& [seq, n] : p.chunks) {
-      seq->computed += n;
-      seq->in_flight = false;
-      step_tokens_ += n;
-      RegisterComputed(*seq);
-    }
-    int next_logprobs = 0;
-    for (size_t i = 0; i < p.sampled.size(); ++i) {
-      Seq& seq = *p.sampled[i];
-      std::optional<TokenLogprobs> lp;
-      if (seq.req->params().logprobs >= 0) {
-        const worker::SampledLogprobs& w = result->logprobs(next_logprobs++);
-        lp.emplace();
-        lp->logprob = w.logprob();
-        for (const worker::TokenLogprob& t : w.top())
-          lp->top.push_back({t.token_id(), t.logprob()});
-      }
-      ApplyToken(seq, result->token_ids(static_cast<int>(i)), lp ? &*lp : nullptr, finished_ids_);
-    }
-    std::erase_if(running_, [](const std::unique_ptr<Seq>& s) { return s->done; });
+    ApplyResult(p, *result);
     execute_seconds_ += Seconds(exec_end - p.submitted);
     forward_seconds_ += executor_->last_forward_seconds();
     const double step_s = Seconds(Clock::now() - step_start);
     step_seconds_ += step_s;
+    cpu_seconds_ += ThreadCpuSeconds() - cpu_start;
     if (options_.on_step) options_.on_step(step_s);
     PublishStats();
   }

@@ -4,7 +4,10 @@
 // when blocks run out (it is recomputed later), sends each step to the executor (the worker
 // group), and turns sampled ids into text, stop decisions and answers. With prefix caching, a
 // sequence starts from the longest cached run of full blocks of its tokens (prefill skips them)
-// and registers its own full blocks as they are computed.
+// and registers its own full blocks as they are computed. With overlap (pp = 1) step n + 1 is
+// planned and sent while step n runs: a decoding sequence of step n continues in step n + 1 with
+// feed_last_sampled, so the coordinator learns each token one step late and drops the one extra
+// token of a sequence that stopped.
 #pragma once
 
 #include <atomic>
@@ -61,6 +64,10 @@ struct SchedulerOptions {
   // a step was applied (its whole time).
   std::function<void(const absl::Status&, const FinalInfo&)> on_request_finished;
   std::function<void(double step_seconds)> on_step;
+  // Keep two steps in flight at pp = 1 (an executor with max_in_flight() == 1), decoding
+  // sequences continuing with feed_last_sampled. Pipelines (max_in_flight() > 1) keep their
+  // disjoint steps either way.
+  bool overlap = true;
 };
 
 struct SchedulerStats {
@@ -84,6 +91,12 @@ struct SchedulerStats {
   int64_t prefix_cache_evictions = 0;
   int cached_blocks = 0;
   int evictable_blocks = 0;
+  // CPU time of the scheduler thread (CLOCK_THREAD_CPUTIME_ID) spent planning and sending
+  // steps and handling their results (detokenization, stop checks, streaming), over all steps.
+  double cpu_seconds = 0;
+  // Sampled tokens dropped because their sequence had already finished (overlap).
+  int64_t dropped_tokens = 0;
+  bool overlap = false;  // two steps in flight over the same sequences (pp = 1)
 };
 
 class Scheduler {
@@ -117,6 +130,7 @@ class Scheduler {
 
  private:
   struct Seq;
+  struct Pending;
   void Loop();
   void Reap(std::vector<uint64_t>& finished_ids);
   void Admit();
@@ -126,6 +140,10 @@ class Scheduler {
   void ApplyToken(Seq& seq, int32_t id, const TokenLogprobs* logprobs,
                   std::vector<uint64_t>& finished_ids);
   void Finish(Seq& seq, absl::Status status, Finish reason);
+  // Releases the blocks of a finished sequence once no step in flight holds it.
+  void ReleaseIfIdle(Seq& seq);
+  // Applies a collected step's result (it was checked against the plan).
+  void ApplyResult(const Pending& p, const worker::StepResult& result);
   void FailAll(const absl::Status& status);
   void PublishStats();
   void ExtendHashes(Seq& seq, size_t full_blocks);
@@ -167,14 +185,17 @@ class Scheduler {
   std::vector<std::unique_ptr<Seq>> running_;  // in admission order
   std::vector<uint64_t> finished_ids_;         // to tell the workers in the next step
   std::deque<Pending> pending_;                // submitted steps, oldest first
+  worker::StepPlan plan_;                      // the plan being built (reused)
+  std::vector<Seq*> order_;                    // BuildStep's candidates (reused)
   uint64_t next_seq_id_ = 1;
   uint64_t next_step_id_ = 1;
   uint64_t admit_counter_ = 0;
   int64_t preemptions_ = 0;
   int64_t steps_ = 0;
-  double step_seconds_ = 0, execute_seconds_ = 0, forward_seconds_ = 0;
-  int64_t step_tokens_ = 0;
+  double step_seconds_ = 0, execute_seconds_ = 0, forward_seconds_ = 0, cpu_seconds_ = 0;
+  int64_t step_tokens_ = 0, dropped_tokens_ = 0;
   int64_t prefix_queries_ = 0, prefix_hits_ = 0;
+  bool overlap_ = false;        // options_.overlap at pp = 1
   std::atomic<int> queued_{0};  // submitted, never admitted
   std::thread thread_;
 };

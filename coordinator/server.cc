@@ -454,6 +454,7 @@ std::unique_ptr<Scheduler> StartScheduler(const Layout& layout, WorkerGroup* gro
   so.context_length = layout.config.max_position_embeddings;
   so.eos_token_ids = layout.eos;
   so.enable_prefix_caching = o.enable_prefix_caching;
+  so.overlap = o.overlap_scheduling;
   so.on_request_finished = [metrics](const absl::Status& status, const FinalInfo& info) {
     metrics->OnRequestFinished(status, info);
   };

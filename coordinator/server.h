@@ -42,6 +42,7 @@ struct CoordinatorOptions {
   // --enable-prefix-caching[=false], --no-enable-prefix-caching
   bool enable_prefix_caching = true;
   bool help = false;       // --help was given: print the usage, run nothing
+  bool overlap_scheduling = true;  // --no-overlap-scheduling: one step at a time at pp = 1
 };
 
 // Runs until SIGTERM / SIGINT (then drains) or a startup failure.

@@ -134,6 +134,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_
   TP_ASSIGN_OR_RETURN(engine->runner_,
                       ShardRunner::Create(*engine->files_, engine->plan_, options.rank,
                                           engine->ops_, comms, shard));
+  TP_RETURN_IF_ERROR(engine->runner_->WarmUpGraphs());
   const auto t_end = Clock::now();
   TP_LOG(INFO) << absl::StrFormat(
       "Engine::Create %.3f s: open and validate %.3f s, device init %.3f s, shard load "

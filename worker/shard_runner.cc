@@ -84,13 +84,23 @@ absl::StatusOr<std::unique_ptr<ShardRunner>> ShardRunner::Create(
   r->cache_ = std::move(loaded.cache);
 #ifdef TPSERVE_HAVE_CUDA
   if (cuda != nullptr && options.cuda_graphs && plan.tp == 1 && plan.pp == 1) {
-    // Decode graphs are captured on the first decode step of each batch bucket.
+    // Decode graphs are captured by WarmUpGraphs (else on the first use of each bucket).
     r->graphs_ =
         std::make_unique<CudaGraphRunner>(cuda, r->model_.get(), r->cache_.get(), reserve.max_seqs);
+    r->graph_max_seqs_ = reserve.max_seqs;
+    r->graph_max_blocks_ = reserve.max_blocks_per_seq;
   }
 #endif
   const RankShard& shard = r->model_->shard();
   r->sampler_ = shard.last_stage && (shard.tp_rank == 0 || options.sample_on_every_tp_rank);
+  r->tp_ = plan.tp;
+  r->pp_ = plan.pp;
+  r->comms_ = comms;
+  if (plan.tp > 1) {
+    // Allocated with the rest, before serving: the ids of feed_last_sampled sequences.
+    r->feed_ids_ = std::make_unique<DeviceBuffer>(
+        ops, sizeof(int32_t) * std::max(1, options.model.max_batch_seqs));
+  }
   return r;
 }
 
@@ -144,6 +154,37 @@ int ShardRunner::num_graphs() const {
 #endif
 }
 
+absl::Status ShardRunner::WarmUpGraphs() {
+#ifdef TPSERVE_HAVE_CUDA
+  if (graphs_ == nullptr) return absl::OkStatus();
+  // The buckets CudaGraphRunner::RunDecode picks: batch sizes in powers of two up to
+  // graph_max_seqs_, block tables of max(16, a power of two) blocks up to graph_max_blocks_.
+  // Each warm-up sequence decodes one token at position 0 of KV block 0 (scratch: whatever it
+  // writes there is overwritten by the first sequence that owns block 0).
+  const int max_seqs =
+      std::min({graph_max_seqs_, options_.model.max_batch_seqs, options_.model.max_batch_tokens});
+  for (int seqs = 1;; seqs = std::min(seqs * 2, max_seqs)) {
+    for (int blocks = 16;; blocks = std::min(blocks * 2, graph_max_blocks_)) {
+      worker::StepPlan plan;
+      for (int i = 0; i < seqs; ++i) {
+        worker::SeqStep* s = plan.add_seqs();
+        s->set_seq_id(i + 1);
+        s->add_token_ids(0);
+        for (int b = 0; b < blocks; ++b) s->add_block_table(0);
+        s->set_sample(true);
+      }
+      TP_ASSIGN_OR_RETURN(BatchMeta meta,
+                          MakeBatch(plan, cache_->block_size(), cache_->num_blocks()));
+      TP_RETURN_IF_ERROR(graphs_->RunDecode(meta).status());
+      if (blocks >= graph_max_blocks_) break;
+    }
+    if (seqs >= max_seqs) break;
+  }
+  ops_->Synchronize();
+#endif
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Tensor> ShardRunner::Forward(const BatchMeta& meta, bool graphs) {
 #ifdef TPSERVE_HAVE_CUDA
   if (graphs && UsesGraphs(meta)) return graphs_->RunDecode(meta);
@@ -172,7 +213,61 @@ std::vector<std::vector<float>> ShardRunner::LogitsToHost(const Tensor& logits) 
 }
 
 void ShardRunner::Forget(const std::vector<uint64_t>& seq_ids) {
-  for (uint64_t id : seq_ids) history_.erase(id);
+  for (uint64_t id : seq_ids) {
+    history_.erase(id);
+    last_sampled_.erase(id);
+  }
+}
+
+absl::Status ShardRunner::ResolveFeeds(const worker::StepPlan& plan, BatchMeta& meta) {
+  std::vector<int> rows;  // the feeding sequences' indices in the plan
+  for (int i = 0; i < plan.seqs_size(); ++i) {
+    const worker::SeqStep& s = plan.seqs(i);
+    if (!s.feed_last_sampled()) continue;
+    if (s.token_ids_size() != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step ", plan.step_id(), ": sequence ", s.seq_id(), " feeds its last ",
+                       "sampled token but carries ", s.token_ids_size(), " tokens (expected 1)"));
+    }
+    rows.push_back(i);
+  }
+  if (rows.empty()) return absl::OkStatus();
+  if (pp_ > 1) {
+    // The first stage embeds but the last one samples: the coordinator keeps disjoint
+    // sequences in flight through a pipeline and sends every token itself.
+    return absl::InvalidArgumentError(
+        absl::StrCat("step ", plan.step_id(), ": feed_last_sampled needs pp = 1 (this layout has ",
+                     pp_, " pipeline stages)"));
+  }
+  std::vector<int32_t> ids(rows.size(), -1);
+  if (sampler_) {
+    for (size_t k = 0; k < rows.size(); ++k) {
+      auto it = last_sampled_.find(plan.seqs(rows[k]).seq_id());
+      if (it != last_sampled_.end()) ids[k] = it->second;
+    }
+  }
+  if (tp_ > 1 && !options_.sample_on_every_tp_rank) {
+    // Every rank of the group embeds the same token: tp rank 0 (the sampler) sends its ids.
+    // A missing id travels as -1, so that all ranks fail the step alike.
+    const size_t bytes = ids.size() * sizeof(int32_t);
+    if (feed_ids_ == nullptr || feed_ids_->bytes() < bytes) {
+      feed_ids_ = std::make_unique<DeviceBuffer>(
+          ops_, std::max(bytes, sizeof(int32_t) * std::max(1, options_.model.max_batch_seqs)));
+    }
+    Tensor t(feed_ids_->get(), {static_cast<int64_t>(ids.size())}, DType::kI32, ops_->device());
+    if (sampler_) ops_->CopyToDevice(t.data, ids.data(), bytes);
+    TP_RETURN_IF_ERROR(comms_.tp->Broadcast(t, 0));
+    ops_->CopyToHost(ids.data(), t.data, bytes);
+  }
+  for (size_t k = 0; k < rows.size(); ++k) {
+    if (ids[k] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step ", plan.step_id(), ": sequence ", plan.seqs(rows[k]).seq_id(),
+          " feeds its last sampled token but the previous step holding it did not sample it"));
+    }
+    meta.token_ids[meta.query_start[rows[k]]] = ids[k];
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ShardRunner::ApplyRepetitionPenalty(const Tensor& logits, int row, float penalty,
@@ -203,6 +298,10 @@ absl::Status ShardRunner::ApplyRepetitionPenalty(const Tensor& logits, int row, 
 absl::StatusOr<worker::StepResult> ShardRunner::Run(const worker::StepPlan& plan,
                                                     std::vector<std::vector<float>>* logits_out) {
   TP_ASSIGN_OR_RETURN(BatchMeta meta, MakeBatch(plan, cache_->block_size(), cache_->num_blocks()));
+  if (sampler_) {
+    for (uint64_t id : plan.finished_seq_ids()) last_sampled_.erase(id);
+  }
+  TP_RETURN_IF_ERROR(ResolveFeeds(plan, meta));
   if (meta.num_tokens > options_.model.max_batch_tokens ||
       static_cast<int>(meta.logits_rows.size()) > options_.model.max_batch_seqs) {
     return absl::InvalidArgumentError(
@@ -220,7 +319,8 @@ absl::StatusOr<worker::StepResult> ShardRunner::Run(const worker::StepPlan& plan
       }
     }
     for (uint64_t id : plan.finished_seq_ids()) history_.erase(id);
-    for (const worker::SeqStep& s : plan.seqs()) {
+    for (int i = 0; i < plan.seqs_size(); ++i) {
+      const worker::SeqStep& s = plan.seqs(i);
       std::vector<int32_t>& h = history_[s.seq_id()];
       // A cached prefix (prefix caching): this worker never computed those tokens.
       if (s.prefix_token_ids_size() > 0)
@@ -231,12 +331,23 @@ absl::StatusOr<worker::StepResult> ShardRunner::Run(const worker::StepPlan& plan
                                                 h.size(), " of its tokens"));
       }
       h.resize(s.start_pos());
-      h.insert(h.end(), s.token_ids().begin(), s.token_ids().end());
+      if (s.feed_last_sampled()) {
+        h.push_back(meta.token_ids[meta.query_start[i]]);
+      } else {
+        h.insert(h.end(), s.token_ids().begin(), s.token_ids().end());
+      }
+      // A later feed of this sequence refers to this step: valid only if it samples.
+      last_sampled_.erase(s.seq_id());
     }
   }
   TP_ASSIGN_OR_RETURN(Tensor logits, Forward(meta));
   if (!sampler_ || meta.logits_rows.empty()) return worker::StepResult();
-  return Sample(plan, logits, logits_out);
+  TP_ASSIGN_OR_RETURN(worker::StepResult result, Sample(plan, logits, logits_out));
+  int row = 0;
+  for (const worker::SeqStep& s : plan.seqs()) {
+    if (s.sample()) last_sampled_[s.seq_id()] = result.token_ids(row++);
+  }
+  return result;
 }
 
 absl::StatusOr<worker::StepResult> ShardRunner::Sample(

@@ -56,10 +56,12 @@ class ShardRunner {
                                              int num_blocks);
 
   // Runs one step: the forward and, on the sampling rank (last stage, tp rank 0), repetition
-  // penalties and sampling. The result holds the sampled ids (one per sampling sequence, in
-  // plan order) and the logprobs of the sequences that ask for them; empty on other ranks.
-  // When `logits` is not null the sampling rank also copies each sampled row's logits (before
-  // any penalty) to it, as f32 over the vocabulary (tests).
+  // penalties and sampling. Sequences with feed_last_sampled get the id sampled for them in
+  // the previous step that held them (the sampling rank broadcasts the ids inside the TP group).
+  // The result holds the sampled ids (one per sampling sequence, in plan order) and the logprobs of
+  // the sequences that ask for them; empty on other ranks. When `logits` is not null the sampling
+  // rank also copies each sampled row's logits (before any penalty) to it, as f32 over the
+  // vocabulary (tests).
   absl::StatusOr<worker::StepResult> Run(const worker::StepPlan& plan,
                                          std::vector<std::vector<float>>* logits = nullptr);
 
@@ -71,8 +73,14 @@ class ShardRunner {
   // Host f32 copies [rows][vocab] of device logits.
   std::vector<std::vector<float>> LogitsToHost(const Tensor& logits) const;
 
-  // Drops the sampling history (repetition penalties) of sequences that ended.
+  // Drops the sampling history (repetition penalties) and the last sampled ids of sequences
+  // that ended.
   void Forget(const std::vector<uint64_t>& seq_ids);
+
+  // Captures the CUDA graph of every decode batch bucket the runner may replay (the widest
+  // block-table bucket of each batch bucket; narrower tables are padded up to it), so that no
+  // request pays for a capture. Writes only KV block 0, before serving. No-op without graphs.
+  absl::Status WarmUpGraphs();
 
   bool is_sampler() const { return sampler_; }
   bool UsesGraphs(const BatchMeta& meta) const;
@@ -91,6 +99,9 @@ class ShardRunner {
                                       const std::vector<int32_t>& history);
   absl::StatusOr<worker::StepResult> Sample(const worker::StepPlan& plan, const Tensor& logits,
                                             std::vector<std::vector<float>>* host_logits);
+  // Replaces the placeholder of every feed_last_sampled sequence of `plan` in `meta` by the id
+  // sampled for it in the previous step (identical on every rank of the TP group).
+  absl::Status ResolveFeeds(const worker::StepPlan& plan, BatchMeta& meta);
 
   Ops* ops_ = nullptr;
   ShardRunnerOptions options_;
@@ -98,8 +109,15 @@ class ShardRunner {
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<CudaGraphRunner> graphs_;
   bool sampler_ = false;
+  int tp_ = 1, pp_ = 1;
+  int graph_max_seqs_ = 0, graph_max_blocks_ = 0;  // the largest graph buckets (CUDA)
+  ParallelContext comms_;
   // Sampling rank only: every token of each live sequence (for repetition penalties).
   std::map<uint64_t, std::vector<int32_t>> history_;
+  // Sampling rank only: the id sampled for each sequence by the last step that held it (absent
+  // when that step did not sample it), for feed_last_sampled.
+  std::map<uint64_t, int32_t> last_sampled_;
+  std::unique_ptr<DeviceBuffer> feed_ids_;  // the fed ids, broadcast inside the TP group
 };
 
 }  // namespace tpserve

@@ -155,6 +155,8 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   if (EnvIsSet(env::kWorkerCudaGraphs)) so.cuda_graphs = EnvBool(env::kWorkerCudaGraphs);
   ParallelContext comms{groups.tp_comm.get(), groups.pp_comm.get()};
   TP_ASSIGN_OR_RETURN(auto runner, ShardRunner::Create(files, plan, rank, ops, comms, so));
+  // Before the KV report: the coordinator turns SERVING only after every rank reported.
+  TP_RETURN_IF_ERROR(runner->WarmUpGraphs());
   worker::WorkerMessage report;
   report.mutable_kv_report()->set_num_blocks(runner->num_blocks());
   report.mutable_kv_report()->set_block_size(so.block_size);

@@ -78,6 +78,28 @@ TEST_F(BenchServiceTest, ClosedLoopCountsAreExact) {
   EXPECT_GT(j["output_throughput"].get<double>(), 0);
 }
 
+// --compare-engine: the in-process engine on the same lengths, one ratio in the JSON; and the
+// server's step counters over the run (overlap on by default at pp = 1).
+TEST_F(BenchServiceTest, CompareEngineReportsTheServedOverEngineRatio) {
+  ASSERT_NE(server_, nullptr);
+  const std::string model = service_test::ServiceModelDir();
+  const nlohmann::json j =
+      Bench({"--concurrency", "3", "--num-requests", "6", "--prompt-len", "12", "--output-len",
+             "10", "--warmup", "0", "--compare-engine", model, "--engine-device", "cpu"});
+  ASSERT_FALSE(j.is_null());
+  ASSERT_TRUE(j.contains("engine")) << j.dump(2);
+  EXPECT_EQ(j["engine"]["batch"], 3);
+  EXPECT_GT(j["engine"]["ms_per_token"].get<double>(), 0);
+  EXPECT_DOUBLE_EQ(
+      j["engine"]["served_over_engine"].get<double>(),
+      j["tpot_ms"]["median"].get<double>() / j["engine"]["ms_per_token"].get<double>());
+  ASSERT_TRUE(j.contains("server_steps")) << j.dump(2);
+  EXPECT_GE(j["server_steps"]["steps"].get<int>(), 10);
+  EXPECT_TRUE(j["server_steps"]["overlap_scheduling"].get<bool>());
+  EXPECT_GT(j["server_steps"]["scheduler_cpu_ms"].get<double>(), 0);
+  EXPECT_EQ(j["server_steps"]["dropped_tokens"], 0) << "lengths only: nothing stops early";
+}
+
 TEST_F(BenchServiceTest, ChatAndOpenLoop) {
   ASSERT_NE(server_, nullptr);
   // 2 conversations x 3 turns, 16-token first prompt, 4-token user turns, 6 new tokens:

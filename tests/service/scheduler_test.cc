@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "coordinator/block_manager.h"
 #include "coordinator/inference_service.h"
 #include "coordinator/worker_group.h"
@@ -27,8 +28,11 @@ constexpr int kVocab = 50;
 // x block size), and the next token is a hash of the context READ BACK from the cache through the
 // block table (so a wrong or stale shared block changes the output), mod kVocab; so are the
 // logprobs of sequences that ask for them. Checks every plan: tokens continue the sequence (the
-// cached prefix included: prefix_token_ids), the cache holds exactly the sequence's tokens, and no
-// step writes into a block that another sequence of the plan reads.
+// cached prefix included: prefix_token_ids), the cache holds exactly the sequence's tokens, no
+// step writes into a block another sequence reads (in its plan or in another step in flight), a
+// sequence the scheduler said finished never comes back, and a feed_last_sampled placeholder
+// stands exactly where the token sampled for it in its previous step belongs (which the fake
+// substitutes, as the workers do).
 class FakeExecutor : public StepExecutor {
  public:
   explicit FakeExecutor(int num_blocks, int block_size)
@@ -36,10 +40,47 @@ class FakeExecutor : public StepExecutor {
         block_size_(block_size),
         kv_(static_cast<size_t>(num_blocks) * block_size, -1) {}
 
+  // Steps in flight (overlap, pipelines): no block a plan writes may be held by another
+  // sequence in another step in flight (shared cached blocks are only read).
+  absl::Status Submit(const worker::StepPlan& plan) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::map<int32_t, uint64_t>& mine = in_flight_blocks_[plan.step_id()];
+      for (const worker::SeqStep& s : plan.seqs()) {
+        for (int32_t b : s.block_table()) mine.emplace(b, s.seq_id());
+        for (int i = 0; i < s.token_ids_size(); ++i) {
+          const int pos = s.start_pos() + i;
+          if (pos / block_size_ >= s.block_table_size()) break;
+          const int32_t b = s.block_table(pos / block_size_);
+          for (const auto& [id, other] : in_flight_blocks_) {
+            if (id == plan.step_id()) continue;
+            auto it = other.find(b);
+            EXPECT_TRUE(it == other.end() || it->second == s.seq_id())
+                << "step " << plan.step_id() << " writes block " << b << " of sequence "
+                << s.seq_id() << ", held by sequence " << it->second << " in step " << id;
+          }
+        }
+      }
+      max_in_flight_seen_ =
+          std::max(max_in_flight_seen_, static_cast<int>(in_flight_blocks_.size()));
+    }
+    return StepExecutor::Submit(plan);
+  }
+  absl::StatusOr<worker::StepResult> Collect(uint64_t step_id) override {
+    auto out = StepExecutor::Collect(step_id);
+    std::lock_guard<std::mutex> lock(mu_);
+    in_flight_blocks_.erase(step_id);
+    return out;
+  }
+
   absl::StatusOr<worker::StepResult> Execute(const worker::StepPlan& plan) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (fail_) return absl::UnavailableError("worker rank 1 failed: killed by the test");
-    for (uint64_t id : plan.finished_seq_ids()) history_.erase(id);
+    for (uint64_t id : plan.finished_seq_ids()) {
+      EXPECT_TRUE(finished_.insert(id).second) << "sequence " << id << " finished twice";
+      history_.erase(id);
+      last_sampled_.erase(id);
+    }
     int tokens = 0;
     worker::StepResult out;
     std::map<int32_t, std::set<uint64_t>> readers;  // block -> sequences of this plan using it
@@ -47,6 +88,7 @@ class FakeExecutor : public StepExecutor {
       for (int32_t b : s.block_table()) readers[b].insert(s.seq_id());
     }
     for (const worker::SeqStep& s : plan.seqs()) {
+      EXPECT_EQ(finished_.count(s.seq_id()), 0u) << "sequence " << s.seq_id() << " ended";
       std::vector<int32_t>& h = history_[s.seq_id()];
       if (s.prefix_token_ids_size() > 0) {
         EXPECT_EQ(s.prefix_token_ids_size(), s.start_pos());
@@ -54,7 +96,22 @@ class FakeExecutor : public StepExecutor {
       }
       EXPECT_LE(s.start_pos(), static_cast<int>(h.size()));
       h.resize(s.start_pos());
-      h.insert(h.end(), s.token_ids().begin(), s.token_ids().end());
+      if (s.feed_last_sampled()) {
+        ++feeds_;
+        auto last = last_sampled_.find(s.seq_id());
+        if (last == last_sampled_.end()) {
+          return absl::InternalError(absl::StrCat("sequence ", s.seq_id(), " feeds a token ",
+                                                  "that its previous step did not sample"));
+        }
+        EXPECT_EQ(s.token_ids_size(), 1);
+        EXPECT_EQ(s.token_ids(0), 0) << "the placeholder";
+        // The placeholder's position is right after every token the sequence computed.
+        EXPECT_EQ(s.start_pos(), static_cast<int>(h.size()));
+        h.push_back(last->second);
+      } else {
+        h.insert(h.end(), s.token_ids().begin(), s.token_ids().end());
+      }
+      last_sampled_.erase(s.seq_id());
       tokens += s.token_ids_size();
       const int need = (static_cast<int>(h.size()) + block_size_ - 1) / block_size_;
       EXPECT_GE(s.block_table_size(), need);
@@ -64,14 +121,13 @@ class FakeExecutor : public StepExecutor {
         EXPECT_TRUE(block >= 0 && block < num_blocks_);
         if (block < 0 || block >= num_blocks_) return absl::InternalError("bad block");
       }
-      for (int i = 0; i < s.token_ids_size(); ++i) {
-        const int pos = s.start_pos() + i;
+      for (int pos = s.start_pos(); pos < static_cast<int>(h.size()); ++pos) {
         const int32_t block = s.block_table(pos / block_size_);
         EXPECT_EQ(readers[block].size(), 1u)
             << "step " << plan.step_id() << " writes into block " << block << " shared by "
             << readers[block].size() << " sequences";
         written_blocks_.insert(block);
-        kv_[static_cast<size_t>(block) * block_size_ + pos % block_size_] = s.token_ids(i);
+        kv_[static_cast<size_t>(block) * block_size_ + pos % block_size_] = h[pos];
       }
       std::vector<int32_t> context;
       for (int pos = 0; pos < static_cast<int>(h.size()); ++pos) {
@@ -84,6 +140,8 @@ class FakeExecutor : public StepExecutor {
         uint64_t x = 1469598103934665603ull;
         for (int32_t t : context) x = (x ^ static_cast<uint64_t>(t)) * 1099511628211ull;
         out.add_token_ids(static_cast<int32_t>(3 + x % (kVocab - 3)));
+        last_sampled_[s.seq_id()] = out.token_ids(out.token_ids_size() - 1);
+        ++samples_[s.seq_id()];
         if (s.sampling().has_logprobs()) {
           worker::SampledLogprobs* lp = out.add_logprobs();
           lp->set_logprob(-static_cast<float>(x % 1000) / 100.0f);
@@ -109,6 +167,12 @@ class FakeExecutor : public StepExecutor {
   std::map<uint64_t, std::vector<int32_t>> history_;
   std::set<int32_t> written_blocks_;
   int64_t computed_tokens_ = 0;
+  std::map<uint64_t, int32_t> last_sampled_;
+  std::map<uint64_t, int> samples_;  // tokens sampled per sequence, dropped ones included
+  std::set<uint64_t> finished_;
+  std::map<uint64_t, std::map<int32_t, uint64_t>> in_flight_blocks_;  // step -> block -> seq
+  int max_in_flight_seen_ = 0;
+  int feeds_ = 0;
   int max_tokens_ = 0, max_seqs_ = 0, steps_ = 0;
   int delay_ms_ = 0;
   bool fail_ = false;
@@ -146,16 +210,15 @@ class PipelinedFakeExecutor : public FakeExecutor {
           EXPECT_EQ(mine.blocks.count(b), 0u) << "block " << b << " written while in flight";
         }
       }
-      max_in_flight_seen_ = std::max(max_in_flight_seen_, static_cast<int>(in_flight_.size()));
     }
-    return StepExecutor::Submit(plan);
+    return FakeExecutor::Submit(plan);
   }
   absl::StatusOr<worker::StepResult> Collect(uint64_t step_id) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
       EXPECT_EQ(in_flight_.begin()->first, step_id) << "results collected out of order";
     }
-    auto ids = StepExecutor::Collect(step_id);
+    auto ids = FakeExecutor::Collect(step_id);
     std::lock_guard<std::mutex> lock(mu_);
     in_flight_.erase(step_id);
     return ids;
@@ -167,7 +230,6 @@ class PipelinedFakeExecutor : public FakeExecutor {
   };
   const int depth_;
   std::map<uint64_t, Step> in_flight_;
-  int max_in_flight_seen_ = 0;
 };
 
 std::shared_ptr<RequestState> MakeRequest(int prompt_len, int max_new, int salt,
@@ -315,6 +377,188 @@ TEST(SchedulerTest, StepsInFlightThroughAPipelineMatchSoloRuns) {
   const SchedulerStats st = s.stats();
   EXPECT_GT(st.preemptions, 0) << "the test should exercise preemption";
   EXPECT_EQ(st.free_blocks, 48);
+}
+
+// The serial loop (overlap off) gives the same tokens, and keeps one step in flight.
+TEST(SchedulerTest, WithoutOverlapTheSerialLoopMatchesSoloRuns) {
+  FakeExecutor ex(40, 4);
+  SchedulerOptions o = Options(40, 8, 16);
+  o.overlap = false;
+  Scheduler s(o, nullptr, &ex);
+  ASSERT_NO_FATAL_FAILURE(ExpectSoloResults(s, 24));
+  EXPECT_EQ(ex.max_in_flight_seen_, 1);
+  EXPECT_EQ(ex.feeds_, 0);
+  EXPECT_GT(s.stats().preemptions, 0);
+  EXPECT_EQ(s.stats().free_blocks, 40);
+}
+
+// Overlap (the default at pp = 1): two steps in flight over the same sequences, decodes fed by
+// the workers, with chunking and preemption: the solo results still.
+TEST(SchedulerTest, OverlapKeepsTwoStepsInFlightAndMatchesSoloRuns) {
+  FakeExecutor ex(40, 4);
+  Scheduler s(Options(40, 8, 16), nullptr, &ex);
+  ASSERT_NO_FATAL_FAILURE(ExpectSoloResults(s, 24));
+  EXPECT_EQ(ex.max_in_flight_seen_, 2);
+  EXPECT_GT(ex.feeds_, 100) << "decodes should continue with feed_last_sampled";
+  const SchedulerStats st = s.stats();
+  EXPECT_GT(st.preemptions, 0);
+  EXPECT_EQ(st.free_blocks, 40);
+  EXPECT_EQ(st.dropped_tokens, 0) << "lengths are known ahead: no step past max_new_tokens";
+  EXPECT_GT(st.cpu_seconds, 0);
+  EXPECT_LT(st.cpu_seconds, st.step_seconds * 4) << "the scheduler's CPU time is per step";
+}
+
+bool WaitIdleBlocks(Scheduler& s, int total, double seconds) {
+  const auto end = std::chrono::steady_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  while (std::chrono::steady_clock::now() < end) {
+    const SchedulerStats st = s.stats();
+    if (st.free_blocks == total && st.running == 0 && st.waiting == 0) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
+// With overlap the coordinator learns a token one step late: when it is a stop id or EOS, the
+// next step has already sampled one more token for the sequence. That token is computed (the
+// fake counts it) but never emitted, and the blocks come back exactly once.
+TEST(SchedulerTest, TheTokenAfterAStopIsComputedButNeverEmitted) {
+  std::vector<int32_t> reference;
+  {
+    FakeExecutor ex(64, 4);
+    Scheduler s(Options(64, 4, 64), nullptr, &ex);
+    s.Start();
+    auto r = MakeRequest(7, 24, 3);
+    ASSERT_TRUE(s.Submit(r).ok());
+    ASSERT_TRUE(WaitFinished({r}, 10));
+    reference = Output(*r);
+    ASSERT_EQ(reference.size(), 24u);
+  }
+  const int32_t stop = reference[6];
+  const size_t first = std::find(reference.begin(), reference.end(), stop) - reference.begin();
+  const std::vector<int32_t> expected(reference.begin(), reference.begin() + first + 1);
+  for (const bool as_eos : {false, true}) {
+    FakeExecutor ex(64, 4);
+    SchedulerOptions o = Options(64, 4, 64);
+    if (as_eos) o.eos_token_ids = {stop};
+    Scheduler s(o, nullptr, &ex);
+    s.Start();
+    RequestParams p = MakeRequest(7, 24, 3)->params();
+    if (as_eos) {
+      p.ignore_eos = false;
+    } else {
+      p.stop_token_ids = {stop};
+    }
+    auto r = std::make_shared<RequestState>(p);
+    ASSERT_TRUE(s.Submit(r).ok());
+    ASSERT_TRUE(WaitFinished({r}, 10));
+    RequestState::Taken t = r->Take();
+    EXPECT_TRUE(t.status.ok()) << t.status;
+    EXPECT_EQ(t.info.reason, Finish::kStop);
+    EXPECT_EQ(t.ids, expected) << "eos " << as_eos;
+    EXPECT_EQ(Output(*r), expected) << "eos " << as_eos << ": a token past the stop was emitted";
+    EXPECT_EQ(t.info.output_tokens, static_cast<int>(expected.size()));
+    ASSERT_TRUE(WaitIdleBlocks(s, 64, 5));
+    EXPECT_EQ(s.stats().dropped_tokens, 1);
+    // The next plan tells the workers that the sequence ended.
+    auto next = MakeRequest(3, 2, 9);
+    ASSERT_TRUE(s.Submit(next).ok());
+    ASSERT_TRUE(WaitFinished({next}, 5));
+    ASSERT_TRUE(WaitIdleBlocks(s, 64, 5));
+    std::lock_guard<std::mutex> lock(ex.mu_);
+    EXPECT_EQ(ex.samples_[1], static_cast<int>(expected.size()) + 1)
+        << "the step after the stop should have sampled one more token (and it was dropped)";
+    EXPECT_EQ(ex.finished_.count(1), 1u) << "the workers were told the sequence ended";
+  }
+}
+
+// A length limit is known ahead: the scheduler never samples past max_new_tokens.
+TEST(SchedulerTest, OverlapNeverSamplesPastTheLengthLimit) {
+  FakeExecutor ex(64, 4);
+  Scheduler s(Options(64, 4, 64), nullptr, &ex);
+  s.Start();
+  std::vector<std::shared_ptr<RequestState>> reqs;
+  for (int i = 0; i < 4; ++i) {
+    reqs.push_back(MakeRequest(3 + i, 1 + i * 5, i));
+    ASSERT_TRUE(s.Submit(reqs.back()).ok());
+  }
+  ASSERT_TRUE(WaitFinished(reqs, 10));
+  ASSERT_TRUE(WaitIdleBlocks(s, 64, 5));
+  std::lock_guard<std::mutex> lock(ex.mu_);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(Output(*reqs[i]).size(), static_cast<size_t>(1 + i * 5));
+    EXPECT_EQ(ex.samples_[i + 1], 1 + i * 5) << "request " << i;
+  }
+  EXPECT_EQ(s.stats().dropped_tokens, 0);
+}
+
+// Cancels at random moments and expired deadlines, with two steps in flight and a pool small
+// enough to preempt: every request ends, what it got is a prefix of its solo output, no block
+// is held by two sequences in flight, and every block comes back.
+TEST(SchedulerTest, CancelsAndDeadlinesInFlightReturnEveryBlock) {
+  constexpr int kRequests = 16;
+  std::vector<std::vector<int32_t>> solo;
+  for (int i = 0; i < kRequests; ++i) {
+    FakeExecutor ex(1000, 4);
+    Scheduler alone(Options(1000, 1, 1000), nullptr, &ex);
+    alone.Start();
+    auto r = MakeRequest(5 + i, 60, i);
+    ASSERT_TRUE(alone.Submit(r).ok());
+    ASSERT_TRUE(WaitFinished({r}, 10));
+    solo.push_back(Output(*r));
+  }
+  for (const bool overlap : {true, false}) {
+    FakeExecutor ex(48, 4);
+    ex.delay_ms_ = 1;
+    SchedulerOptions o = Options(48, 8, 24);
+    o.overlap = overlap;
+    Scheduler s(o, nullptr, &ex);
+    s.Start();
+    std::vector<std::shared_ptr<RequestState>> reqs;
+    std::mt19937 rng(overlap ? 7 : 8);
+    for (int i = 0; i < kRequests; ++i) {
+      RequestParams p = MakeRequest(5 + i, 60, i)->params();
+      if (i % 4 == 1) {
+        p.deadline = std::chrono::steady_clock::now() +
+                     std::chrono::milliseconds(std::uniform_int_distribution<int>(1, 60)(rng));
+      }
+      reqs.push_back(std::make_shared<RequestState>(p));
+      ASSERT_TRUE(s.Submit(reqs.back()).ok());
+    }
+    std::vector<int> cancel_at(kRequests);
+    for (int& c : cancel_at) c = std::uniform_int_distribution<int>(0, 80)(rng);
+    for (int ms = 0; ms <= 80; ++ms) {
+      for (int i = 0; i < kRequests; ++i) {
+        if (i % 4 == 2 && cancel_at[i] == ms) {
+          reqs[i]->Cancel();
+          s.Wake();
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_TRUE(WaitFinished(reqs, 30));
+    for (int i = 0; i < kRequests; ++i) {
+      RequestState::Taken t = reqs[i]->Take();
+      const std::vector<int32_t> got = Output(*reqs[i]);
+      ASSERT_LE(got.size(), solo[i].size());
+      EXPECT_EQ(got, std::vector<int32_t>(solo[i].begin(), solo[i].begin() + got.size()))
+          << "request " << i << " overlap " << overlap;
+      if (t.status.ok()) {
+        EXPECT_EQ(got, solo[i]) << "request " << i;
+      } else {
+        EXPECT_TRUE(t.status.code() == absl::StatusCode::kCancelled ||
+                    t.status.code() == absl::StatusCode::kDeadlineExceeded)
+            << t.status;
+      }
+    }
+    EXPECT_TRUE(WaitIdleBlocks(s, 48, 5)) << "free " << s.stats().free_blocks << " of 48";
+    auto after = MakeRequest(4, 3, 5);
+    ASSERT_TRUE(s.Submit(after).ok());
+    ASSERT_TRUE(WaitFinished({after}, 5));
+    EXPECT_TRUE(after->Take().status.ok());
+    EXPECT_EQ(Output(*after).size(), 3u);
+    EXPECT_TRUE(WaitIdleBlocks(s, 48, 5));
+  }
 }
 
 TEST(SchedulerTest, CancelFreesBlocksAndQueueOverflowIsResourceExhausted) {

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -730,6 +731,151 @@ TEST(ServiceLayoutTest, PipelineAndSingleWorkerMatchTheEngine) {
     }
     const int status = server->Stop();
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << server->Log();
+  }
+}
+
+// Overlapped scheduling (the default) against the serial loop (--no-overlap-scheduling) and the
+// in-process engine, at tp = 2 and pp = 2, with a KV pool small enough to preempt: greedy and
+// seeded tokens, stop ids (the token after a stop is never streamed), stop strings, length
+// limits, cancels at random points and deadlines; every block back to idle after each part.
+TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
+  const std::string model = service_test::ServiceModelDir();
+  EngineOptions options;
+  options.device = "cpu";
+  auto engine = Engine::Create(model, options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  constexpr int kRequests = 8;
+  std::vector<GenerateRequest> ereqs(kRequests);
+  std::vector<v1::GenerateRequest> reqs(kRequests);
+  for (int i = 0; i < kRequests; ++i) {
+    ereqs[i].prompt = PromptIds(50 + i * 7, 30 + i);
+    ereqs[i].max_new_tokens = 100 + i * 5;
+    ereqs[i].ignore_eos = true;
+    if (i % 2 == 1) {
+      ereqs[i].sampling.temperature = 0.8f;
+      ereqs[i].sampling.seed = 500 + i;
+    }
+  }
+  // Stop ids: the id the request emits at output position 4 + i (found with a first run).
+  for (int i : {2, 5}) {
+    auto full = (*engine)->Generate({ereqs[i]});
+    ASSERT_TRUE(full.ok()) << full.status();
+    ereqs[i].stop_token_ids = {full->at(0).output_ids.at(4 + i)};
+  }
+  std::vector<std::vector<int32_t>> expected;
+  for (int i = 0; i < kRequests; ++i) {
+    auto r = (*engine)->Generate({ereqs[i]});
+    ASSERT_TRUE(r.ok()) << r.status();
+    expected.push_back(r->at(0).output_ids);
+    reqs[i] = IdsRequest(ereqs[i].prompt, ereqs[i].max_new_tokens);
+    if (i % 2 == 1) {
+      reqs[i].mutable_sampling()->set_temperature(0.8f);
+      reqs[i].mutable_sampling()->set_seed(500 + i);
+    }
+    for (int32_t id : ereqs[i].stop_token_ids) reqs[i].mutable_stopping()->add_stop_token_ids(id);
+  }
+  engine->reset();
+  // Text requests with stop strings: compared between the two schedulers.
+  std::vector<v1::GenerateRequest> text_reqs;
+  for (const char* stop : {"\n", "(", "e"}) {
+    v1::GenerateRequest t = TextRequest("def parse(line):\n    ", 30);
+    t.mutable_stopping()->add_stop(stop);
+    text_reqs.push_back(t);
+  }
+  std::vector<std::vector<Result>> text_results;
+  struct Layout {
+    std::string name;
+    std::vector<std::string> args;
+    bool overlap;
+  };
+  const std::vector<Layout> layouts = {
+      {"tp=2 overlapped", {"--workers", "2"}, true},
+      {"tp=2 serial", {"--workers", "2", "--no-overlap-scheduling"}, false},
+      {"pp=2 (disjoint steps in flight)", {"--tp", "1", "--pp", "2"}, false}};
+  for (const Layout& layout : layouts) {
+    std::vector<std::string> args = layout.args;
+    for (const char* a :
+         {"--kv-cache-mb", "1", "--max-num-seqs", "8", "--max-num-batched-tokens", "96"}) {
+      args.push_back(a);
+    }
+    const std::string& name = layout.name;
+    auto server = ServerProcess::Start(model, args);
+    ASSERT_NE(server, nullptr);
+    auto stub = v1::Inference::NewStub(server->Channel());
+    const v1::ModelInfo info = Info(*stub);
+    EXPECT_EQ(info.steps().overlap_scheduling(), layout.overlap) << name;
+    std::vector<Result> results(kRequests);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kRequests; ++i) {
+      threads.emplace_back([&, i] {
+        auto s = v1::Inference::NewStub(server->Channel());
+        results[i] = i % 2 ? Stream(*s, reqs[i]) : Unary(*s, reqs[i]);
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int i = 0; i < kRequests; ++i) {
+      ASSERT_TRUE(results[i].status.ok()) << name << ": " << results[i].status.error_message();
+      EXPECT_EQ(Ids(results[i].response), expected[i]) << name << " request " << i;
+      EXPECT_EQ(results[i].response.output_tokens(), static_cast<int>(expected[i].size()));
+      EXPECT_EQ(results[i].response.finish_reason(),
+                ereqs[i].stop_token_ids.empty() ? v1::FINISH_REASON_LENGTH : v1::FINISH_REASON_STOP)
+          << name << " request " << i;
+    }
+    EXPECT_GT(Info(*stub).kv().preemptions(), 0) << name << ": the small pool should preempt ("
+                                                 << Info(*stub).kv().total_blocks() << " blocks)";
+    EXPECT_TRUE(WaitAllBlocksFree(*stub, 5)) << name;
+    text_results.emplace_back();
+    for (const v1::GenerateRequest& t : text_reqs) {
+      text_results.back().push_back(Stream(*stub, t));
+      ASSERT_TRUE(text_results.back().back().status.ok());
+      EXPECT_EQ(text_results.back().back().response.finish_reason(), v1::FINISH_REASON_STOP)
+          << name << ": stop '" << t.stopping().stop(0) << "' should appear in 30 tokens";
+    }
+    EXPECT_TRUE(WaitAllBlocksFree(*stub, 5)) << name;
+    // Cancels after a random number of streamed tokens, and short deadlines, all at once.
+    std::mt19937 rng(name.size());
+    threads.clear();
+    std::vector<grpc::StatusCode> codes(kRequests);
+    for (int i = 0; i < kRequests; ++i) {
+      const int after = std::uniform_int_distribution<int>(1, 12)(rng);
+      const double deadline = std::uniform_int_distribution<int>(20, 150)(rng) / 1000.0;
+      threads.emplace_back([&, i, after, deadline] {
+        auto s = v1::Inference::NewStub(server->Channel());
+        v1::GenerateRequest req = IdsRequest(PromptIds(40, 60 + i), 400);
+        if (i % 2 == 0) {
+          codes[i] = Unary(*s, req, deadline).status.error_code();
+          return;
+        }
+        grpc::ClientContext ctx;
+        SetDeadline(ctx, 60);
+        auto reader = s->GenerateStream(&ctx, req);
+        v1::GenerateResponse msg;
+        int got = 0;
+        while (got < after && reader->Read(&msg)) got += msg.token_ids_size();
+        ctx.TryCancel();
+        while (reader->Read(&msg)) {
+        }
+        codes[i] = reader->Finish().error_code();
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int i = 0; i < kRequests; ++i) {
+      EXPECT_EQ(codes[i], i % 2 ? grpc::StatusCode::CANCELLED : grpc::StatusCode::DEADLINE_EXCEEDED)
+          << name << " request " << i;
+    }
+    EXPECT_TRUE(WaitAllBlocksFree(*stub, 5)) << name << ": cancels and deadlines leak blocks";
+    const v1::ModelInfo end = Info(*stub);
+    EXPECT_GT(end.steps().scheduler_cpu_seconds(), 0) << name;
+    const int status = server->Stop();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << name << "\n" << server->Log();
+  }
+  for (size_t l = 1; l < text_results.size(); ++l) {
+    for (size_t i = 0; i < text_reqs.size(); ++i) {
+      EXPECT_EQ(text_results[l][i].response.text(), text_results[0][i].response.text())
+          << layouts[l].name << " stop string " << i;
+      EXPECT_EQ(Ids(text_results[l][i].response), Ids(text_results[0][i].response))
+          << layouts[l].name << " stop string " << i;
+    }
   }
 }
 

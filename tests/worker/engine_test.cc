@@ -212,3 +212,56 @@ TEST_F(EngineTest, LogprobsAreTheLogSoftmaxOfTheForwardLogits) {
 
 }  // namespace
 }  // namespace tpserve
+
+namespace tpserve {
+namespace {
+
+// feed_last_sampled: the shard runner puts the id it sampled for a sequence in its previous step
+// where the plan holds a placeholder, in the forward and in the repetition-penalty history, and
+// refuses a feed whose previous step did not sample the sequence.
+TEST_F(EngineTest, FeedLastSampledContinuesWithTheSampledToken) {
+  auto engine = MakeEngine();
+  ShardRunner& runner = engine->runner();
+  const std::vector<int32_t> prompt = Prompt(21, 4);
+  auto step = [](uint64_t seq, int start, std::vector<int32_t> tokens, bool feed) {
+    worker::StepPlan plan;
+    worker::SeqStep* s = plan.add_seqs();
+    s->set_seq_id(seq);
+    s->set_start_pos(start);
+    s->mutable_token_ids()->Assign(tokens.begin(), tokens.end());
+    for (int b = 0; b < 2; ++b) s->add_block_table(static_cast<int32_t>(seq * 2 + b));
+    s->set_sample(true);
+    s->mutable_sampling()->set_repetition_penalty(1.5f);
+    s->set_feed_last_sampled(feed);
+    return plan;
+  };
+  // Sequence 1 feeds, sequence 2 gets the same tokens spelled out: same ids three steps long.
+  auto first = runner.Run(step(1, 0, prompt, false));
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto first2 = runner.Run(step(2, 0, prompt, false));
+  ASSERT_TRUE(first2.ok()) << first2.status();
+  ASSERT_EQ(first->token_ids(0), first2->token_ids(0));
+  int32_t last = first->token_ids(0);
+  int pos = static_cast<int>(prompt.size());
+  for (int i = 0; i < 3; ++i, ++pos) {
+    auto fed = runner.Run(step(1, pos, {0}, true));
+    ASSERT_TRUE(fed.ok()) << fed.status();
+    auto spelled = runner.Run(step(2, pos, {last}, false));
+    ASSERT_TRUE(spelled.ok()) << spelled.status();
+    EXPECT_EQ(fed->token_ids(0), spelled->token_ids(0)) << "step " << i;
+    last = spelled->token_ids(0);
+  }
+  // A step that does not sample sequence 1 leaves nothing to feed.
+  worker::StepPlan no_sample = step(1, pos, {last}, false);
+  no_sample.mutable_seqs(0)->set_sample(false);
+  ASSERT_TRUE(runner.Run(no_sample).ok());
+  auto refused = runner.Run(step(1, pos + 1, {0}, true));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("sequence 1"), std::string::npos) << refused.status();
+  // A sequence that never sampled, and a feed with more than one token.
+  EXPECT_FALSE(runner.Run(step(7, 0, {0}, true)).ok());
+  EXPECT_FALSE(runner.Run(step(2, pos, {0, 0}, true)).ok());
+}
+
+}  // namespace
+}  // namespace tpserve

@@ -10,4 +10,4 @@ target_link_libraries(tpserve_bench_core PUBLIC tpserve_proto tpserve_common abs
 
 add_library(tpserve_bench_cmd STATIC ${CMAKE_CURRENT_LIST_DIR}/bench_cmd.cc)
 target_link_libraries(tpserve_bench_cmd PUBLIC tpserve_bench_core absl::status
-                      PRIVATE nlohmann_json::nlohmann_json absl::strings)
+                      PRIVATE tpserve_worker nlohmann_json::nlohmann_json absl::strings)

@@ -3,12 +3,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include <google/protobuf/util/json_util.h>
@@ -22,6 +24,7 @@
 #include "common/status.h"
 #include "tools/bench/load_gen.h"
 #include "tools/bench/workload.h"
+#include "worker/engine.h"
 
 namespace tpserve {
 namespace {
@@ -70,7 +73,15 @@ const CommandSpec& BenchSpec() {
        BoolFlag("progress", "draw a progress bar on stderr"),
        BoolFlag("no-progress", "no progress bar (default when stderr is not a terminal)"),
        BoolFlag("allow-errors", "exit 0 even if requests failed"),
-       BoolFlag("list-presets", "list the presets and exit")},
+       BoolFlag("list-presets", "list the presets and exit"),
+       StringFlag("compare-engine", "MODEL_DIR",
+                  "after the served run, run the in-process engine on the first --concurrency "
+                  "planned requests as one batch; print served TPOT / engine ms per decode step"),
+       StringFlag("engine-device", "cpu|cuda|auto", "--compare-engine's device (default auto)"),
+       FloatFlag("engine-gpu-memory-utilization", 0, 1,
+                 "--compare-engine's share of the GPU (default 0.4; start the server with room "
+                 "for it)",
+                 "F", /*min_exclusive=*/true)},
       "DIST: uniform:LO:HI or normal:MEAN:STD[:MIN:MAX]"};
   return *spec;
 }
@@ -85,7 +96,55 @@ struct BenchFlags {
   bool per_request = false;
   bool progress = false;
   bool allow_errors = false;
+  std::string engine_model;  // --compare-engine
+  std::string engine_device = "auto";
+  double engine_gpu_memory_utilization = 0.4;
 };
+
+// The in-process engine on the same lengths: one batch of the plan's first `concurrency`
+// requests, greedy (lengths matter here, not tokens), after a warm-up.
+struct EngineComparison {
+  int batch = 0;
+  double ms_per_token = 0;  // median over the batch of each sequence's mean decode step
+};
+
+absl::StatusOr<EngineComparison> RunEngine(const BenchFlags& f,
+                                           const std::vector<bench::PlannedRequest>& plan) {
+  EngineOptions options;
+  options.device = f.engine_device;
+  options.gpu_memory_utilization = f.engine_gpu_memory_utilization;
+  options.model.max_batch_seqs = static_cast<int>(std::max<int64_t>(f.load.concurrency, 1));
+  TP_ASSIGN_OR_RETURN(auto engine, Engine::Create(f.engine_model, options));
+  std::vector<GenerateRequest> reqs;
+  for (const bench::PlannedRequest& p : plan) {
+    if (static_cast<int64_t>(reqs.size()) >= std::max<int64_t>(f.load.concurrency, 1)) break;
+    GenerateRequest r;
+    r.prompt = p.prompt;
+    r.max_new_tokens = static_cast<int>(p.max_new_tokens);
+    r.ignore_eos = true;
+    reqs.push_back(std::move(r));
+  }
+  if (reqs.empty()) return absl::InvalidArgumentError("--compare-engine: no request planned");
+  std::vector<GenerateRequest> warm = reqs;
+  for (GenerateRequest& r : warm) r.max_new_tokens = std::min(r.max_new_tokens, 4);
+  TP_RETURN_IF_ERROR(engine->Generate(warm).status());
+  TP_ASSIGN_OR_RETURN(std::vector<GenerateResult> results, engine->Generate(reqs));
+  std::vector<double> per_seq;
+  for (const GenerateResult& r : results) {
+    if (r.step_ms.size() < 2) continue;  // the first step is the prefill
+    double sum = 0;
+    for (size_t i = 1; i < r.step_ms.size(); ++i) sum += r.step_ms[i];
+    per_seq.push_back(sum / static_cast<double>(r.step_ms.size() - 1));
+  }
+  if (per_seq.empty()) {
+    return absl::InvalidArgumentError("--compare-engine needs --output-len of at least 2");
+  }
+  std::sort(per_seq.begin(), per_seq.end());
+  EngineComparison c;
+  c.batch = static_cast<int>(reqs.size());
+  c.ms_per_token = per_seq[per_seq.size() / 2];
+  return c;
+}
 
 absl::StatusOr<LengthDist> LengthFlag(const Flags& a, const std::string& name,
                                       const LengthDist& fallback) {
@@ -198,6 +257,10 @@ absl::StatusOr<BenchFlags> ParseFlags(const Flags& a) {
   f.per_request = a.Flag("per-request");
   f.progress = a.Flag("progress") || (!a.Flag("no-progress") && isatty(STDERR_FILENO));
   f.allow_errors = a.Flag("allow-errors");
+  f.engine_model = a.GetOr("compare-engine", "");
+  f.engine_device = a.GetOr("engine-device", f.engine_device);
+  f.engine_gpu_memory_utilization =
+      a.GetDouble("engine-gpu-memory-utilization", f.engine_gpu_memory_utilization);
   return f;
 }
 
@@ -470,11 +533,55 @@ absl::Status RunBenchCommand(const std::vector<std::string>& args) {
     absl::StatusOr<v1::ModelInfo> info_after = bench::FetchModelInfo(f.server, 10);
     if (info_after.ok()) pc = PrefixCacheDelta(*info_before, *info_after);
   }
-  const nlohmann::json j = ReportJson(f, info, report, *result, pc);
+  nlohmann::json j = ReportJson(f, info, report, *result, pc);
+  // The server's own step counters over the measured run (after the warm-up): how much of a
+  // step the coordinator costs.
+  absl::StatusOr<v1::ModelInfo> after = bench::FetchModelInfo(f.server, info_timeout);
+  const v1::ModelInfo& base = info_before.ok() ? *info_before : info;
+  if (after.ok() && after->steps().steps() > base.steps().steps()) {
+    const v1::StepStats& a = after->steps();
+    const v1::StepStats& b = base.steps();
+    const double n = static_cast<double>(a.steps() - b.steps());
+    j["server_steps"] = {
+        {"steps", a.steps() - b.steps()},
+        {"overlap_scheduling", a.overlap_scheduling()},
+        {"step_ms", (a.step_seconds() - b.step_seconds()) * 1e3 / n},
+        {"forward_ms", (a.forward_seconds() - b.forward_seconds()) * 1e3 / n},
+        {"scheduler_cpu_ms", (a.scheduler_cpu_seconds() - b.scheduler_cpu_seconds()) * 1e3 / n},
+        {"dropped_tokens", a.dropped_tokens() - b.dropped_tokens()}};
+  }
+  std::optional<EngineComparison> engine;
+  if (!f.engine_model.empty()) {
+    TP_ASSIGN_OR_RETURN(engine, RunEngine(f, plan));
+    const double ratio =
+        engine->ms_per_token > 0 ? report.tpot_ms.median / engine->ms_per_token : 0.0;
+    j["engine"] = {{"model", f.engine_model},
+                   {"batch", engine->batch},
+                   {"ms_per_token", engine->ms_per_token},
+                   {"served_tpot_median_ms", report.tpot_ms.median},
+                   {"served_over_engine", ratio}};
+  }
   if (f.json_path == "-") {
     std::cout << j.dump(2) << std::endl;
   } else {
     PrintTable(f, info, report, pc);
+    if (j.contains("server_steps")) {
+      const nlohmann::json& st = j["server_steps"];
+      std::printf(
+          "%-30s %lld steps (overlap %s): per step %.3f ms, worker forward %.3f ms, "
+          "scheduler CPU %.3f ms; %lld tokens dropped after stops\n",
+          "server steps", static_cast<long long>(st["steps"].get<int64_t>()),
+          st["overlap_scheduling"].get<bool>() ? "on" : "off", st["step_ms"].get<double>(),
+          st["forward_ms"].get<double>(), st["scheduler_cpu_ms"].get<double>(),
+          static_cast<long long>(st["dropped_tokens"].get<int64_t>()));
+    }
+    if (engine) {
+      std::printf("%-30s %.3f ms per decode step (batch of %d, in-process)\n", "engine",
+                  engine->ms_per_token, engine->batch);
+      std::printf("%-30s %.3f (served median TPOT %.3f ms / engine %.3f ms)\n", "served / engine",
+                  j["engine"]["served_over_engine"].get<double>(), report.tpot_ms.median,
+                  engine->ms_per_token);
+    }
     if (!f.json_path.empty()) {
       std::ofstream out(f.json_path);
       out << j.dump(2) << "\n";
