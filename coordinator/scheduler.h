@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "coordinator/block_manager.h"
@@ -171,14 +172,14 @@ class Scheduler {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::condition_variable idle_cv_;            // PublishStats notifies it (WaitIdle)
-  std::deque<std::unique_ptr<Seq>> incoming_;  // guarded by mu_
-  bool stop_ = false;                          // guarded by mu_
-  absl::Status refuse_;                        // guarded by mu_ (not OK: refuse new requests)
-  absl::Status fail_;                          // guarded by mu_ (not OK: fail everything)
-  SchedulerStats stats_;                       // guarded by mu_
-  bool wake_ = false;                          // guarded by mu_
-  std::deque<DropRequest> drops_;              // guarded by mu_
+  std::condition_variable idle_cv_;  // PublishStats notifies it (WaitIdle)
+  std::deque<std::unique_ptr<Seq>> incoming_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status refuse_ ABSL_GUARDED_BY(mu_);  // not OK: refuse new requests
+  absl::Status fail_ ABSL_GUARDED_BY(mu_);    // not OK: fail everything
+  SchedulerStats stats_ ABSL_GUARDED_BY(mu_);
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<DropRequest> drops_ ABSL_GUARDED_BY(mu_);
 
   // Owned by the scheduler thread.
   std::deque<std::unique_ptr<Seq>> waiting_;

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/sampling.h"
 #include "common/status.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "worker/engine.h"
@@ -75,6 +76,10 @@ const CommandSpec& RunFlagSpec() {
        FloatFlag("top-p", 0, 1, "nucleus sampling mass (default 1)", "P", /*min_exclusive=*/true),
        IntFlag("top-k", 0, int64_t{1} << 30, "sample among the K most likely tokens; 0: all", "K"),
        IntFlag("seed", INT64_MIN, INT64_MAX, "sampling seed (default 0)", "S"),
+       FloatFlag("repetition-penalty", 0, 1e6,
+                 "Hugging Face's penalty of tokens already in the prompt or output; 1: off "
+                 "(default)",
+                 "R", /*min_exclusive=*/true),
        BoolFlag("ignore-eos", "keep generating past the end-of-sequence token"),
        StringFlag("device", "cpu|cuda|auto", "where to run (default auto)"),
        FloatFlag("gpu-memory-utilization", 0, 1,
@@ -99,27 +104,17 @@ absl::Status RunRunCommand(const std::vector<std::string>& args) {
         "give exactly one of --prompt and --prompt-ids (see tpserve run --help)");
   }
   GenerateRequest req;
-  const int64_t max_new = a.GetInt("max-new-tokens", 64);
-  const double temperature = a.GetDouble("temperature", 0.0);
-  const double top_p = a.GetDouble("top-p", 1.0);
-  const int64_t top_k = a.GetInt("top-k", 0);
-  const int64_t seed = a.GetInt("seed", 0);
-  const int64_t logprobs = a.GetInt("logprobs", -1);
   const int64_t kv_mb = a.GetInt("kv-cache-mb", 0);
   const double utilization = a.GetDouble("gpu-memory-utilization", 0.90);
-  if (temperature < 0) return absl::InvalidArgumentError("--temperature must be >= 0");
-  if (!(top_p > 0 && top_p <= 1)) return absl::InvalidArgumentError("--top-p must be in (0, 1]");
-  if (top_k < 0) return absl::InvalidArgumentError("--top-k must be >= 0");
-  if (a.Has("logprobs") && (logprobs < 0 || logprobs > kMaxLogprobs)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--logprobs must be in [0, ", kMaxLogprobs, "] (got ", logprobs, ")"));
-  }
-  req.max_new_tokens = static_cast<int>(max_new);
-  req.sampling.temperature = static_cast<float>(temperature);
-  req.sampling.top_p = static_cast<float>(top_p);
-  req.sampling.top_k = static_cast<int32_t>(top_k);
-  req.sampling.seed = static_cast<uint64_t>(seed);
-  req.sampling.logprobs = static_cast<int32_t>(logprobs);
+  req.max_new_tokens = static_cast<int>(a.GetInt("max-new-tokens", 64));
+  req.sampling.temperature = static_cast<float>(a.GetDouble("temperature", 0.0));
+  req.sampling.top_p = static_cast<float>(a.GetDouble("top-p", 1.0));
+  req.sampling.top_k = static_cast<int32_t>(a.GetInt("top-k", 0));
+  req.sampling.seed = static_cast<uint64_t>(a.GetInt("seed", 0));
+  req.sampling.logprobs = static_cast<int32_t>(a.GetInt("logprobs", -1));
+  req.sampling.repetition_penalty = static_cast<float>(a.GetDouble("repetition-penalty", 1.0));
+  // The one check the service, the engine and the workers use (flag ranges come first).
+  TP_RETURN_IF_ERROR(ValidateSampling(req.sampling, "sampling "));
   req.ignore_eos = a.Flag("ignore-eos");
 
   std::unique_ptr<Tokenizer> tokenizer;

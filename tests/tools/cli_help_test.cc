@@ -117,6 +117,25 @@ TEST(CliHelpTest, WorkerRefusesABadGpuOrConnectTimeout) {
   ExpectUsageError(worker + " --connect-timeout soon", "--connect-timeout expects an integer");
 }
 
+// `tpserve run` has the workers' repetition penalty (the same shard runner applies it) and the
+// sampling check every front end uses.
+TEST(CliHelpTest, RunAppliesARepetitionPenalty) {
+  const std::string run = kCli + " run --model " + std::string(TPSERVE_SOURCE_DIR) +
+                          "/models/tiny-coder --device cpu --prompt-ids 5,6,7,5,6,7,5,6,7 "
+                          "--max-new-tokens 24 --ignore-eos --json";
+  const Result plain = RunCli(run);
+  const Result penalized = RunCli(run + " --repetition-penalty 1.8");
+  ASSERT_EQ(plain.code, 0) << plain.out;
+  ASSERT_EQ(penalized.code, 0) << penalized.out;
+  auto ids = [](const std::string& json) {
+    const size_t at = json.find("\"output_ids\"");
+    return at == std::string::npos ? std::string() : json.substr(at, json.find(']', at) - at);
+  };
+  EXPECT_FALSE(ids(plain.out).empty()) << plain.out;
+  EXPECT_NE(ids(plain.out), ids(penalized.out)) << "the penalty changed nothing";
+  ExpectUsageError(run + " --repetition-penalty 0", "--repetition-penalty");
+}
+
 TEST(CliHelpTest, EnvListsTheSwitchesWithTheirCurrentValues) {
   const Result r = RunCli("TPSERVE_PDL=0 TPSERVE_LOG_LEVEL=loud " + kCli + " env");
   EXPECT_EQ(r.code, 0);
