@@ -133,23 +133,26 @@ if has serve; then
   done
 fi
 if has presets; then
-  # Served presets on the 6.7B shape, each server configuration in SERVE_AB ("label:flags;..."),
-  # beside the engine figures of the `bench` step of the same job. PRESETS names the presets.
+  # Served presets on the 6.7B shape, each server configuration in SERVE_AB
+  # ("label:serve flags[:presets];..."), beside the engine figures of the `bench` step of the same
+  # job. PRESETS names the default presets; PRESET_ARGS_<preset> adds `tpserve bench` arguments
+  # (e.g. PRESET_ARGS_latency="--compare-engine /tmp/ds67 --engine-device cuda").
   IFS=';' read -ra configs <<<"${SERVE_AB:-default:}"
   for c in "${configs[@]}"; do
-    label=${c%%:*}
-    flags=${c#*:}
-    log "serve $label (${flags:-no extra flags}): presets ${PRESETS:-latency batch64 chat}"
+    IFS=':' read -r label flags config_presets <<<"$c"
+    config_presets=${config_presets:-${PRESETS:-latency batch64 chat}}
+    log "serve $label (${flags:-no extra flags}): presets $config_presets"
     rm -f "$out/ready_$label"
-    "$stage/bin/tpserve" serve --model $ds --device cuda --port 50078 \
+    "$stage/bin/tpserve" serve --model $ds --device cuda --port 50078 --http-port 0 \
       --worker-binary "$stage/bin/tpserve-worker" --ready-file "$out/ready_$label" $flags \
       >"$out/serve_$label.log" 2>&1 &
     spid=$!
     for _ in $(seq 240); do [ -f "$out/ready_$label" ] && break; sleep 0.5; done
-    for preset in ${PRESETS:-latency batch64 chat}; do
+    for preset in $config_presets; do
+      extra_var="PRESET_ARGS_${preset//-/_}"
       timeout 400 "$stage/bin/tpserve" bench --server 127.0.0.1:50078 --preset $preset \
         --no-progress --label "$label" --json "$out/preset_${label}_$preset.json" \
-        >"$out/preset_${label}_$preset.log" 2>&1
+        ${!extra_var:-} >"$out/preset_${label}_$preset.log" 2>&1
       python3 - "$out/preset_${label}_$preset.json" "$label" "$preset" <<'PY' | tee -a "$out/summary.txt"
 import json, sys
 try:
@@ -159,7 +162,8 @@ except Exception as e:
 keep = {k: j.get(k) for k in ("completed", "failed", "output_throughput", "duration_s")}
 for k in ("tpot_ms", "ttft_ms", "e2e_ms"):
     keep[k + "_p50"] = (j.get(k) or {}).get("median")
-keep.update({k: v for k, v in j.items() if k.startswith("prefix") or k.startswith("engine")})
+keep.update({k: v for k, v in j.items()
+             if k.startswith("prefix") or k.startswith("engine") or k == "server_steps"})
 print(json.dumps({"label": sys.argv[2], "preset": sys.argv[3], **keep}))
 PY
     done
