@@ -239,7 +239,8 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
 
 absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest& request,
                                                       const Tokenizer* tokenizer,
-                                                      const ServiceLimits& limits) {
+                                                      const ServiceLimits& limits,
+                                                      const ChatPromptRenderer& chat) {
   RequestParams p;
   if (request.request_id().size() > 256) {
     return Invalid(absl::StrCat("request_id is ", request.request_id().size(),
@@ -274,8 +275,39 @@ absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest&
       p.prompt.assign(ids.begin(), ids.end());
       break;
     }
+    case v1::GenerateRequest::kMessages: {
+      const auto& messages = request.messages().messages();
+      if (messages.empty()) return Invalid("prompt.messages is empty");
+      if (!chat) {
+        return Invalid(
+            "prompt.messages: this model has no chat template (tokenizer_config.json has no "
+            "chat_template); send prompt.text or prompt.token_ids");
+      }
+      if (tokenizer == nullptr) {
+        return Invalid("prompt.messages: the model directory has no tokenizer.json");
+      }
+      std::vector<ChatMessage> m;
+      int64_t bytes = 0;
+      for (const v1::ChatMessage& x : messages) {
+        bytes += static_cast<int64_t>(x.content().size());
+        m.push_back({x.role(), x.content()});
+      }
+      if (bytes > limits.max_prompt_text_bytes) {
+        return Invalid(absl::StrCat("prompt.messages hold ", bytes, " bytes; at most ",
+                                    limits.max_prompt_text_bytes, " are accepted"));
+      }
+      absl::StatusOr<std::string> text = chat(m, /*add_generation_prompt=*/true);
+      if (!text.ok()) {
+        return Invalid(
+            absl::StrCat("prompt.messages: the chat template failed: ", text.status().message()));
+      }
+      // The template writes the BOS and the other special tokens itself.
+      p.prompt = tokenizer->Encode(*text, /*add_special_tokens=*/false);
+      if (p.prompt.empty()) return Invalid("prompt.messages render to no tokens");
+      break;
+    }
     default:
-      return Invalid("prompt: set prompt.text or prompt.token_ids");
+      return Invalid("prompt: set prompt.text, prompt.token_ids or prompt.messages");
   }
   const int64_t prompt_len = static_cast<int64_t>(p.prompt.size());
 
@@ -380,7 +412,8 @@ absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Submit(
     const v1::GenerateRequest& request, Clock::time_point deadline) {
   Scheduler* scheduler = scheduler_.load(std::memory_order_acquire);
   if (scheduler == nullptr) return NotReady();
-  absl::StatusOr<RequestParams> params = ValidateGenerateRequest(request, tokenizer_, limits_);
+  absl::StatusOr<RequestParams> params =
+      ValidateGenerateRequest(request, tokenizer_, limits_, chat_);
   if (!params.ok()) return params.status();
   if (params->request_id.empty()) {
     params->request_id = absl::StrCat("req-", next_request_.fetch_add(1));

@@ -4,12 +4,14 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/model_config.h"
+#include "coordinator/chat_template/chat_template.h"
 #include "coordinator/request.h"
 #include "coordinator/scheduler.h"
 #include "tpserve/v1/inference.grpc.pb.h"
@@ -28,16 +30,23 @@ struct ServiceLimits {
   int max_prompt_text_bytes = 1 << 22;
 };
 
+// Renders a conversation with the model's chat template (see coordinator/chat_template/).
+using ChatPromptRenderer = std::function<absl::StatusOr<std::string>(
+    const std::vector<ChatMessage>& messages, bool add_generation_prompt)>;
+
 // Checks every field of `request` and turns it into scheduler parameters; INVALID_ARGUMENT
-// naming the field otherwise. `tokenizer` may be null (then only token-id prompts work).
+// naming the field otherwise. `tokenizer` may be null (then only token-id prompts work);
+// `chat` may be empty (then messages prompts are refused).
 absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest& request,
                                                       const Tokenizer* tokenizer,
-                                                      const ServiceLimits& limits);
+                                                      const ServiceLimits& limits,
+                                                      const ChatPromptRenderer& chat = {});
 
 class InferenceService final : public v1::Inference::CallbackService {
  public:
   // Until Activate, generation answers UNAVAILABLE (the workers are still loading).
-  explicit InferenceService(const Tokenizer* tokenizer) : tokenizer_(tokenizer) {}
+  explicit InferenceService(const Tokenizer* tokenizer, ChatPromptRenderer chat = {})
+      : tokenizer_(tokenizer), chat_(std::move(chat)) {}
   // `info` is the static part of GetModelInfo; the KV statistics come from the scheduler.
   void Activate(Scheduler* scheduler, ServiceLimits limits, v1::ModelInfo info);
 
@@ -76,6 +85,7 @@ class InferenceService final : public v1::Inference::CallbackService {
                                                       const v1::GenerateRequest& request);
 
   const Tokenizer* tokenizer_;
+  const ChatPromptRenderer chat_;
   std::atomic<Scheduler*> scheduler_{nullptr};
   // Written once by Activate before scheduler_ is published.
   ServiceLimits limits_;

@@ -276,7 +276,8 @@ struct Layout {
   std::vector<int32_t> eos;
   std::unique_ptr<Tokenizer> tokenizer;  // null: token-id prompts only
   std::string spawn_device;
-  ChatRenderer chat_renderer;  // empty: the model has no chat template (chat answers 400)
+  ChatRenderer chat_renderer;      // empty: the model has no chat template (chat answers 400)
+  ChatPromptRenderer chat_prompt;  // the same template for gRPC's messages prompts
 };
 
 absl::StatusOr<Layout> ResolveLayout(const CoordinatorOptions& opts) {
@@ -297,6 +298,9 @@ absl::StatusOr<Layout> ResolveLayout(const CoordinatorOptions& opts) {
   absl::StatusOr<std::unique_ptr<ChatTemplate>> chat = ChatTemplate::Load(o.model_dir);
   if (chat.ok()) {
     std::shared_ptr<const ChatTemplate> t = std::move(*chat);
+    l.chat_prompt = [t](const std::vector<ChatMessage>& messages, bool add_generation_prompt) {
+      return t->Render(messages, add_generation_prompt);
+    };
     l.chat_renderer = [t](const std::vector<openai::HttpChatMessage>& messages,
                           bool add_generation_prompt) {
       std::vector<ChatMessage> m;
@@ -557,7 +561,7 @@ absl::Status RunCoordinator(const CoordinatorOptions& options) {
   SetLogPrefix("coordinator");
   TP_ASSIGN_OR_RETURN(Layout layout, ResolveLayout(options));
   auto group = std::make_unique<WorkerGroup>(GroupOptions(layout.options), layout.config);
-  InferenceService service(layout.tokenizer.get());
+  InferenceService service(layout.tokenizer.get(), layout.chat_prompt);
   MetricsRegistry metrics;
   ServingMetrics serving_metrics(&metrics);
   TP_ASSIGN_OR_RETURN(

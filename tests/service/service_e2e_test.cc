@@ -15,6 +15,7 @@
 
 #include <gtest/gtest.h>
 
+#include "coordinator/chat_template/chat_template.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/service/service_test_util.h"
@@ -255,6 +256,49 @@ TEST_F(ServiceTest, RepetitionPenaltyMatchesInProcessEngine) {
     ASSERT_TRUE(got.status.ok()) << got.status.error_message();
     EXPECT_EQ(Ids(got.response), expected->at(0).output_ids) << "T " << temperature;
   }
+}
+
+// A messages prompt renders the model's chat template (tiny-coder has one) and is tokenized
+// without an added BOS: it answers what the rendered ids answer; an empty conversation and a
+// role the template refuses are INVALID_ARGUMENT.
+TEST_F(ServiceTest, MessagesPromptsUseTheChatTemplate) {
+  auto chat = ChatTemplate::Load(*model_dir_);
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  auto tokenizer = Tokenizer::Load(*model_dir_);
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  const std::vector<ChatMessage> conversation = {{"system", "You write C++."},
+                                                 {"user", "Reverse a string."},
+                                                 {"assistant", "std::reverse"},
+                                                 {"user", "And a vector? 向量"}};
+  auto text = (*chat)->Render(conversation, /*add_generation_prompt=*/true);
+  ASSERT_TRUE(text.ok()) << text.status();
+  const std::vector<int32_t> ids = (*tokenizer)->Encode(*text, /*add_special_tokens=*/false);
+  v1::GenerateRequest req = IdsRequest({1}, 12);
+  for (const ChatMessage& m : conversation) {
+    v1::ChatMessage* out = req.mutable_messages()->add_messages();
+    out->set_role(m.role);
+    out->set_content(m.content);
+  }
+  const Result got = Unary(*stub_, req);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  const Result want = Unary(*stub_, IdsRequest(ids, 12));
+  ASSERT_TRUE(want.status.ok()) << want.status.error_message();
+  EXPECT_EQ(got.response.prompt_tokens(), static_cast<int>(ids.size()));
+  EXPECT_EQ(Ids(got.response), Ids(want.response));
+
+  v1::GenerateRequest empty = IdsRequest({1}, 2);
+  empty.mutable_messages();
+  Result bad = Unary(*stub_, empty);
+  EXPECT_EQ(bad.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.status.error_message().find("prompt.messages is empty"), std::string::npos);
+  v1::GenerateRequest tool = IdsRequest({1}, 2);
+  v1::ChatMessage* m = tool.mutable_messages()->add_messages();
+  m->set_role("tool");
+  m->set_content("x");
+  bad = Unary(*stub_, tool);
+  EXPECT_EQ(bad.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.status.error_message().find("chat template failed"), std::string::npos)
+      << bad.status.error_message();
 }
 
 TEST_F(ServiceTest, SixteenConcurrentClientsGetWhatTheyGetAlone) {
