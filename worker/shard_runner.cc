@@ -142,8 +142,22 @@ absl::StatusOr<BatchMeta> ShardRunner::MakeBatch(const worker::StepPlan& plan, i
   return meta;
 }
 
+int ShardRunner::GraphSeqLimit() const {
+  // The largest power of two within the graphs' buffers and the model's batch limits: a
+  // decode batch is padded up to a power of two, which must still fit (a limit of 40 takes
+  // batches of up to 32 as graphs; 33 to 40 run eagerly).
+  const int limit =
+      std::min({graph_max_seqs_, options_.model.max_batch_seqs, options_.model.max_batch_tokens});
+  int p = 1;
+  while (p * 2 <= limit) p *= 2;
+  return limit >= 1 ? p : 0;
+}
+
 bool ShardRunner::UsesGraphs(const BatchMeta& meta) const {
-  return graphs_ != nullptr && meta.all_decode();
+  if (graphs_ == nullptr || !meta.all_decode()) return false;
+  int bucket = 1;
+  while (bucket < meta.num_seqs) bucket *= 2;
+  return bucket <= GraphSeqLimit();
 }
 
 int ShardRunner::num_graphs() const {
@@ -161,9 +175,9 @@ absl::Status ShardRunner::WarmUpGraphs() {
   // graph_max_seqs_, block tables of max(16, a power of two) blocks up to graph_max_blocks_.
   // Each warm-up sequence decodes one token at position 0 of KV block 0 (scratch: whatever it
   // writes there is overwritten by the first sequence that owns block 0).
-  const int max_seqs =
-      std::min({graph_max_seqs_, options_.model.max_batch_seqs, options_.model.max_batch_tokens});
-  for (int seqs = 1;; seqs = std::min(seqs * 2, max_seqs)) {
+  // Only the buckets UsesGraphs takes: a padded bucket must fit the model's batch limits.
+  const int max_seqs = GraphSeqLimit();
+  for (int seqs = 1; seqs <= max_seqs; seqs *= 2) {
     for (int blocks = 16;; blocks = std::min(blocks * 2, graph_max_blocks_)) {
       worker::StepPlan plan;
       for (int i = 0; i < seqs; ++i) {
@@ -178,7 +192,6 @@ absl::Status ShardRunner::WarmUpGraphs() {
       TP_RETURN_IF_ERROR(graphs_->RunDecode(meta).status());
       if (blocks >= graph_max_blocks_) break;
     }
-    if (seqs >= max_seqs) break;
   }
   ops_->Synchronize();
 #endif

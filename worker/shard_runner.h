@@ -84,6 +84,7 @@ class ShardRunner {
 
   bool is_sampler() const { return sampler_; }
   bool UsesGraphs(const BatchMeta& meta) const;
+  int GraphSeqLimit() const;
   int num_graphs() const;
   int num_blocks() const { return cache_->num_blocks(); }
   int block_size() const { return cache_->block_size(); }
