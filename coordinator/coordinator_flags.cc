@@ -46,6 +46,15 @@ CommandSpec MakeSpec(bool serve_command) {
       IntFlag("http-port", 0, 65535,
               "OpenAI-compatible HTTP API, /health and /metrics; 0: off (default 8000)", "P"),
       StringFlag("api-key", "K", "HTTP /v1 requests need `Authorization: Bearer K`"),
+      IntFlag("control-port", 0, 65535,
+              "the workers' control plane (apart from the public API); 0: any free port "
+              "(default 50052; any free port when spawning)",
+              "P"),
+      StringFlag("control-host", "H",
+                 "address of the control plane (default 127.0.0.1 when spawning, else --host)"),
+      StringFlag("cluster-secret-file", "PATH",
+                 "secret the workers prove when registering (the same file for tpserve-worker); "
+                 "required unless the workers are spawned (then one is made per launch)"),
       IntFlag("workers", 1, 4096, "number of workers (default tp x pp, or the visible GPUs)"),
       IntFlag("tp", 1, 4096, "tensor-parallel degree (default --workers)", "T"),
       IntFlag("pp", 1, 4096, "pipeline-parallel stages (needs --tp; default 1)", "P"),
@@ -83,7 +92,7 @@ CommandSpec MakeSpec(bool serve_command) {
   s.notes = serve_command
                 ? "example: tpserve serve --model models/tiny-coder --device cpu --port 50051"
                 : "example (MPMD): mpirun -np 1 tpserve-coordinator --model DIR : -np 8 "
-                  "tpserve-worker --coordinator HOST:50052";
+                  "tpserve-worker --coordinator HOST:50052 (both with --cluster-secret-file F)";
   return s;
 }
 
@@ -110,6 +119,8 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   }
   o.api_key = a.GetOr("api-key", "");
   o.host = a.GetOr("host", o.host);
+  o.control_host = a.GetOr("control-host", "");
+  o.cluster_secret_file = a.GetOr("cluster-secret-file", "");
   o.device_map = a.GetOr("device-map", "");
   o.device = a.GetOr("device", "auto");
   o.worker_binary = a.GetOr("worker-binary", "");
@@ -126,6 +137,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   const IntField ints[] = {
       {"port", &o.port},
       {"http-port", &o.http_port},
+      {"control-port", &o.control_port},
       {"workers", &o.world_size},
       {"tp", &o.tp},
       {"pp", &o.pp},

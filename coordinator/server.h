@@ -18,8 +18,16 @@ struct CoordinatorOptions {
   int port = 50051;      // 0: any free port (see ready_file)
   int http_port = 8000;  // OpenAI-compatible HTTP API, /health, /metrics; 0: off
   std::string api_key;   // not empty: HTTP /v1 requests need `Authorization: Bearer <key>`
-  int world_size = 0;    // workers; 0: tp * pp, or 1
-  int tp = 0;            // 0: world_size
+  // The workers' control plane, a server apart from the public API. Host default: 127.0.0.1
+  // when the workers are spawned here, else `host`. Port -1: 0 (any free port) when spawning,
+  // else 50052.
+  std::string control_host;
+  int control_port = -1;
+  // The secret workers prove when registering (one line); required unless the workers are
+  // spawned here (then a random secret is made per launch and passed in their environment).
+  std::string cluster_secret_file;
+  int world_size = 0;  // workers; 0: tp * pp, or 1
+  int tp = 0;          // 0: world_size
   int pp = 1;
   std::string device_map;
   // Local workers: spawn them (one per visible GPU with --device cuda, else CPU workers).
@@ -41,7 +49,7 @@ struct CoordinatorOptions {
   std::string ready_file;  // written with "HOST:PORT" once the server is SERVING
   // --enable-prefix-caching[=false], --no-enable-prefix-caching
   bool enable_prefix_caching = true;
-  bool help = false;       // --help was given: print the usage, run nothing
+  bool help = false;  // --help was given: print the usage, run nothing
 };
 
 // Runs until SIGTERM / SIGINT (then drains) or a startup failure.
