@@ -40,7 +40,7 @@ std::string NewClusterSecret() {
       absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
 }
 
-bool ClusterSecretsEqual(std::string_view a, std::string_view b) {
+bool ConstantTimeEquals(std::string_view a, std::string_view b) {
   // The length is not secret (a generated secret always has 64 digits).
   return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }

@@ -22,6 +22,6 @@ absl::StatusOr<std::string> ReadClusterSecretFile(const std::string& path);
 std::string NewClusterSecret();
 
 // Constant-time equality (the time does not depend on where the texts differ).
-bool ClusterSecretsEqual(std::string_view a, std::string_view b);
+bool ConstantTimeEquals(std::string_view a, std::string_view b);
 
 }  // namespace tpserve

@@ -45,7 +45,12 @@ CommandSpec MakeSpec(bool serve_command) {
               "P"),
       IntFlag("http-port", 0, 65535,
               "OpenAI-compatible HTTP API, /health and /metrics; 0: off (default 8000)", "P"),
-      StringFlag("api-key", "K", "HTTP /v1 requests need `Authorization: Bearer K`"),
+      StringFlag("api-key", "K",
+                 "gRPC calls and HTTP /v1 requests need `authorization: Bearer K` (visible in "
+                 "ps: prefer --api-key-file)"),
+      StringFlag("api-key-file", "PATH",
+                 "API keys, one a line: gRPC and HTTP /v1 need `authorization: Bearer <key>` "
+                 "(health exempt)"),
       IntFlag("control-port", 0, 65535,
               "the workers' control plane (apart from the public API); 0: any free port "
               "(default 50052; any free port when spawning)",
@@ -118,6 +123,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
     TP_ASSIGN_OR_RETURN(o.model_dir, a.Required("model"));
   }
   o.api_key = a.GetOr("api-key", "");
+  o.api_key_file = a.GetOr("api-key-file", "");
   o.host = a.GetOr("host", o.host);
   o.control_host = a.GetOr("control-host", "");
   o.cluster_secret_file = a.GetOr("cluster-secret-file", "");

@@ -392,8 +392,17 @@ absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Submit(
   return state;
 }
 
+absl::Status InferenceService::Authorize(const grpc::CallbackServerContext* context) const {
+  if (!api_keys_.enabled()) return absl::OkStatus();
+  const auto& md = context->client_metadata();
+  const auto it = md.find("authorization");
+  return api_keys_.Check(it == md.end() ? std::string_view()
+                                        : std::string_view(it->second.data(), it->second.size()));
+}
+
 absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Admit(
     grpc::CallbackServerContext* context, const v1::GenerateRequest& request) {
+  TP_RETURN_IF_ERROR(Authorize(context));
   Clock::time_point deadline = Clock::time_point::max();
   const auto grpc_deadline = context->deadline();
   if (grpc_deadline != std::chrono::system_clock::time_point::max()) {
@@ -434,6 +443,10 @@ grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext
                                                      const v1::TokenizeRequest* request,
                                                      v1::TokenizeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status auth = Authorize(context); !auth.ok()) {
+    reactor->Finish(ToGrpc(auth));
+    return reactor;
+  }
   if (tokenizer_ == nullptr) {
     reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                                  "the model directory has no tokenizer.json"));
@@ -454,6 +467,10 @@ grpc::ServerUnaryReactor* InferenceService::Detokenize(grpc::CallbackServerConte
                                                        const v1::DetokenizeRequest* request,
                                                        v1::DetokenizeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status auth = Authorize(context); !auth.ok()) {
+    reactor->Finish(ToGrpc(auth));
+    return reactor;
+  }
   if (tokenizer_ == nullptr) {
     reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                                  "the model directory has no tokenizer.json"));
@@ -478,6 +495,10 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
                                                          const v1::GetModelInfoRequest* request,
                                                          v1::ModelInfo* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status auth = Authorize(context); !auth.ok()) {
+    reactor->Finish(ToGrpc(auth));
+    return reactor;
+  }
   Scheduler* scheduler = scheduler_.load(std::memory_order_acquire);
   if (scheduler == nullptr) {
     reactor->Finish(ToGrpc(NotReady()));
@@ -516,6 +537,10 @@ grpc::ServerUnaryReactor* InferenceService::DropPrefixCache(
     grpc::CallbackServerContext* context, const v1::DropPrefixCacheRequest* request,
     v1::DropPrefixCacheResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status auth = Authorize(context); !auth.ok()) {
+    reactor->Finish(ToGrpc(auth));
+    return reactor;
+  }
   Scheduler* scheduler = scheduler_.load(std::memory_order_acquire);
   if (scheduler == nullptr) {
     reactor->Finish(ToGrpc(NotReady()));

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/model_config.h"
+#include "coordinator/api_keys.h"
 #include "coordinator/request.h"
 #include "coordinator/scheduler.h"
 #include "tpserve/v1/inference.grpc.pb.h"
@@ -38,6 +39,9 @@ class InferenceService final : public v1::Inference::CallbackService {
  public:
   // Until Activate, generation answers UNAVAILABLE (the workers are still loading).
   explicit InferenceService(const Tokenizer* tokenizer) : tokenizer_(tokenizer) {}
+  // Every call needs one of `keys` in its `authorization: Bearer` metadata (set before the
+  // server starts; none: no check).
+  void SetApiKeys(ApiKeys keys) { api_keys_ = std::move(keys); }
   // `info` is the static part of GetModelInfo; the KV statistics come from the scheduler.
   void Activate(Scheduler* scheduler, ServiceLimits limits, v1::ModelInfo info);
 
@@ -75,7 +79,11 @@ class InferenceService final : public v1::Inference::CallbackService {
   absl::StatusOr<std::shared_ptr<RequestState>> Admit(grpc::CallbackServerContext* context,
                                                       const v1::GenerateRequest& request);
 
+  // UNAUTHENTICATED unless the call carries a valid API key (when keys are set).
+  absl::Status Authorize(const grpc::CallbackServerContext* context) const;
+
   const Tokenizer* tokenizer_;
+  ApiKeys api_keys_;
   std::atomic<Scheduler*> scheduler_{nullptr};
   // Written once by Activate before scheduler_ is published.
   ServiceLimits limits_;

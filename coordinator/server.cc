@@ -33,6 +33,7 @@
 #include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
+#include "coordinator/api_keys.h"
 #include "coordinator/chat_template/chat_template.h"
 #include "coordinator/http/http_server.h"
 #include "coordinator/inference_service.h"
@@ -395,11 +396,9 @@ class Servers {
   // The public gRPC server (API, health, reflection), the workers' control plane on a server and
   // port of its own (--control-host / --control-port) and, unless --http-port is 0, the
   // OpenAI-compatible HTTP front end (/v1, /health, /metrics).
-  static absl::StatusOr<std::unique_ptr<Servers>> Start(const CoordinatorOptions& o,
-                                                        WorkerGroup* group,
-                                                        InferenceService* service,
-                                                        MetricsRegistry* metrics,
-                                                        ChatRenderer render_chat) {
+  static absl::StatusOr<std::unique_ptr<Servers>> Start(
+      const CoordinatorOptions& o, WorkerGroup* group, InferenceService* service,
+      MetricsRegistry* metrics, ChatRenderer render_chat, const ApiKeys& api_keys) {
     auto s = std::unique_ptr<Servers>(new Servers());
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -441,7 +440,7 @@ class Servers {
       // A thread per request in flight: the scheduler's queue, not the pool, answers 429.
       ho.threads = std::min(1024, o.max_num_seqs + o.max_queued_requests + 16);
       ho.model_aliases = {o.model_dir, std::filesystem::absolute(o.model_dir).string()};
-      ho.api_key = o.api_key;
+      ho.api_keys = api_keys;
       s->http_ = std::make_unique<HttpFrontend>(service, metrics, std::move(render_chat), ho);
       absl::StatusOr<int> http_port = s->http_->Start(o.host, o.http_port);
       if (!http_port.ok()) {
@@ -618,11 +617,20 @@ absl::Status RunCoordinator(const CoordinatorOptions& options) {
   TP_ASSIGN_OR_RETURN(Layout layout, ResolveLayout(options));
   auto group = std::make_unique<WorkerGroup>(GroupOptions(layout), layout.config);
   InferenceService service(layout.tokenizer.get());
+  TP_ASSIGN_OR_RETURN(ApiKeys api_keys,
+                      ApiKeys::Load(layout.options.api_key_file, layout.options.api_key));
+  service.SetApiKeys(api_keys);
+  const std::string& host = layout.options.host;
+  if (!api_keys.enabled() && !IsLoopbackHost(host)) {
+    TP_LOG(WARNING) << "the public API listens on " << host
+                    << " without an API key: anyone who can reach it can use it (give "
+                       "--api-key-file, or --host 127.0.0.1)";
+  }
   MetricsRegistry metrics;
   ServingMetrics serving_metrics(&metrics);
-  TP_ASSIGN_OR_RETURN(
-      std::unique_ptr<Servers> servers,
-      Servers::Start(layout.options, group.get(), &service, &metrics, layout.chat_renderer));
+  TP_ASSIGN_OR_RETURN(std::unique_ptr<Servers> servers,
+                      Servers::Start(layout.options, group.get(), &service, &metrics,
+                                     layout.chat_renderer, api_keys));
   TP_LOG(INFO) << "listening on " << layout.options.host << ":" << servers->port() << " ("
                << layout.options.model_dir << ", " << layout.config.architecture << ", "
                << layout.options.world_size << " worker"

@@ -17,7 +17,10 @@ struct CoordinatorOptions {
   std::string host = "0.0.0.0";
   int port = 50051;      // 0: any free port (see ready_file)
   int http_port = 8000;  // OpenAI-compatible HTTP API, /health, /metrics; 0: off
-  std::string api_key;   // not empty: HTTP /v1 requests need `Authorization: Bearer <key>`
+  // Keys of the public API (gRPC and HTTP /v1 need `authorization: Bearer <key>`; health
+  // exempt): one given on the command line, and a file of them (one a line).
+  std::string api_key;
+  std::string api_key_file;
   // The workers' control plane, a server apart from the public API. Host default: 127.0.0.1
   // when the workers are spawned here, else `host`. Port -1: 0 (any free port) when spawning,
   // else 50052.

@@ -127,9 +127,9 @@ grpc::Status WorkerGroup::Control(
   if (!options_.cluster_secret.empty()) {
     const auto& md = context->client_metadata();
     const auto it = md.find(kClusterSecretMetadata);
-    const bool ok = it != md.end() &&
-                    ClusterSecretsEqual(std::string_view(it->second.data(), it->second.size()),
-                                        options_.cluster_secret);
+    const bool ok =
+        it != md.end() && ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()),
+                                             options_.cluster_secret);
     if (!ok) {
       const std::string why = it == md.end()
                                   ? "no cluster secret was sent"

@@ -197,12 +197,7 @@ void HttpFrontend::Impl::Routes() {
 }
 
 absl::Status HttpFrontend::Impl::CheckAuth(const httplib::Request& req) const {
-  if (options.api_key.empty()) return absl::OkStatus();
-  if (req.get_header_value("Authorization") == "Bearer " + options.api_key) {
-    return absl::OkStatus();
-  }
-  return absl::UnauthenticatedError(
-      "missing or wrong API key: send the header `Authorization: Bearer <key>`");
+  return options.api_keys.Check(req.get_header_value("Authorization"));
 }
 
 absl::Status HttpFrontend::Impl::CheckModel(const std::string& model) const {
