@@ -81,6 +81,11 @@ CommandSpec MakeSpec(bool serve_command) {
       IntFlag("max-num-batched-tokens", 1, 1 << 20, "tokens in one step (default 512)"),
       IntFlag("max-queued-requests", 0, 1 << 20,
               "requests waiting beyond that answer RESOURCE_EXHAUSTED (default 256)"),
+      IntFlag("max-prompt-tokens", 1, 1 << 24,
+              "longest prompt in tokens; longer text is refused before it is tokenized "
+              "(default: the context length)"),
+      IntFlag("max-request-bytes", 1024, int64_t{1} << 30,
+              "largest gRPC request message or HTTP body (default 8388608)", "B"),
       IntFlag("default-max-new-tokens", 1, 1 << 20,
               "max_new_tokens of requests that set none (default 256)"),
       IntFlag("register-timeout", 1, 86400, "seconds for all workers to register (default 120)",
@@ -134,6 +139,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   o.spawn_workers = serve_command || a.Flag("spawn-workers");
   o.enable_prefix_caching = a.GetBool("enable-prefix-caching", true);
   o.kv_cache_mb = a.GetInt("kv-cache-mb", 0);
+  o.max_request_bytes = a.GetInt("max-request-bytes", o.max_request_bytes);
   o.gpu_memory_utilization = a.GetDouble("gpu-memory-utilization", o.gpu_memory_utilization);
   o.heartbeat_timeout_s = a.GetDouble("heartbeat-timeout", o.heartbeat_timeout_s);
   struct IntField {
@@ -152,6 +158,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
       {"max-num-batched-tokens", &o.max_num_batched_tokens},
       {"max-queued-requests", &o.max_queued_requests},
       {"default-max-new-tokens", &o.default_max_new_tokens},
+      {"max-prompt-tokens", &o.max_prompt_tokens},
       {"register-timeout", &o.register_timeout_s},
       {"load-timeout", &o.load_timeout_s},
       {"drain-timeout", &o.drain_timeout_s},

@@ -252,7 +252,8 @@ absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest&
       if (text.empty()) return Invalid("prompt.text is empty");
       if (static_cast<int64_t>(text.size()) > limits.max_prompt_text_bytes) {
         return Invalid(absl::StrCat("prompt.text is ", text.size(), " bytes; at most ",
-                                    limits.max_prompt_text_bytes, " are accepted"));
+                                    limits.max_prompt_text_bytes,
+                                    " are accepted (--max-prompt-tokens, --max-request-bytes)"));
       }
       if (tokenizer == nullptr) {
         return Invalid(
@@ -260,11 +261,22 @@ absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest&
       }
       p.prompt = tokenizer->Encode(text, /*add_special_tokens=*/true);
       if (p.prompt.empty()) return Invalid("prompt.text encodes to no tokens");
+      if (limits.max_prompt_tokens > 0 &&
+          static_cast<int64_t>(p.prompt.size()) > limits.max_prompt_tokens) {
+        return Invalid(absl::StrCat("prompt.text encodes to ", p.prompt.size(), " tokens; at most ",
+                                    limits.max_prompt_tokens,
+                                    " are accepted (--max-prompt-tokens)"));
+      }
       break;
     }
     case v1::GenerateRequest::kTokenIds: {
       const auto& ids = request.token_ids().ids();
       if (ids.empty()) return Invalid("prompt.token_ids is empty");
+      if (limits.max_prompt_tokens > 0 && ids.size() > limits.max_prompt_tokens) {
+        return Invalid(absl::StrCat("prompt.token_ids has ", ids.size(), " ids; at most ",
+                                    limits.max_prompt_tokens,
+                                    " are accepted (--max-prompt-tokens)"));
+      }
       for (int i = 0; i < ids.size(); ++i) {
         if (ids[i] < 0 || ids[i] >= limits.vocab_size) {
           return Invalid(absl::StrCat("prompt.token_ids[", i, "] = ", ids[i],

@@ -26,7 +26,10 @@ struct ServiceLimits {
   int default_max_new_tokens = 256;
   int max_stop_strings = 16;
   int max_stop_string_bytes = 256;
+  // Text prompts longer than this are refused before they are tokenized (the server sets it
+  // from --max-prompt-tokens and the longest token's bytes, capped by --max-request-bytes).
   int max_prompt_text_bytes = 1 << 22;
+  int64_t max_prompt_tokens = 0;  // --max-prompt-tokens; 0: the context length
 };
 
 // Checks every field of `request` and turns it into scheduler parameters; INVALID_ARGUMENT

@@ -292,8 +292,9 @@ struct Layout {
   std::vector<int32_t> eos;
   std::unique_ptr<Tokenizer> tokenizer;  // null: token-id prompts only
   std::string spawn_device;
-  std::string cluster_secret;  // what the workers prove when registering
-  ChatRenderer chat_renderer;  // empty: the model has no chat template (chat answers 400)
+  std::string cluster_secret;    // what the workers prove when registering
+  int64_t max_token_bytes = 16;  // the longest token's text (at least 16)
+  ChatRenderer chat_renderer;    // empty: the model has no chat template (chat answers 400)
 };
 
 absl::StatusOr<Layout> ResolveLayout(const CoordinatorOptions& opts) {
@@ -306,6 +307,10 @@ absl::StatusOr<Layout> ResolveLayout(const CoordinatorOptions& opts) {
   if (l.eos.empty()) l.eos = l.config.eos_token_ids;
   if (std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
     TP_ASSIGN_OR_RETURN(l.tokenizer, Tokenizer::Load(o.model_dir));
+    for (int32_t id = 0; id < l.tokenizer->vocab_size(); ++id) {
+      l.max_token_bytes = std::max<int64_t>(
+          l.max_token_bytes, l.tokenizer->Decode({id}, /*skip_special_tokens=*/false).size());
+    }
   } else {
     TP_LOG(WARNING) << o.model_dir << " has no tokenizer.json: only token-id prompts are served";
   }
@@ -405,7 +410,7 @@ class Servers {
     grpc::ServerBuilder builder;
     const std::string listen = absl::StrCat(o.host, ":", o.port);
     builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &s->port_);
-    builder.SetMaxReceiveMessageSize(64 << 20);
+    builder.SetMaxReceiveMessageSize(static_cast<int>(o.max_request_bytes));
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
     builder.RegisterService(service);
@@ -441,6 +446,7 @@ class Servers {
       ho.threads = std::min(1024, o.max_num_seqs + o.max_queued_requests + 16);
       ho.model_aliases = {o.model_dir, std::filesystem::absolute(o.model_dir).string()};
       ho.api_keys = api_keys;
+      ho.max_body_bytes = static_cast<size_t>(o.max_request_bytes);
       s->http_ = std::make_unique<HttpFrontend>(service, metrics, std::move(render_chat), ho);
       absl::StatusOr<int> http_port = s->http_->Start(o.host, o.http_port);
       if (!http_port.ok()) {
@@ -566,6 +572,14 @@ void Activate(const Layout& layout, WorkerGroup* group, Scheduler* scheduler,
   limits.vocab_size = config.vocab_size;
   limits.kv_capacity_tokens = static_cast<int64_t>(group->num_blocks()) * o.block_size;
   limits.default_max_new_tokens = o.default_max_new_tokens;
+  limits.max_prompt_tokens = o.max_prompt_tokens > 0
+                                 ? std::min<int64_t>(o.max_prompt_tokens, limits.context_length)
+                                 : limits.context_length;
+  // No token decodes to more than max_token_bytes, so a text longer than max_prompt_tokens
+  // times that (x 4 for normalizers that shrink text) has too many tokens: refused unread.
+  const int64_t text_bound = limits.max_prompt_tokens * 4 * layout.max_token_bytes;
+  limits.max_prompt_text_bytes =
+      static_cast<int>(std::min<int64_t>({text_bound, o.max_request_bytes, 1 << 30}));
   v1::ModelInfo info;
   info.set_model(std::filesystem::path(std::filesystem::absolute(o.model_dir)).filename().string());
   info.set_architecture(config.architecture);

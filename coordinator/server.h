@@ -44,6 +44,8 @@ struct CoordinatorOptions {
   int max_num_batched_tokens = 512;
   int max_queued_requests = 256;
   int default_max_new_tokens = 256;
+  int max_prompt_tokens = 0;            // 0: the model's context length
+  int64_t max_request_bytes = 8 << 20;  // one gRPC message or HTTP body
   int register_timeout_s = 120;
   int load_timeout_s = 600;
   int drain_timeout_s = 30;

@@ -5,10 +5,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -16,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/api_keys.h"
 #include "tests/service/service_test_util.h"
+#include "tpserve/v1/inference.grpc.pb.h"
 
 namespace tpserve {
 namespace {
@@ -100,6 +105,65 @@ TEST(ApiSecurityTest, ApiKeysGuardGrpcAndHttpButNotHealth) {
                    "'Content-Type: application/json' -d '{\"model\": \"",
                    model, "\", \"prompt\": \"hi\", \"max_tokens\": 2}' ", base, "/v1/completions"));
   EXPECT_THAT(served.out, HasSubstr("\"completion_tokens\":2")) << served.out;
+}
+
+// Four prompts of 3.9 MB of text at once are refused before tokenizing (no CPU spent on them),
+// so a 4-token request sent beside them answers at once; --max-prompt-tokens bounds token-id
+// prompts and what text encodes to.
+TEST(ApiSecurityTest, HugePromptsAreRefusedUnreadAndDoNotDelayOthers) {
+  auto server = service_test::ServerProcess::Start(service_test::ServiceModelDir(),
+                                                   {"--workers", "1", "--max-prompt-tokens", "64"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::Inference::NewStub(server->Channel());
+  auto call = [&](const v1::GenerateRequest& req, double* seconds) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::GenerateResponse resp;
+    const auto t0 = std::chrono::steady_clock::now();
+    grpc::Status st = stub->Generate(&ctx, req, &resp);
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return st;
+  };
+  v1::GenerateRequest huge;
+  huge.set_text(std::string(3900 * 1000, 'a'));
+  huge.mutable_stopping()->set_max_new_tokens(2);
+  v1::GenerateRequest small;
+  for (int id : {5, 6, 7, 8}) small.mutable_token_ids()->add_ids(id);
+  small.mutable_stopping()->set_max_new_tokens(2);
+  small.mutable_stopping()->set_ignore_eos(true);
+  double warm = 0;
+  ASSERT_TRUE(call(small, &warm).ok());
+
+  std::vector<grpc::Status> huge_status(4);
+  std::vector<double> huge_seconds(4);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] { huge_status[i] = call(huge, &huge_seconds[i]); });
+  }
+  double small_seconds = 0;
+  const grpc::Status small_status = call(small, &small_seconds);
+  for (auto& t : threads) t.join();
+  EXPECT_TRUE(small_status.ok()) << small_status.error_message();
+  // Generous for a loaded 2-core CI machine; tokenizing one of these prompts takes over 1 s.
+  EXPECT_LT(small_seconds, 1.0);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(huge_status[i].error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(huge_status[i].error_message(), HasSubstr("--max-prompt-tokens"));
+  }
+
+  double seconds = 0;
+  v1::GenerateRequest long_ids;
+  for (int i = 0; i < 65; ++i) long_ids.mutable_token_ids()->add_ids(5);
+  grpc::Status st = call(long_ids, &seconds);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("65 ids; at most 64")) << st.error_message();
+  v1::GenerateRequest long_text;
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += std::to_string(i) + " ; ";  // well over 64 tokens
+  long_text.set_text(text);
+  st = call(long_text, &seconds);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("at most 64 are accepted")) << st.error_message();
 }
 
 // Which hosts count as loopback for the warning about an API without keys (a server in a test
