@@ -48,6 +48,11 @@ CommandSpec MakeSpec(bool serve_command) {
       StringFlag("api-key", "K",
                  "gRPC calls and HTTP /v1 requests need `authorization: Bearer K` (visible in "
                  "ps: prefer --api-key-file)"),
+      StringFlag("tls-cert", "PEM",
+                 "TLS certificate (chain) of the gRPC and HTTP API (needs --tls-key)"),
+      StringFlag("tls-key", "PEM", "the private key of --tls-cert"),
+      StringFlag("tls-client-ca", "PEM",
+                 "with --tls-cert: clients need a certificate signed by this CA"),
       StringFlag("api-key-file", "PATH",
                  "API keys, one a line: gRPC and HTTP /v1 need `authorization: Bearer <key>` "
                  "(health exempt)"),
@@ -129,6 +134,15 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   }
   o.api_key = a.GetOr("api-key", "");
   o.api_key_file = a.GetOr("api-key-file", "");
+  o.tls_cert = a.GetOr("tls-cert", "");
+  o.tls_key = a.GetOr("tls-key", "");
+  o.tls_client_ca = a.GetOr("tls-client-ca", "");
+  if (o.tls_cert.empty() != o.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+  }
+  if (!o.tls_client_ca.empty() && o.tls_cert.empty()) {
+    return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
+  }
   o.host = a.GetOr("host", o.host);
   o.control_host = a.GetOr("control-host", "");
   o.cluster_secret_file = a.GetOr("cluster-secret-file", "");

@@ -409,7 +409,31 @@ class Servers {
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
     const std::string listen = absl::StrCat(o.host, ":", o.port);
-    builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &s->port_);
+    std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+    if (!o.tls_cert.empty()) {
+      auto read = [](const std::string& path) -> absl::StatusOr<std::string> {
+        std::ifstream in(path, std::ios::binary);
+        std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        if (!in.good() && !in.eof())
+          return absl::InvalidArgumentError(absl::StrCat("cannot read ", path));
+        if (text.empty())
+          return absl::InvalidArgumentError(
+              absl::StrCat("cannot read ", path, " (or it is empty)"));
+        return text;
+      };
+      grpc::SslServerCredentialsOptions ssl(
+          o.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                  : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+      grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+      TP_ASSIGN_OR_RETURN(pair.private_key, read(o.tls_key));
+      TP_ASSIGN_OR_RETURN(pair.cert_chain, read(o.tls_cert));
+      ssl.pem_key_cert_pairs.push_back(pair);
+      if (!o.tls_client_ca.empty()) {
+        TP_ASSIGN_OR_RETURN(ssl.pem_root_certs, read(o.tls_client_ca));
+      }
+      credentials = grpc::SslServerCredentials(ssl);
+    }
+    builder.AddListeningPort(listen, credentials, &s->port_);
     builder.SetMaxReceiveMessageSize(static_cast<int>(o.max_request_bytes));
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
@@ -447,6 +471,9 @@ class Servers {
       ho.model_aliases = {o.model_dir, std::filesystem::absolute(o.model_dir).string()};
       ho.api_keys = api_keys;
       ho.max_body_bytes = static_cast<size_t>(o.max_request_bytes);
+      ho.tls_cert = o.tls_cert;
+      ho.tls_key = o.tls_key;
+      ho.tls_client_ca = o.tls_client_ca;
       s->http_ = std::make_unique<HttpFrontend>(service, metrics, std::move(render_chat), ho);
       absl::StatusOr<int> http_port = s->http_->Start(o.host, o.http_port);
       if (!http_port.ok()) {

@@ -21,6 +21,8 @@ struct CoordinatorOptions {
   // exempt): one given on the command line, and a file of them (one a line).
   std::string api_key;
   std::string api_key_file;
+  // TLS of the public API (gRPC and HTTP): PEM files; with tls_client_ca, mutual TLS.
+  std::string tls_cert, tls_key, tls_client_ca;
   // The workers' control plane, a server apart from the public API. Host default: 127.0.0.1
   // when the workers are spawned here, else `host`. Port -1: 0 (any free port) when spawning,
   // else 50052.

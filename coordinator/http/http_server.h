@@ -35,6 +35,9 @@ struct HttpFrontendOptions {
   std::vector<std::string> model_aliases;
   // When set: every /v1 request needs `Authorization: Bearer <key>` (401 otherwise).
   ApiKeys api_keys;
+  // Not empty: HTTPS with this PEM certificate (chain) and key; with tls_client_ca, clients must
+  // present a certificate signed by it (mutual TLS).
+  std::string tls_cert, tls_key, tls_client_ca;
 };
 
 class HttpFrontend {

@@ -166,6 +166,61 @@ TEST(ApiSecurityTest, HugePromptsAreRefusedUnreadAndDoNotDelayOthers) {
   EXPECT_THAT(st.error_message(), HasSubstr("at most 64 are accepted")) << st.error_message();
 }
 
+// TLS on both front ends with a certificate made now by the openssl command line: grpcio with
+// ssl_channel_credentials and curl --cacert are served, plain-text clients are not; with
+// --tls-client-ca (mutual TLS) a client without a certificate is refused.
+TEST(ApiSecurityTest, TlsAndMutualTlsWithGrpcioAndCurl) {
+  const fs::path dir = fs::path(::testing::TempDir()) / absl::StrCat("tls_", getpid());
+  fs::create_directories(dir);
+  auto make_cert = [&](const std::string& name) {
+    return RunCommand(absl::StrCat(
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
+        "'subjectAltName=IP:127.0.0.1,DNS:localhost' -keyout ",
+        (dir / (name + ".key")).string(), " -out ", (dir / (name + ".pem")).string()));
+  };
+  const CommandResult server_cert = make_cert("server");
+  ASSERT_EQ(server_cert.code, 0) << server_cert.out;
+  const CommandResult client_cert = make_cert("client");
+  ASSERT_EQ(client_cert.code, 0) << client_cert.out;
+  const std::string cert = (dir / "server.pem").string(), key = (dir / "server.key").string();
+  const std::string ccert = (dir / "client.pem").string(), ckey = (dir / "client.key").string();
+  const std::string model = service_test::ServiceModelDir();
+  const std::string py = absl::StrCat("timeout -k 5 120 /usr/bin/python3 ", SourceDir(),
+                                      "/tests/service/tls_client_test.py --proto-dir ", SourceDir(),
+                                      "/proto --ca ", cert);
+  for (const bool mutual : {false, true}) {
+    SCOPED_TRACE(mutual ? "mutual TLS" : "TLS");
+    const int http_port = FreePort();
+    ASSERT_GT(http_port, 0);
+    std::vector<std::string> flags = {"--workers",  "1",  "--http-port", std::to_string(http_port),
+                                      "--tls-cert", cert, "--tls-key",   key};
+    if (mutual) flags.insert(flags.end(), {"--tls-client-ca", ccert});
+    auto server = service_test::ServerProcess::Start(model, flags);
+    ASSERT_NE(server, nullptr);
+    const std::string client = mutual ? absl::StrCat(" --client-cert ", ccert, " --client-key ",
+                                                     ckey, " --expect-refused-without-client-cert")
+                                      : "";
+    const CommandResult grpc_run =
+        RunCommand(absl::StrCat(py, " --server ", server->address(), client));
+    EXPECT_EQ(grpc_run.code, 0) << grpc_run.out;
+    EXPECT_THAT(grpc_run.out, HasSubstr("TLS: served 3 tokens")) << grpc_run.out;
+    EXPECT_THAT(grpc_run.out, HasSubstr("plain text: refused")) << grpc_run.out;
+    if (mutual) EXPECT_THAT(grpc_run.out, HasSubstr("without a client certificate: refused"));
+
+    const std::string url = absl::StrCat("https://127.0.0.1:", http_port, "/health");
+    const std::string curl =
+        "curl -sS --max-time 20 -o /dev/null -w '%{http_code}' --cacert " + cert;
+    const std::string with_client = mutual ? absl::StrCat(" --cert ", ccert, " --key ", ckey) : "";
+    EXPECT_EQ(RunCommand(curl + with_client + " " + url).out, "200");
+    if (mutual) EXPECT_NE(RunCommand(curl + " " + url).out, "200");
+    EXPECT_NE(RunCommand(absl::StrCat("curl -sS --max-time 10 -o /dev/null -w '%{http_code}' "
+                                      "http://127.0.0.1:",
+                                      http_port, "/health"))
+                  .out,
+              "200");
+  }
+}
+
 // Which hosts count as loopback for the warning about an API without keys (a server in a test
 // may not listen beyond loopback, so the decision is checked here).
 TEST(ApiSecurityTest, LoopbackHostsAreTheOnlyOnesWithoutAWarning) {
