@@ -48,6 +48,19 @@ const EnvVar kWorldSize = {"TPSERVE_WORLD_SIZE",
 const EnvVar kWorkerCudaGraphs = {"TPSERVE_WORKER_CUDA_GRAPHS", EnvType::kBool, "1",
                                   "the service's workers replay decode steps as CUDA graphs "
                                   "(tp = pp = 1); 0 runs them eagerly"};
+// Set by the coordinator for the workers it spawns (never on a command line, where any local
+// user could read it); a worker without --cluster-secret-file proves it when registering.
+const EnvVar kClusterSecret = {"TPSERVE_CLUSTER_SECRET",
+                               EnvType::kString,
+                               "",
+                               "the control plane's per-launch secret (set by the coordinator "
+                               "for the workers it spawns; else use --cluster-secret-file)",
+                               0,
+                               0,
+                               "",
+                               /*bench_only=*/false,
+                               /*external=*/false,
+                               /*secret=*/true};
 const EnvVar kPdl = {"TPSERVE_PDL", EnvType::kBool, "1",
                      "programmatic dependent launch of the CUDA kernels (sm_90+); 0 turns it off"};
 const EnvVar kPrefillTile = {"TPSERVE_PREFILL_TILE",
@@ -235,6 +248,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kRank,
       &env::kWorldSize,
       &env::kWorkerCudaGraphs,
+      &env::kClusterSecret,
       &env::kPdl,
       &env::kPrefillTile,
       &env::kCublasLtAutotune,
@@ -266,7 +280,8 @@ EnvRegistry::EnvRegistry(const Lookup& lookup) {
         value.set = true;
         value.text = *text;
         if (!v->external && value.text != v->default_value) {
-          changed_.push_back(absl::StrCat(v->name, "=", *raw, " (", v->meaning, ")"));
+          changed_.push_back(
+              absl::StrCat(v->name, "=", v->secret ? "(set)" : *raw, " (", v->meaning, ")"));
         }
       } else {
         warnings_.push_back(absl::StrCat(v->name, "='", *raw, "' is ignored: ", why,
@@ -303,7 +318,7 @@ std::string EnvRegistry::Table() const {
       if (!keep(*v)) continue;
       const Value& value = Get(*v);
       std::string def = *v->default_value ? v->default_value : "-";
-      std::string cur = value.set ? value.text : "(unset)";
+      std::string cur = value.set ? (v->secret ? "(set)" : value.text) : "(unset)";
       if (v->type == EnvType::kChoice) def += " (" + std::string(v->choices) + ")";
       absl::StrAppend(&out, absl::StrFormat("%-28s %-7s %-16s %-16s %s\n", v->name, TypeName(*v),
                                             def, cur, v->meaning));

@@ -25,6 +25,7 @@ struct EnvVar {
   const char* choices = "";  // kChoice: "debug|info|warning|error"
   bool bench_only = false;   // read only by the benchmarks (tools/), never by the service
   bool external = false;     // set by a launcher (MPI, Slurm, CUDA), not a tpserve switch
+  bool secret = false;       // never logged or listed with its value
 };
 
 namespace env {
@@ -36,6 +37,7 @@ extern const EnvVar kMpirun;
 extern const EnvVar kRank;
 extern const EnvVar kWorldSize;
 extern const EnvVar kWorkerCudaGraphs;
+extern const EnvVar kClusterSecret;
 // The CUDA kernels.
 extern const EnvVar kPdl;
 extern const EnvVar kPrefillTile;

@@ -45,7 +45,26 @@ CommandSpec MakeSpec(bool serve_command) {
               "P"),
       IntFlag("http-port", 0, 65535,
               "OpenAI-compatible HTTP API, /health and /metrics; 0: off (default 8000)", "P"),
-      StringFlag("api-key", "K", "HTTP /v1 requests need `Authorization: Bearer K`"),
+      StringFlag("api-key", "K",
+                 "gRPC calls and HTTP /v1 requests need `authorization: Bearer K` (visible in "
+                 "ps: prefer --api-key-file)"),
+      StringFlag("tls-cert", "PEM",
+                 "TLS certificate (chain) of the gRPC and HTTP API (needs --tls-key)"),
+      StringFlag("tls-key", "PEM", "the private key of --tls-cert"),
+      StringFlag("tls-client-ca", "PEM",
+                 "with --tls-cert: clients need a certificate signed by this CA"),
+      StringFlag("api-key-file", "PATH",
+                 "API keys, one a line: gRPC and HTTP /v1 need `authorization: Bearer <key>` "
+                 "(health exempt)"),
+      IntFlag("control-port", 0, 65535,
+              "the workers' control plane (apart from the public API); 0: any free port "
+              "(default 50052; any free port when spawning)",
+              "P"),
+      StringFlag("control-host", "H",
+                 "address of the control plane (default 127.0.0.1 when spawning, else --host)"),
+      StringFlag("cluster-secret-file", "PATH",
+                 "secret the workers prove when registering (the same file for tpserve-worker); "
+                 "required unless the workers are spawned (then one is made per launch)"),
       IntFlag("workers", 1, 4096, "number of workers (default tp x pp, or the visible GPUs)"),
       IntFlag("tp", 1, 4096, "tensor-parallel degree (default --workers)", "T"),
       IntFlag("pp", 1, 4096, "pipeline-parallel stages (needs --tp; default 1)", "P"),
@@ -70,6 +89,11 @@ CommandSpec MakeSpec(bool serve_command) {
       IntFlag("max-num-batched-tokens", 1, 1 << 20, "tokens in one step (default 512)"),
       IntFlag("max-queued-requests", 0, 1 << 20,
               "requests waiting beyond that answer RESOURCE_EXHAUSTED (default 256)"),
+      IntFlag("max-prompt-tokens", 1, 1 << 24,
+              "longest prompt in tokens; longer text is refused before it is tokenized "
+              "(default: the context length)"),
+      IntFlag("max-request-bytes", 1024, int64_t{1} << 30,
+              "largest gRPC request message or HTTP body (default 8388608)", "B"),
       IntFlag("default-max-new-tokens", 1, 1 << 20,
               "max_new_tokens of requests that set none (default 256)"),
       IntFlag("register-timeout", 1, 86400, "seconds for all workers to register (default 120)",
@@ -86,7 +110,7 @@ CommandSpec MakeSpec(bool serve_command) {
   s.notes = serve_command
                 ? "example: tpserve serve --model models/tiny-coder --device cpu --port 50051"
                 : "example (MPMD): mpirun -np 1 tpserve-coordinator --model DIR : -np 8 "
-                  "tpserve-worker --coordinator HOST:50052";
+                  "tpserve-worker --coordinator HOST:50052 (both with --cluster-secret-file F)";
   return s;
 }
 
@@ -112,7 +136,19 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
     TP_ASSIGN_OR_RETURN(o.model_dir, a.Required("model"));
   }
   o.api_key = a.GetOr("api-key", "");
+  o.api_key_file = a.GetOr("api-key-file", "");
+  o.tls_cert = a.GetOr("tls-cert", "");
+  o.tls_key = a.GetOr("tls-key", "");
+  o.tls_client_ca = a.GetOr("tls-client-ca", "");
+  if (o.tls_cert.empty() != o.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+  }
+  if (!o.tls_client_ca.empty() && o.tls_cert.empty()) {
+    return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
+  }
   o.host = a.GetOr("host", o.host);
+  o.control_host = a.GetOr("control-host", "");
+  o.cluster_secret_file = a.GetOr("cluster-secret-file", "");
   o.device_map = a.GetOr("device-map", "");
   o.device = a.GetOr("device", "auto");
   o.worker_binary = a.GetOr("worker-binary", "");
@@ -121,6 +157,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   o.enable_prefix_caching = a.GetBool("enable-prefix-caching", true);
   o.overlap_scheduling = a.GetBool("overlap-scheduling", true);
   o.kv_cache_mb = a.GetInt("kv-cache-mb", 0);
+  o.max_request_bytes = a.GetInt("max-request-bytes", o.max_request_bytes);
   o.gpu_memory_utilization = a.GetDouble("gpu-memory-utilization", o.gpu_memory_utilization);
   o.heartbeat_timeout_s = a.GetDouble("heartbeat-timeout", o.heartbeat_timeout_s);
   struct IntField {
@@ -130,6 +167,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   const IntField ints[] = {
       {"port", &o.port},
       {"http-port", &o.http_port},
+      {"control-port", &o.control_port},
       {"workers", &o.world_size},
       {"tp", &o.tp},
       {"pp", &o.pp},
@@ -138,6 +176,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
       {"max-num-batched-tokens", &o.max_num_batched_tokens},
       {"max-queued-requests", &o.max_queued_requests},
       {"default-max-new-tokens", &o.default_max_new_tokens},
+      {"max-prompt-tokens", &o.max_prompt_tokens},
       {"register-timeout", &o.register_timeout_s},
       {"load-timeout", &o.load_timeout_s},
       {"drain-timeout", &o.drain_timeout_s},

@@ -253,7 +253,8 @@ absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest&
       if (text.empty()) return Invalid("prompt.text is empty");
       if (static_cast<int64_t>(text.size()) > limits.max_prompt_text_bytes) {
         return Invalid(absl::StrCat("prompt.text is ", text.size(), " bytes; at most ",
-                                    limits.max_prompt_text_bytes, " are accepted"));
+                                    limits.max_prompt_text_bytes,
+                                    " are accepted (--max-prompt-tokens, --max-request-bytes)"));
       }
       if (tokenizer == nullptr) {
         return Invalid(
@@ -261,11 +262,22 @@ absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest&
       }
       p.prompt = tokenizer->Encode(text, /*add_special_tokens=*/true);
       if (p.prompt.empty()) return Invalid("prompt.text encodes to no tokens");
+      if (limits.max_prompt_tokens > 0 &&
+          static_cast<int64_t>(p.prompt.size()) > limits.max_prompt_tokens) {
+        return Invalid(absl::StrCat("prompt.text encodes to ", p.prompt.size(), " tokens; at most ",
+                                    limits.max_prompt_tokens,
+                                    " are accepted (--max-prompt-tokens)"));
+      }
       break;
     }
     case v1::GenerateRequest::kTokenIds: {
       const auto& ids = request.token_ids().ids();
       if (ids.empty()) return Invalid("prompt.token_ids is empty");
+      if (limits.max_prompt_tokens > 0 && ids.size() > limits.max_prompt_tokens) {
+        return Invalid(absl::StrCat("prompt.token_ids has ", ids.size(), " ids; at most ",
+                                    limits.max_prompt_tokens,
+                                    " are accepted (--max-prompt-tokens)"));
+      }
       for (int i = 0; i < ids.size(); ++i) {
         if (ids[i] < 0 || ids[i] >= limits.vocab_size) {
           return Invalid(absl::StrCat("prompt.token_ids[", i, "] = ", ids[i],
@@ -425,8 +437,17 @@ absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Submit(
   return state;
 }
 
+absl::Status InferenceService::Authorize(const grpc::CallbackServerContext* context) const {
+  if (!api_keys_.enabled()) return absl::OkStatus();
+  const auto& md = context->client_metadata();
+  const auto it = md.find("authorization");
+  return api_keys_.Check(it == md.end() ? std::string_view()
+                                        : std::string_view(it->second.data(), it->second.size()));
+}
+
 absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Admit(
     grpc::CallbackServerContext* context, const v1::GenerateRequest& request) {
+  TP_RETURN_IF_ERROR(Authorize(context));
   Clock::time_point deadline = Clock::time_point::max();
   const auto grpc_deadline = context->deadline();
   if (grpc_deadline != std::chrono::system_clock::time_point::max()) {
@@ -467,6 +488,10 @@ grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext
                                                      const v1::TokenizeRequest* request,
                                                      v1::TokenizeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status auth = Authorize(context); !auth.ok()) {
+    reactor->Finish(ToGrpc(auth));
+    return reactor;
+  }
   if (tokenizer_ == nullptr) {
     reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                                  "the model directory has no tokenizer.json"));
@@ -487,6 +512,10 @@ grpc::ServerUnaryReactor* InferenceService::Detokenize(grpc::CallbackServerConte
                                                        const v1::DetokenizeRequest* request,
                                                        v1::DetokenizeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status auth = Authorize(context); !auth.ok()) {
+    reactor->Finish(ToGrpc(auth));
+    return reactor;
+  }
   if (tokenizer_ == nullptr) {
     reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                                  "the model directory has no tokenizer.json"));
@@ -511,6 +540,10 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
                                                          const v1::GetModelInfoRequest* request,
                                                          v1::ModelInfo* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status auth = Authorize(context); !auth.ok()) {
+    reactor->Finish(ToGrpc(auth));
+    return reactor;
+  }
   Scheduler* scheduler = scheduler_.load(std::memory_order_acquire);
   if (scheduler == nullptr) {
     reactor->Finish(ToGrpc(NotReady()));
@@ -552,6 +585,10 @@ grpc::ServerUnaryReactor* InferenceService::DropPrefixCache(
     grpc::CallbackServerContext* context, const v1::DropPrefixCacheRequest* request,
     v1::DropPrefixCacheResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status auth = Authorize(context); !auth.ok()) {
+    reactor->Finish(ToGrpc(auth));
+    return reactor;
+  }
   Scheduler* scheduler = scheduler_.load(std::memory_order_acquire);
   if (scheduler == nullptr) {
     reactor->Finish(ToGrpc(NotReady()));

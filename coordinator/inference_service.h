@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "common/model_config.h"
 #include "coordinator/chat_template/chat_template.h"
+#include "coordinator/api_keys.h"
 #include "coordinator/request.h"
 #include "coordinator/scheduler.h"
 #include "tpserve/v1/inference.grpc.pb.h"
@@ -27,7 +28,10 @@ struct ServiceLimits {
   int default_max_new_tokens = 256;
   int max_stop_strings = 16;
   int max_stop_string_bytes = 256;
+  // Text prompts longer than this are refused before they are tokenized (the server sets it
+  // from --max-prompt-tokens and the longest token's bytes, capped by --max-request-bytes).
   int max_prompt_text_bytes = 1 << 22;
+  int64_t max_prompt_tokens = 0;  // --max-prompt-tokens; 0: the context length
 };
 
 // Renders a conversation with the model's chat template (see coordinator/chat_template/).
@@ -47,6 +51,9 @@ class InferenceService final : public v1::Inference::CallbackService {
   // Until Activate, generation answers UNAVAILABLE (the workers are still loading).
   explicit InferenceService(const Tokenizer* tokenizer, ChatPromptRenderer chat = {})
       : tokenizer_(tokenizer), chat_(std::move(chat)) {}
+  // Every call needs one of `keys` in its `authorization: Bearer` metadata (set before the
+  // server starts; none: no check).
+  void SetApiKeys(ApiKeys keys) { api_keys_ = std::move(keys); }
   // `info` is the static part of GetModelInfo; the KV statistics come from the scheduler.
   void Activate(Scheduler* scheduler, ServiceLimits limits, v1::ModelInfo info);
 
@@ -84,8 +91,12 @@ class InferenceService final : public v1::Inference::CallbackService {
   absl::StatusOr<std::shared_ptr<RequestState>> Admit(grpc::CallbackServerContext* context,
                                                       const v1::GenerateRequest& request);
 
+  // UNAUTHENTICATED unless the call carries a valid API key (when keys are set).
+  absl::Status Authorize(const grpc::CallbackServerContext* context) const;
+
   const Tokenizer* tokenizer_;
   const ChatPromptRenderer chat_;
+  ApiKeys api_keys_;
   std::atomic<Scheduler*> scheduler_{nullptr};
   // Written once by Activate before scheduler_ is published.
   ServiceLimits limits_;

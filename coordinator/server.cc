@@ -23,14 +23,17 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/cluster_secret.h"
 #include "common/env.h"
 #include "common/logging.h"
 #include "common/model_files.h"
 #include "common/status.h"
+#include "coordinator/api_keys.h"
 #include "coordinator/chat_template/chat_template.h"
 #include "coordinator/http/http_server.h"
 #include "coordinator/inference_service.h"
@@ -77,9 +80,10 @@ int VisibleGpuCount() {
   return n;
 }
 
-// Spawns the local workers: one process for one worker, mpirun for several.
+// Spawns the local workers: one process for one worker, mpirun for several. The cluster secret
+// goes in their environment (mpirun -x forwards it), never on a command line that `ps` shows.
 absl::StatusOr<pid_t> SpawnWorkers(const CoordinatorOptions& o, int world, const std::string& addr,
-                                   const std::string& device) {
+                                   const std::string& device, const std::string& secret) {
   const std::string worker = FindWorkerBinary(o.worker_binary);
   std::vector<std::string> args;
   if (world > 1) {
@@ -92,6 +96,8 @@ absl::StatusOr<pid_t> SpawnWorkers(const CoordinatorOptions& o, int world, const
             "OPENBLAS_NUM_THREADS",
             "-x",
             "TPSERVE_LOG_LEVEL",
+            "-x",
+            env::kClusterSecret.name,
             worker,
             "--coordinator",
             addr,
@@ -104,6 +110,19 @@ absl::StatusOr<pid_t> SpawnWorkers(const CoordinatorOptions& o, int world, const
   // For the children (overwrite = 0 keeps what the user set, even a value we ignore).
   if (!EnvIsSet(env::kOpenblasNumThreads)) setenv(env::kOpenblasNumThreads.name, "1", 0);
   if (!EnvIsSet(env::kLogLevel)) setenv(env::kLogLevel.name, "info", 0);
+  // The children's environment, built before fork (the child only calls exec).
+  const std::string secret_prefix = absl::StrCat(env::kClusterSecret.name, "=");
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (!absl::StartsWith(*e, secret_prefix)) env_strings.push_back(*e);
+  }
+  env_strings.push_back(absl::StrCat(secret_prefix, secret));
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
   const pid_t pid = fork();
   if (pid < 0) return absl::InternalError("fork failed while spawning the workers");
   if (pid == 0) {
@@ -111,10 +130,7 @@ absl::StatusOr<pid_t> SpawnWorkers(const CoordinatorOptions& o, int world, const
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    execvp(argv[0], argv.data());
+    execvpe(argv[0], argv.data(), envp.data());
     std::fprintf(stderr, "tpserve: could not run %s\n", argv[0]);
     _exit(127);
   }
@@ -276,6 +292,8 @@ struct Layout {
   std::vector<int32_t> eos;
   std::unique_ptr<Tokenizer> tokenizer;  // null: token-id prompts only
   std::string spawn_device;
+  std::string cluster_secret;      // what the workers prove when registering
+  int64_t max_token_bytes = 16;    // the longest token's text (at least 16)
   ChatRenderer chat_renderer;      // empty: the model has no chat template (chat answers 400)
   ChatPromptRenderer chat_prompt;  // the same template for gRPC's messages prompts
 };
@@ -290,6 +308,10 @@ absl::StatusOr<Layout> ResolveLayout(const CoordinatorOptions& opts) {
   if (l.eos.empty()) l.eos = l.config.eos_token_ids;
   if (std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
     TP_ASSIGN_OR_RETURN(l.tokenizer, Tokenizer::Load(o.model_dir));
+    for (int32_t id = 0; id < l.tokenizer->vocab_size(); ++id) {
+      l.max_token_bytes = std::max<int64_t>(
+          l.max_token_bytes, l.tokenizer->Decode({id}, /*skip_special_tokens=*/false).size());
+    }
   } else {
     TP_LOG(WARNING) << o.model_dir << " has no tokenizer.json: only token-id prompts are served";
   }
@@ -314,6 +336,20 @@ absl::StatusOr<Layout> ResolveLayout(const CoordinatorOptions& opts) {
     return Annotate(chat.status(), "loading the chat template");
   }
   l.spawn_device = o.device;
+  // The control plane: loopback when the workers are spawned here; its secret from the file,
+  // else made for this launch (only workers this process spawns can know it).
+  if (o.control_host.empty()) o.control_host = o.spawn_workers ? "127.0.0.1" : o.host;
+  if (o.control_port < 0) o.control_port = o.spawn_workers ? 0 : 50052;
+  if (!o.cluster_secret_file.empty()) {
+    TP_ASSIGN_OR_RETURN(l.cluster_secret, ReadClusterSecretFile(o.cluster_secret_file));
+  } else if (o.spawn_workers) {
+    l.cluster_secret = NewClusterSecret();
+  } else {
+    return absl::InvalidArgumentError(
+        "--cluster-secret-file is required when the workers are launched apart (mpirun, Slurm, "
+        "Kubernetes): give the coordinator and every tpserve-worker the same file, e.g. made by "
+        "`head -c 32 /dev/urandom | base64 > secret && chmod 600 secret`");
+  }
   if (o.world_size == 0) {
     if (o.spawn_workers) {
       const int gpus = (o.device == "cpu") ? 0 : VisibleGpuCount();
@@ -343,8 +379,10 @@ absl::StatusOr<Layout> ResolveLayout(const CoordinatorOptions& opts) {
   return l;
 }
 
-WorkerGroupOptions GroupOptions(const CoordinatorOptions& o) {
+WorkerGroupOptions GroupOptions(const Layout& layout) {
+  const CoordinatorOptions& o = layout.options;
   WorkerGroupOptions g;
+  g.cluster_secret = layout.cluster_secret;
   g.model_dir = std::filesystem::absolute(o.model_dir).string();
   g.world_size = o.world_size;
   g.tp = o.tp;
@@ -364,34 +402,82 @@ WorkerGroupOptions GroupOptions(const CoordinatorOptions& o) {
 // The listening servers and their health state.
 class Servers {
  public:
-  // The gRPC server (public API, the workers' control plane, health, reflection) and, unless
-  // --http-port is 0, the OpenAI-compatible HTTP front end beside it (/v1, /health, /metrics).
-  static absl::StatusOr<std::unique_ptr<Servers>> Start(const CoordinatorOptions& o,
-                                                        WorkerGroup* group,
-                                                        InferenceService* service,
-                                                        MetricsRegistry* metrics,
-                                                        ChatRenderer render_chat) {
+  // The public gRPC server (API, health, reflection), the workers' control plane on a server and
+  // port of its own (--control-host / --control-port) and, unless --http-port is 0, the
+  // OpenAI-compatible HTTP front end (/v1, /health, /metrics).
+  static absl::StatusOr<std::unique_ptr<Servers>> Start(
+      const CoordinatorOptions& o, WorkerGroup* group, InferenceService* service,
+      MetricsRegistry* metrics, ChatRenderer render_chat, const ApiKeys& api_keys) {
     auto s = std::unique_ptr<Servers>(new Servers());
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
     const std::string listen = absl::StrCat(o.host, ":", o.port);
-    builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &s->port_);
-    builder.SetMaxReceiveMessageSize(64 << 20);
+    std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+    if (!o.tls_cert.empty()) {
+      auto read = [](const std::string& path) -> absl::StatusOr<std::string> {
+        std::ifstream in(path, std::ios::binary);
+        std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        if (!in.good() && !in.eof())
+          return absl::InvalidArgumentError(absl::StrCat("cannot read ", path));
+        if (text.empty())
+          return absl::InvalidArgumentError(
+              absl::StrCat("cannot read ", path, " (or it is empty)"));
+        return text;
+      };
+      grpc::SslServerCredentialsOptions ssl(
+          o.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                  : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+      grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+      TP_ASSIGN_OR_RETURN(pair.private_key, read(o.tls_key));
+      TP_ASSIGN_OR_RETURN(pair.cert_chain, read(o.tls_cert));
+      ssl.pem_key_cert_pairs.push_back(pair);
+      if (!o.tls_client_ca.empty()) {
+        TP_ASSIGN_OR_RETURN(ssl.pem_root_certs, read(o.tls_client_ca));
+      }
+      credentials = grpc::SslServerCredentials(ssl);
+    }
+    builder.AddListeningPort(listen, credentials, &s->port_);
+    builder.SetMaxReceiveMessageSize(static_cast<int>(o.max_request_bytes));
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
-    builder.RegisterService(group);
     builder.RegisterService(service);
     s->grpc_ = builder.BuildAndStart();
     if (s->grpc_ == nullptr || s->port_ == 0) {
       return absl::UnavailableError(absl::StrCat("could not listen on ", listen));
+    }
+    // The control plane: streams without the secret end at once (WorkerGroup::Control); a
+    // connection that never finishes its handshake or holds no stream is closed; threads are
+    // bounded.
+    grpc::ServerBuilder control;
+    const std::string control_listen = absl::StrCat(o.control_host, ":", o.control_port);
+    control.AddListeningPort(control_listen, grpc::InsecureServerCredentials(), &s->control_port_);
+    control.SetMaxReceiveMessageSize(64 << 20);
+    control.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    control.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+    control.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, 5000);
+    control.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 10000);
+    control.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 4);
+    grpc::ResourceQuota quota("tpserve-control");
+    quota.SetMaxThreads(2 * o.world_size + 64);
+    control.SetResourceQuota(quota);
+    control.RegisterService(group);
+    s->control_ = control.BuildAndStart();
+    if (s->control_ == nullptr || s->control_port_ == 0) {
+      s->grpc_->Shutdown(std::chrono::system_clock::now());
+      return absl::UnavailableError(
+          absl::StrCat("could not listen on ", control_listen, " (the control plane)"));
     }
     if (o.http_port > 0) {
       HttpFrontendOptions ho;
       // A thread per request in flight: the scheduler's queue, not the pool, answers 429.
       ho.threads = std::min(1024, o.max_num_seqs + o.max_queued_requests + 16);
       ho.model_aliases = {o.model_dir, std::filesystem::absolute(o.model_dir).string()};
-      ho.api_key = o.api_key;
+      ho.api_keys = api_keys;
+      ho.max_body_bytes = static_cast<size_t>(o.max_request_bytes);
+      ho.tls_cert = o.tls_cert;
+      ho.tls_key = o.tls_key;
+      ho.tls_client_ca = o.tls_client_ca;
       s->http_ = std::make_unique<HttpFrontend>(service, metrics, std::move(render_chat), ho);
       absl::StatusOr<int> http_port = s->http_->Start(o.host, o.http_port);
       if (!http_port.ok()) {
@@ -405,6 +491,7 @@ class Servers {
   }
 
   int port() const { return port_; }
+  int control_port() const { return control_port_; }
   int http_port() const { return http_port_; }  // 0: no HTTP front end
   void SetHealth(bool serving) {
     if (http_ != nullptr) http_->SetServing(serving);
@@ -415,13 +502,16 @@ class Servers {
   void Shutdown() {
     if (http_ != nullptr) http_->Stop();
     grpc_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    control_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   }
 
  private:
   Servers() = default;
   std::unique_ptr<grpc::Server> grpc_;
+  std::unique_ptr<grpc::Server> control_;
   std::unique_ptr<HttpFrontend> http_;
   int port_ = 0;
+  int control_port_ = 0;
   int http_port_ = 0;
 };
 
@@ -431,9 +521,12 @@ absl::Status StartWorkers(const Layout& layout, const Servers& servers, WorkerGr
                           ProcessEvents* events) {
   const CoordinatorOptions& o = layout.options;
   if (o.spawn_workers) {
-    TP_ASSIGN_OR_RETURN(const pid_t child,
-                        SpawnWorkers(o, o.world_size, absl::StrCat("127.0.0.1:", servers.port()),
-                                     layout.spawn_device));
+    const bool any =
+        o.control_host == "0.0.0.0" || o.control_host == "::" || o.control_host == "[::]";
+    const std::string addr =
+        absl::StrCat(any ? std::string("127.0.0.1") : o.control_host, ":", servers.control_port());
+    TP_ASSIGN_OR_RETURN(const pid_t child, SpawnWorkers(o, o.world_size, addr, layout.spawn_device,
+                                                        layout.cluster_secret));
     events->WatchChild(child);
   }
   events->SetAbort([group](const std::string& reason) {
@@ -511,6 +604,14 @@ void Activate(const Layout& layout, WorkerGroup* group, Scheduler* scheduler,
   limits.vocab_size = config.vocab_size;
   limits.kv_capacity_tokens = static_cast<int64_t>(group->num_blocks()) * o.block_size;
   limits.default_max_new_tokens = o.default_max_new_tokens;
+  limits.max_prompt_tokens = o.max_prompt_tokens > 0
+                                 ? std::min<int64_t>(o.max_prompt_tokens, limits.context_length)
+                                 : limits.context_length;
+  // No token decodes to more than max_token_bytes, so a text longer than max_prompt_tokens
+  // times that (x 4 for normalizers that shrink text) has too many tokens: refused unread.
+  const int64_t text_bound = limits.max_prompt_tokens * 4 * layout.max_token_bytes;
+  limits.max_prompt_text_bytes =
+      static_cast<int>(std::min<int64_t>({text_bound, o.max_request_bytes, 1 << 30}));
   v1::ModelInfo info;
   info.set_model(std::filesystem::path(std::filesystem::absolute(o.model_dir)).filename().string());
   info.set_architecture(config.architecture);
@@ -560,17 +661,27 @@ void Drain(const CoordinatorOptions& o, int signal, Scheduler* scheduler, Server
 absl::Status RunCoordinator(const CoordinatorOptions& options) {
   SetLogPrefix("coordinator");
   TP_ASSIGN_OR_RETURN(Layout layout, ResolveLayout(options));
-  auto group = std::make_unique<WorkerGroup>(GroupOptions(layout.options), layout.config);
+  auto group = std::make_unique<WorkerGroup>(GroupOptions(layout), layout.config);
   InferenceService service(layout.tokenizer.get(), layout.chat_prompt);
+  TP_ASSIGN_OR_RETURN(ApiKeys api_keys,
+                      ApiKeys::Load(layout.options.api_key_file, layout.options.api_key));
+  service.SetApiKeys(api_keys);
+  const std::string& host = layout.options.host;
+  if (!api_keys.enabled() && !IsLoopbackHost(host)) {
+    TP_LOG(WARNING) << "the public API listens on " << host
+                    << " without an API key: anyone who can reach it can use it (give "
+                       "--api-key-file, or --host 127.0.0.1)";
+  }
   MetricsRegistry metrics;
   ServingMetrics serving_metrics(&metrics);
-  TP_ASSIGN_OR_RETURN(
-      std::unique_ptr<Servers> servers,
-      Servers::Start(layout.options, group.get(), &service, &metrics, layout.chat_renderer));
+  TP_ASSIGN_OR_RETURN(std::unique_ptr<Servers> servers,
+                      Servers::Start(layout.options, group.get(), &service, &metrics,
+                                     layout.chat_renderer, api_keys));
   TP_LOG(INFO) << "listening on " << layout.options.host << ":" << servers->port() << " ("
                << layout.options.model_dir << ", " << layout.config.architecture << ", "
                << layout.options.world_size << " worker"
-               << (layout.options.world_size > 1 ? "s" : "") << ")";
+               << (layout.options.world_size > 1 ? "s" : "") << "); control plane on "
+               << layout.options.control_host << ":" << servers->control_port();
   ProcessEvents events;
   std::unique_ptr<Scheduler> scheduler;
   absl::Status status = StartWorkers(layout, *servers, group.get(), &events);

@@ -17,9 +17,22 @@ struct CoordinatorOptions {
   std::string host = "0.0.0.0";
   int port = 50051;      // 0: any free port (see ready_file)
   int http_port = 8000;  // OpenAI-compatible HTTP API, /health, /metrics; 0: off
-  std::string api_key;   // not empty: HTTP /v1 requests need `Authorization: Bearer <key>`
-  int world_size = 0;    // workers; 0: tp * pp, or 1
-  int tp = 0;            // 0: world_size
+  // Keys of the public API (gRPC and HTTP /v1 need `authorization: Bearer <key>`; health
+  // exempt): one given on the command line, and a file of them (one a line).
+  std::string api_key;
+  std::string api_key_file;
+  // TLS of the public API (gRPC and HTTP): PEM files; with tls_client_ca, mutual TLS.
+  std::string tls_cert, tls_key, tls_client_ca;
+  // The workers' control plane, a server apart from the public API. Host default: 127.0.0.1
+  // when the workers are spawned here, else `host`. Port -1: 0 (any free port) when spawning,
+  // else 50052.
+  std::string control_host;
+  int control_port = -1;
+  // The secret workers prove when registering (one line); required unless the workers are
+  // spawned here (then a random secret is made per launch and passed in their environment).
+  std::string cluster_secret_file;
+  int world_size = 0;  // workers; 0: tp * pp, or 1
+  int tp = 0;          // 0: world_size
   int pp = 1;
   std::string device_map;
   // Local workers: spawn them (one per visible GPU with --device cuda, else CPU workers).
@@ -33,6 +46,8 @@ struct CoordinatorOptions {
   int max_num_batched_tokens = 512;
   int max_queued_requests = 256;
   int default_max_new_tokens = 256;
+  int max_prompt_tokens = 0;            // 0: the model's context length
+  int64_t max_request_bytes = 8 << 20;  // one gRPC message or HTTP body
   int register_timeout_s = 120;
   int load_timeout_s = 600;
   int drain_timeout_s = 30;
@@ -41,7 +56,7 @@ struct CoordinatorOptions {
   std::string ready_file;  // written with "HOST:PORT" once the server is SERVING
   // --enable-prefix-caching[=false], --no-enable-prefix-caching
   bool enable_prefix_caching = true;
-  bool help = false;       // --help was given: print the usage, run nothing
+  bool help = false;  // --help was given: print the usage, run nothing
   bool overlap_scheduling = true;  // --no-overlap-scheduling: one step at a time at pp = 1
 };
 

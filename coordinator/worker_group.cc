@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/cluster_secret.h"
 #include "common/logging.h"
 #include "common/logprobs.h"
 #include "common/status.h"
@@ -101,6 +102,46 @@ void WorkerGroup::Fail(int rank, const std::string& reason) {
 grpc::Status WorkerGroup::Control(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<worker::CoordinatorMessage, worker::WorkerMessage>* stream) {
+  // Refused before reading anything: more streams than the cap, or no valid secret. Such a
+  // stream holds no handler thread beyond this check.
+  const int cap = options_.max_control_streams > 0 ? options_.max_control_streams
+                                                   : 2 * options_.world_size + 16;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (control_handlers_ >= cap) {
+      TP_LOG(WARNING) << "refused a control stream from " << context->peer() << ": " << cap
+                      << " control streams are open already";
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("register: the coordinator already has ", cap, " control streams open"));
+    }
+    ++control_handlers_;
+  }
+  struct Release {
+    WorkerGroup* group;
+    ~Release() {
+      std::lock_guard<std::mutex> lock(group->mu_);
+      --group->control_handlers_;
+    }
+  } release{this};
+  if (!options_.cluster_secret.empty()) {
+    const auto& md = context->client_metadata();
+    const auto it = md.find(kClusterSecretMetadata);
+    const bool ok =
+        it != md.end() && ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()),
+                                             options_.cluster_secret);
+    if (!ok) {
+      const std::string why = it == md.end()
+                                  ? "no cluster secret was sent"
+                                  : "the cluster secret does not match the coordinator's";
+      TP_LOG(WARNING) << "refused a worker registration from " << context->peer() << ": " << why;
+      return grpc::Status(
+          grpc::StatusCode::UNAUTHENTICATED,
+          absl::StrCat("register refused: ", why,
+                       " (give the worker the coordinator's --cluster-secret-file; workers the "
+                       "coordinator spawns get it in TPSERVE_CLUSTER_SECRET)"));
+    }
+  }
   worker::WorkerMessage msg;
   if (!stream->Read(&msg)) return grpc::Status(grpc::StatusCode::CANCELLED, "no register");
   if (!msg.has_register_()) {
@@ -123,8 +164,15 @@ grpc::Status WorkerGroup::Control(
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (slot.registered || started_ || shutdown_) {
+      const std::string why = shutdown_ ? "the coordinator is shutting down"
+                              : started_
+                                  ? "the worker group is complete (registration is closed)"
+                                  : absl::StrCat("rank ", rank, " is already taken by ",
+                                                 slot.info.hostname(), " pid ", slot.info.pid());
+      TP_LOG(WARNING) << "refused a worker registration for rank " << rank << " from "
+                      << context->peer() << ": " << why;
       return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
-                          absl::StrCat("register: rank ", rank, " is already taken"));
+                          absl::StrCat("register refused: ", why));
     }
     slot.registered = true;
     slot.info = reg;
@@ -299,6 +347,12 @@ absl::Status WorkerGroup::Start(std::chrono::seconds register_timeout,
                  << kv.load_seconds() << " s";
   }
   if (num_blocks_ <= 0) return absl::ResourceExhaustedError("a worker has no KV cache blocks");
+  // A worker's report sizes the block manager: an absurd count is refused, not allocated.
+  constexpr int kMaxBlocks = 1 << 26;
+  if (num_blocks_ > kMaxBlocks) {
+    return absl::InternalError(
+        absl::StrCat("the workers report ", num_blocks_, " KV blocks (at most ", kMaxBlocks, ")"));
+  }
   return absl::OkStatus();
 }
 

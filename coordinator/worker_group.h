@@ -40,6 +40,11 @@ struct WorkerGroupOptions {
   std::chrono::milliseconds heartbeat_timeout{4000};
   std::chrono::seconds step_timeout{120};
   int comm_timeout_seconds = 60;
+  // What a worker must send as kClusterSecretMetadata on its control stream (never empty in
+  // the service; empty only in tests that build a group by hand: then anyone may register).
+  std::string cluster_secret;
+  // Control streams handled at once (beyond that they are refused at once); 0: 2 x world + 16.
+  int max_control_streams = 0;
 };
 
 // OK when a sampling rank's result for a plan with `sampled` sampling sequences (`with_logprobs`
@@ -94,7 +99,8 @@ class WorkerGroup final : public worker::WorkerControl::Service, public StepExec
   std::vector<std::unique_ptr<Slot>> slots_;  // by rank
   bool started_ = false;                      // assignments sent
   bool shutdown_ = false;
-  int active_streams_ = 0;  // control handlers running
+  int active_streams_ = 0;    // control handlers of registered workers running
+  int control_handlers_ = 0;  // every control handler running (capped)
   absl::Status failure_;
   std::function<void(const absl::Status&)> on_failure_;
   std::map<uint64_t, worker::StepResult> results_;  // step id -> the sampler's result

@@ -4,12 +4,14 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/cluster_secret.h"
 #include "common/logging.h"
 
 namespace tpserve {
 
 absl::StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(
-    const std::string& address, std::chrono::seconds connect_timeout) {
+    const std::string& address, std::chrono::seconds connect_timeout,
+    const std::string& cluster_secret) {
   std::unique_ptr<ControlClient> c(new ControlClient());
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
@@ -25,6 +27,7 @@ absl::StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(
                                                " within ", connect_timeout.count(), " s"));
   }
   c->stub_ = worker::WorkerControl::NewStub(c->channel_);
+  c->context_.AddMetadata(kClusterSecretMetadata, cluster_secret);
   c->stream_ = c->stub_->Control(&c->context_);
   if (c->stream_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("could not open the control stream to ", address));
@@ -48,6 +51,18 @@ bool ControlClient::Read(worker::CoordinatorMessage* msg) {
     if (!msg->has_heartbeat()) return true;
   }
   return false;
+}
+
+absl::Status ControlClient::EndStatus() {
+  {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    if (ended_) return end_status_;
+    ended_ = true;
+    writes_done_ = true;  // no write may race with Finish
+  }
+  const grpc::Status st = stream_->Finish();
+  end_status_ = absl::Status(static_cast<absl::StatusCode>(st.error_code()), st.error_message());
+  return end_status_;
 }
 
 void ControlClient::StartHeartbeats(std::chrono::milliseconds interval,

@@ -20,14 +20,19 @@ namespace tpserve {
 
 class ControlClient {
  public:
-  // Connects (retrying until `connect_timeout`) and opens the control stream.
+  // Connects (retrying until `connect_timeout`) and opens the control stream, sending the
+  // cluster secret as metadata.
   static absl::StatusOr<std::unique_ptr<ControlClient>> Connect(
-      const std::string& address, std::chrono::seconds connect_timeout);
+      const std::string& address, std::chrono::seconds connect_timeout,
+      const std::string& cluster_secret);
   ~ControlClient();
 
   bool Send(const worker::WorkerMessage& msg);
   // Blocks for the next coordinator message other than a heartbeat; false when the stream ended.
   bool Read(worker::CoordinatorMessage* msg);
+  // After Read returned false: why the coordinator ended the stream (e.g. a refused register:
+  // wrong secret, rank taken), as a status; OK when it ended it normally.
+  absl::Status EndStatus();
   // Starts heartbeats every `interval`. If sending fails (the coordinator is gone) and the worker
   // has not finished on its own `grace` later, the process exits with status 3.
   void StartHeartbeats(std::chrono::milliseconds interval, std::chrono::milliseconds grace);
@@ -44,6 +49,8 @@ class ControlClient {
       stream_;
   std::mutex write_mu_;
   bool writes_done_ = false;
+  bool ended_ = false;  // Finish was called (EndStatus)
+  absl::Status end_status_;
   std::atomic<bool> closing_{false};
   std::thread heartbeat_;
 };

@@ -1,6 +1,7 @@
 // tpserve-worker: one rank of the model. Connects to the coordinator, registers, loads its shard
 // as assigned, reports its KV capacity, then runs StepPlans until told to shut down.
 //   tpserve-worker --coordinator HOST:PORT [--rank R --world-size N] [--device cpu|cuda|auto]
+//     [--cluster-secret-file F]
 // Under mpirun the rank and world size come from MPI (the coordinator, when it is part of the
 // same MPMD job, is left out by a split of MPI_COMM_WORLD); without MPI from the flags or
 // TPSERVE_RANK / TPSERVE_WORLD_SIZE, or SLURM_PROCID / SLURM_NTASKS.
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/cluster_secret.h"
 #include "common/env.h"
 #include "common/flags.h"
 #include "common/logging.h"
@@ -47,6 +49,9 @@ const CommandSpec& WorkerFlagSpec() {
                "number of workers (default: MPI, TPSERVE_WORLD_SIZE, SLURM_NTASKS or 1)"),
        StringFlag("device", "cpu|cuda|auto", "where to run (default auto)"),
        IntFlag("gpu", 0, 1023, "CUDA device index (default: the node-local rank)", "INDEX"),
+       StringFlag("cluster-secret-file", "PATH",
+                  "the coordinator's --cluster-secret-file (default: TPSERVE_CLUSTER_SECRET, set "
+                  "for the workers a coordinator spawns)"),
        IntFlag("connect-timeout", 1, 86400,
                "seconds to wait for the coordinator to accept the connection (default 60)", "S")},
       "Under mpirun the rank and world size come from MPI (a coordinator in the same MPMD job\n"
@@ -94,6 +99,12 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
                    Ops* ops, const std::string& device) {
   worker::CoordinatorMessage msg;
   if (!client.Read(&msg)) {
+    // A refused register (wrong secret, rank taken) ends the stream with the reason.
+    const absl::Status end = client.EndStatus();
+    if (!end.ok()) {
+      return absl::Status(end.code(),
+                          absl::StrCat("the coordinator refused this worker: ", end.message()));
+    }
     return absl::UnavailableError("the coordinator closed the control stream before assigning");
   }
   if (msg.has_shutdown()) return absl::OkStatus();
@@ -267,11 +278,24 @@ int Main(int argc, char** argv) {
   const std::string device = ResolveDevice(a.GetOr("device", "auto"));
   const int gpu_index = static_cast<int>(a.GetInt("gpu", local_rank));
   const int64_t connect_timeout_s = a.GetInt("connect-timeout", 60);
+  absl::StatusOr<std::string> secret = absl::InvalidArgumentError(
+      "no cluster secret: give --cluster-secret-file (the coordinator's file) or set "
+      "TPSERVE_CLUSTER_SECRET");
+  if (a.Has("cluster-secret-file")) {
+    secret = ReadClusterSecretFile(*a.Get("cluster-secret-file"));
+  } else if (EnvIsSet(env::kClusterSecret) && !EnvString(env::kClusterSecret).empty()) {
+    secret = EnvString(env::kClusterSecret);
+  }
+  if (!secret.ok()) {
+    std::fprintf(stderr, "tpserve-worker: %s\n", std::string(secret.status().message()).c_str());
+    if (mpi) LeaveMpiAsWorker(&mpi_workers, /*failed=*/true);
+    return 2;
+  }
   int code = 0;
   {
     auto ops = MakeOps(device, gpu_index);
-    auto client =
-        ControlClient::Connect(*a.Get("coordinator"), std::chrono::seconds(connect_timeout_s));
+    auto client = ControlClient::Connect(*a.Get("coordinator"),
+                                         std::chrono::seconds(connect_timeout_s), *secret);
     absl::Status st = !ops.ok() ? ops.status() : client.status();
     if (st.ok()) {
       worker::WorkerMessage reg;

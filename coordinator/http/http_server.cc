@@ -84,7 +84,7 @@ struct HttpFrontend::Impl {
   ChatRenderer render_chat;
   HttpFrontendOptions options;
   const std::atomic<bool>* serving;
-  httplib::Server server;
+  std::unique_ptr<httplib::Server> server;  // an SSLServer with TLS
   std::thread thread;
   std::atomic<bool> stopping{false};
 
@@ -112,6 +112,14 @@ HttpFrontend::HttpFrontend(InferenceService* service, MetricsRegistry* metrics,
   impl_->render_chat = std::move(render_chat);
   impl_->options = std::move(options);
   impl_->serving = &serving_;
+  const HttpFrontendOptions& o = impl_->options;
+  if (o.tls_cert.empty()) {
+    impl_->server = std::make_unique<httplib::Server>();
+  } else {
+    impl_->server = std::make_unique<httplib::SSLServer>(
+        o.tls_cert.c_str(), o.tls_key.c_str(),
+        o.tls_client_ca.empty() ? nullptr : o.tls_client_ca.c_str());
+  }
 }
 
 HttpFrontend::~HttpFrontend() { Stop(); }
@@ -119,21 +127,28 @@ HttpFrontend::~HttpFrontend() { Stop(); }
 absl::StatusOr<int> HttpFrontend::Start(const std::string& host, int port) {
   signal(SIGPIPE, SIG_IGN);  // a client that hung up makes send() fail, not kill the process
   Impl& m = *impl_;
+  if (!m.server->is_valid()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "HTTP: the TLS certificate ", m.options.tls_cert, " or key ", m.options.tls_key,
+        m.options.tls_client_ca.empty() ? ""
+                                        : absl::StrCat(" or client CA ", m.options.tls_client_ca),
+        " could not be loaded"));
+  }
   const int threads = std::max(1, m.options.threads);
-  m.server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  m.server.set_read_timeout(m.options.read_timeout_s, 0);
-  m.server.set_write_timeout(m.options.write_timeout_s, 0);
-  m.server.set_keep_alive_timeout(m.options.keep_alive_timeout_s);
-  m.server.set_payload_max_length(m.options.max_body_bytes);
+  m.server->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  m.server->set_read_timeout(m.options.read_timeout_s, 0);
+  m.server->set_write_timeout(m.options.write_timeout_s, 0);
+  m.server->set_keep_alive_timeout(m.options.keep_alive_timeout_s);
+  m.server->set_payload_max_length(m.options.max_body_bytes);
   m.Routes();
   int bound = port;
   if (port == 0) {
-    bound = m.server.bind_to_any_port(host);
+    bound = m.server->bind_to_any_port(host);
     if (bound <= 0) return absl::UnavailableError(absl::StrCat("HTTP: could not listen on ", host));
-  } else if (!m.server.bind_to_port(host, port)) {
+  } else if (!m.server->bind_to_port(host, port)) {
     return absl::UnavailableError(absl::StrCat("HTTP: could not listen on ", host, ":", port));
   }
-  m.thread = std::thread([&m] { m.server.listen_after_bind(); });
+  m.thread = std::thread([&m] { m.server->listen_after_bind(); });
   TP_LOG(INFO) << "HTTP (OpenAI API, /metrics, /health) listening on " << host << ":" << bound;
   return bound;
 }
@@ -141,19 +156,19 @@ absl::StatusOr<int> HttpFrontend::Start(const std::string& host, int port) {
 void HttpFrontend::Stop() {
   if (!impl_ || !impl_->thread.joinable()) return;
   impl_->stopping.store(true);
-  impl_->server.stop();
+  impl_->server->stop();
   impl_->thread.join();
 }
 
 void HttpFrontend::Impl::Routes() {
-  server.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+  server->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     const bool ok = serving->load();
     SendJson(res, ok ? 200 : 503, {{"status", ok ? "SERVING" : "NOT_SERVING"}});
   });
-  server.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+  server->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics->Render(), "text/plain; version=0.0.4; charset=utf-8");
   });
-  server.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+  server->Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
     if (absl::Status auth = CheckAuth(req); !auth.ok()) return SendError(res, auth);
     if (service->scheduler() == nullptr) {
       return SendError(res, absl::UnavailableError("the server is starting: the workers are "
@@ -163,16 +178,16 @@ void HttpFrontend::Impl::Routes() {
              openai::ModelsJson(service->static_info().model(), UnixSeconds(),
                                 service->static_info().context_length()));
   });
-  server.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+  server->Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
     Generate(Endpoint::kCompletions, req, res);
   });
-  server.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+  server->Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
     Generate(Endpoint::kChat, req, res);
   });
   // Unrouted paths, methods and httplib's own errors (413, 400...) in OpenAI's error shape;
   // handlers' own error bodies are left alone.
-  server.set_error_handler(httplib::Server::HandlerWithResponse([](const httplib::Request& req,
-                                                                   httplib::Response& res) {
+  server->set_error_handler(httplib::Server::HandlerWithResponse([](const httplib::Request& req,
+                                                                    httplib::Response& res) {
     if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
     const absl::Status status =
         res.status == 404
@@ -183,7 +198,7 @@ void HttpFrontend::Impl::Routes() {
     SendJson(res, code, openai::ErrorJson(status));
     return httplib::Server::HandlerResponse::Handled;
   }));
-  server.set_exception_handler(
+  server->set_exception_handler(
       [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
         std::string what = "unknown exception";
         try {
@@ -197,12 +212,7 @@ void HttpFrontend::Impl::Routes() {
 }
 
 absl::Status HttpFrontend::Impl::CheckAuth(const httplib::Request& req) const {
-  if (options.api_key.empty()) return absl::OkStatus();
-  if (req.get_header_value("Authorization") == "Bearer " + options.api_key) {
-    return absl::OkStatus();
-  }
-  return absl::UnauthenticatedError(
-      "missing or wrong API key: send the header `Authorization: Bearer <key>`");
+  return options.api_keys.Check(req.get_header_value("Authorization"));
 }
 
 absl::Status HttpFrontend::Impl::CheckModel(const std::string& model) const {

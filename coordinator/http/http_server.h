@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "coordinator/api_keys.h"
 #include "coordinator/http/openai_api.h"
 
 namespace tpserve {
@@ -32,8 +33,11 @@ struct HttpFrontendOptions {
   size_t max_body_bytes = 32 << 20;
   // Names the model answers to besides the served name (e.g. the path given to --model).
   std::vector<std::string> model_aliases;
-  // Not empty: every /v1 request needs `Authorization: Bearer <api_key>` (401 otherwise).
-  std::string api_key;
+  // When set: every /v1 request needs `Authorization: Bearer <key>` (401 otherwise).
+  ApiKeys api_keys;
+  // Not empty: HTTPS with this PEM certificate (chain) and key; with tls_client_ca, clients must
+  // present a certificate signed by it (mutual TLS).
+  std::string tls_cert, tls_key, tls_client_ca;
 };
 
 class HttpFrontend {

@@ -206,7 +206,7 @@ TEST_F(HttpChatTest, ModelWithoutChatTemplateAnswers400SayingSo) {
 
 TEST_F(HttpChatTest, ApiKeyIsRequiredWhenSet) {
   HttpFrontendOptions options;
-  options.api_key = "sesame";
+  options.api_keys = ApiKeys({"sesame"});
   const std::string base = StartHttp(ChatRenderer(), options);
   auto status_of = [&](const std::string& extra) {
     const CommandResult r = RunCommand("curl -sS --max-time 10 -o /dev/null -w '%{http_code}' " +

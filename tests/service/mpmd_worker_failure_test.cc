@@ -9,6 +9,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include <gmock/gmock.h>
@@ -38,15 +40,22 @@ int FreePort() {
 TEST(MpmdWorkerFailureTest, AFailingWorkerDoesNotAbortTheCoordinator) {
   const int port = FreePort();
   ASSERT_GT(port, 0);
-  const std::string addr = "127.0.0.1:" + std::to_string(port);
+  const int control_port = FreePort();
+  ASSERT_GT(control_port, 0);
+  const std::string addr = "127.0.0.1:" + std::to_string(control_port);
+  const std::string secret =
+      (std::filesystem::path(::testing::TempDir()) / ("mpmd_secret_" + std::to_string(getpid())))
+          .string();
+  std::ofstream(secret) << "mpmd-test-secret\n";
   // --kv-cache-mb far beyond what a KV slot id can address: the worker refuses the assignment
   // with an error after registering (a clean failure of one rank).
-  const std::string cmd = std::string("OPENBLAS_NUM_THREADS=1 timeout 120 ") + TPSERVE_MPIEXEC +
-                          " --allow-run-as-root --oversubscribe -np 1 " + TPSERVE_COORDINATOR_BIN +
-                          " --model models/tiny-coder --host 127.0.0.1 --port " +
-                          std::to_string(port) +
-                          " --workers 1 --kv-cache-mb 100000000 --register-timeout 60 : -np 1 " +
-                          TPSERVE_WORKER_BIN + " --coordinator " + addr + " --device cpu 2>&1";
+  const std::string cmd =
+      std::string("OPENBLAS_NUM_THREADS=1 timeout 120 ") + TPSERVE_MPIEXEC +
+      " --allow-run-as-root --oversubscribe -np 1 " + TPSERVE_COORDINATOR_BIN +
+      " --model models/tiny-coder --host 127.0.0.1 --port " + std::to_string(port) +
+      " --control-port " + std::to_string(control_port) + " --cluster-secret-file " + secret +
+      " --workers 1 --kv-cache-mb 100000000 --register-timeout 60 : -np 1 " + TPSERVE_WORKER_BIN +
+      " --coordinator " + addr + " --cluster-secret-file " + secret + " --device cpu 2>&1";
   const auto start = std::chrono::steady_clock::now();
   FILE* p = popen(cmd.c_str(), "r");
   ASSERT_NE(p, nullptr);

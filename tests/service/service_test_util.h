@@ -10,6 +10,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -137,8 +138,11 @@ inline std::string ServiceModelDir() {
 // when destroyed.
 class ServerProcess {
  public:
-  static std::unique_ptr<ServerProcess> Start(const std::string& model_dir,
-                                              std::vector<std::string> extra, int timeout_s = 90) {
+  // `on_spawned` (optional) runs with the coordinator's pid right after it is started, before
+  // it is ready (e.g. to start a thread that probes it during startup).
+  static std::unique_ptr<ServerProcess> Start(
+      const std::string& model_dir, std::vector<std::string> extra, int timeout_s = 90,
+      const std::function<void(pid_t)>& on_spawned = nullptr) {
     auto p = std::unique_ptr<ServerProcess>(new ServerProcess());
     static int counter = 0;
     const fs::path tmp =
@@ -179,6 +183,7 @@ class ServerProcess {
       execv(argv[0], argv.data());
       _exit(127);
     }
+    if (on_spawned) on_spawned(p->pid_);
     const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
     while (std::chrono::steady_clock::now() < end) {
       if (fs::exists(p->ready_file_)) {
@@ -211,8 +216,27 @@ class ServerProcess {
     return grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
   }
 
-  // Pids of this server's worker processes (their command line names its port).
+  // Pids of this server's worker processes (tpserve-worker processes descending from it).
   std::vector<pid_t> WorkerPids() const {
+    auto parent = [](pid_t pid) {
+      std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+      std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      const size_t close = stat.rfind(')');
+      int ppid = 0;
+      if (close != std::string::npos) {
+        std::istringstream fields(stat.substr(close + 2));
+        char state;
+        fields >> state >> ppid;
+      }
+      return static_cast<pid_t>(ppid);
+    };
+    auto descends = [&](pid_t pid) {
+      for (int depth = 0; depth < 8 && pid > 1; ++depth) {
+        pid = parent(pid);
+        if (pid == pid_) return true;
+      }
+      return false;
+    };
     std::vector<pid_t> pids;
     for (const auto& e : fs::directory_iterator("/proc")) {
       const std::string name = e.path().filename().string();
@@ -221,8 +245,8 @@ class ServerProcess {
       std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
       for (char& c : cmd) c = c == '\0' ? ' ' : c;
       if (cmd.find("tpserve-worker") != std::string::npos &&
-          cmd.find(" --coordinator " + address_ + " ") != std::string::npos &&
-          cmd.find("mpirun") == std::string::npos) {
+          cmd.find(" --coordinator ") != std::string::npos &&
+          cmd.find("mpirun") == std::string::npos && descends(std::stoi(name))) {
         pids.push_back(std::stoi(name));
       }
     }

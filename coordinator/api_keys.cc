@@ -1,0 +1,53 @@
+// The public API's keys (see api_keys.h).
+#include "coordinator/api_keys.h"
+
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "common/cluster_secret.h"
+
+namespace tpserve {
+
+absl::StatusOr<ApiKeys> ApiKeys::Load(const std::string& file, const std::string& key) {
+  std::vector<std::string> keys;
+  if (!key.empty()) keys.push_back(key);
+  if (!file.empty()) {
+    std::ifstream in(file);
+    if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read the API key file ", file));
+    std::string line;
+    size_t from_file = 0;
+    while (std::getline(in, line)) {
+      const std::string k(absl::StripAsciiWhitespace(line));
+      if (k.empty() || k[0] == '#') continue;
+      keys.push_back(k);
+      ++from_file;
+    }
+    if (from_file == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("the API key file ", file, " holds no key"));
+    }
+  }
+  return ApiKeys(std::move(keys));
+}
+
+absl::Status ApiKeys::Check(std::string_view authorization) const {
+  if (keys_.empty()) return absl::OkStatus();
+  constexpr std::string_view kBearer = "Bearer ";
+  bool ok = false;
+  if (authorization.substr(0, kBearer.size()) == kBearer) {
+    const std::string_view given = authorization.substr(kBearer.size());
+    for (const std::string& k : keys_) ok |= ConstantTimeEquals(given, k);  // no early exit
+  }
+  if (ok) return absl::OkStatus();
+  return absl::UnauthenticatedError(
+      authorization.empty()
+          ? "this server needs an API key: send `authorization: Bearer <key>` (HTTP header or "
+            "gRPC metadata)"
+          : "the API key is not valid (send `authorization: Bearer <key>`)");
+}
+
+bool IsLoopbackHost(std::string_view host) {
+  return host.substr(0, 4) == "127." || host == "::1" || host == "[::1]" || host == "localhost";
+}
+
+}  // namespace tpserve

@@ -1,0 +1,252 @@
+// The public API's access control with real clients: API keys (--api-key-file) on gRPC (Python
+// grpcio with metadata) and HTTP (curl), health exempt.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/api_keys.h"
+#include "tests/service/service_test_util.h"
+#include "tpserve/v1/inference.grpc.pb.h"
+
+namespace tpserve {
+namespace {
+
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(fd);
+    return 0;
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+struct CommandResult {
+  int code = -1;
+  std::string out;
+};
+
+CommandResult RunCommand(const std::string& cmd) {
+  CommandResult r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string SourceDir() {
+  const char* src = std::getenv("TPSERVE_SOURCE_DIR");
+  return src ? src : ".";
+}
+
+TEST(ApiSecurityTest, ApiKeysGuardGrpcAndHttpButNotHealth) {
+  const std::string keys =
+      (fs::path(::testing::TempDir()) / absl::StrCat("api_keys_", getpid())).string();
+  std::ofstream(keys) << "# keys of the test\nfirst-key\n\n  second-key  \n";
+  const int http_port = FreePort();
+  ASSERT_GT(http_port, 0);
+  const std::string model = service_test::ServiceModelDir();
+  auto server = service_test::ServerProcess::Start(
+      model, {"--workers", "1", "--api-key-file", keys, "--http-port", std::to_string(http_port)});
+  ASSERT_NE(server, nullptr);
+  // Keys on loopback: no warning about an open API.
+  EXPECT_THAT(server->Log(), ::testing::Not(HasSubstr("without an API key")));
+
+  const CommandResult py =
+      RunCommand(absl::StrCat("timeout -k 5 120 /usr/bin/python3 ", SourceDir(),
+                              "/tests/service/api_key_client_test.py --server ", server->address(),
+                              " --proto-dir ", SourceDir(), "/proto --key second-key"));
+  EXPECT_EQ(py.code, 0) << py.out;
+  EXPECT_THAT(py.out, HasSubstr("the right key: served 3 tokens")) << py.out;
+
+  const std::string base = absl::StrCat("http://127.0.0.1:", http_port);
+  auto http_code = [&](const std::string& extra, const std::string& path) {
+    return RunCommand(absl::StrCat("curl -sS --max-time 20 -o /dev/null -w '%{http_code}' ", extra,
+                                   " ", base, path))
+        .out;
+  };
+  EXPECT_EQ(http_code("", "/v1/models"), "401");
+  EXPECT_EQ(http_code("-H 'Authorization: Bearer nope'", "/v1/models"), "401");
+  EXPECT_EQ(http_code("-H 'Authorization: Bearer first-key'", "/v1/models"), "200");
+  EXPECT_EQ(http_code("", "/health"), "200");
+  const CommandResult denied =
+      RunCommand(absl::StrCat("curl -sS --max-time 20 -H 'Content-Type: application/json' -d "
+                              "'{\"prompt\": \"hi\", \"max_tokens\": 2}' ",
+                              base, "/v1/completions"));
+  EXPECT_THAT(denied.out, HasSubstr("Bearer")) << denied.out;
+  const CommandResult served = RunCommand(
+      absl::StrCat("curl -sS --max-time 60 -H 'Authorization: Bearer first-key' -H "
+                   "'Content-Type: application/json' -d '{\"model\": \"",
+                   model, "\", \"prompt\": \"hi\", \"max_tokens\": 2}' ", base, "/v1/completions"));
+  EXPECT_THAT(served.out, HasSubstr("\"completion_tokens\":2")) << served.out;
+}
+
+// Four prompts of 3.9 MB of text at once are refused before tokenizing (no CPU spent on them),
+// so a 4-token request sent beside them answers at once; --max-prompt-tokens bounds token-id
+// prompts and what text encodes to.
+TEST(ApiSecurityTest, HugePromptsAreRefusedUnreadAndDoNotDelayOthers) {
+  auto server = service_test::ServerProcess::Start(service_test::ServiceModelDir(),
+                                                   {"--workers", "1", "--max-prompt-tokens", "64"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::Inference::NewStub(server->Channel());
+  auto call = [&](const v1::GenerateRequest& req, double* seconds) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::GenerateResponse resp;
+    const auto t0 = std::chrono::steady_clock::now();
+    grpc::Status st = stub->Generate(&ctx, req, &resp);
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return st;
+  };
+  v1::GenerateRequest huge;
+  huge.set_text(std::string(3900 * 1000, 'a'));
+  huge.mutable_stopping()->set_max_new_tokens(2);
+  v1::GenerateRequest small;
+  for (int id : {5, 6, 7, 8}) small.mutable_token_ids()->add_ids(id);
+  small.mutable_stopping()->set_max_new_tokens(2);
+  small.mutable_stopping()->set_ignore_eos(true);
+  double warm = 0;
+  ASSERT_TRUE(call(small, &warm).ok());
+
+  std::vector<grpc::Status> huge_status(4);
+  std::vector<double> huge_seconds(4);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] { huge_status[i] = call(huge, &huge_seconds[i]); });
+  }
+  double small_seconds = 0;
+  const grpc::Status small_status = call(small, &small_seconds);
+  for (auto& t : threads) t.join();
+  EXPECT_TRUE(small_status.ok()) << small_status.error_message();
+  // Generous for a loaded 2-core CI machine; tokenizing one of these prompts takes over 1 s.
+  EXPECT_LT(small_seconds, 1.0);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(huge_status[i].error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(huge_status[i].error_message(), HasSubstr("--max-prompt-tokens"));
+  }
+
+  double seconds = 0;
+  v1::GenerateRequest long_ids;
+  for (int i = 0; i < 65; ++i) long_ids.mutable_token_ids()->add_ids(5);
+  grpc::Status st = call(long_ids, &seconds);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("65 ids; at most 64")) << st.error_message();
+  v1::GenerateRequest long_text;
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += std::to_string(i) + " ; ";  // well over 64 tokens
+  long_text.set_text(text);
+  st = call(long_text, &seconds);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("at most 64 are accepted")) << st.error_message();
+}
+
+// TLS on both front ends with a certificate made now by the openssl command line: grpcio with
+// ssl_channel_credentials and curl --cacert are served, plain-text clients are not; with
+// --tls-client-ca (mutual TLS) a client without a certificate is refused.
+TEST(ApiSecurityTest, TlsAndMutualTlsWithGrpcioAndCurl) {
+  const fs::path dir = fs::path(::testing::TempDir()) / absl::StrCat("tls_", getpid());
+  fs::create_directories(dir);
+  auto make_cert = [&](const std::string& name) {
+    return RunCommand(absl::StrCat(
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
+        "'subjectAltName=IP:127.0.0.1,DNS:localhost' -keyout ",
+        (dir / (name + ".key")).string(), " -out ", (dir / (name + ".pem")).string()));
+  };
+  const CommandResult server_cert = make_cert("server");
+  ASSERT_EQ(server_cert.code, 0) << server_cert.out;
+  const CommandResult client_cert = make_cert("client");
+  ASSERT_EQ(client_cert.code, 0) << client_cert.out;
+  const std::string cert = (dir / "server.pem").string(), key = (dir / "server.key").string();
+  const std::string ccert = (dir / "client.pem").string(), ckey = (dir / "client.key").string();
+  const std::string model = service_test::ServiceModelDir();
+  const std::string py = absl::StrCat("timeout -k 5 120 /usr/bin/python3 ", SourceDir(),
+                                      "/tests/service/tls_client_test.py --proto-dir ", SourceDir(),
+                                      "/proto --ca ", cert);
+  for (const bool mutual : {false, true}) {
+    SCOPED_TRACE(mutual ? "mutual TLS" : "TLS");
+    const int http_port = FreePort();
+    ASSERT_GT(http_port, 0);
+    std::vector<std::string> flags = {"--workers",  "1",  "--http-port", std::to_string(http_port),
+                                      "--tls-cert", cert, "--tls-key",   key};
+    if (mutual) flags.insert(flags.end(), {"--tls-client-ca", ccert});
+    auto server = service_test::ServerProcess::Start(model, flags);
+    ASSERT_NE(server, nullptr);
+    const std::string client = mutual ? absl::StrCat(" --client-cert ", ccert, " --client-key ",
+                                                     ckey, " --expect-refused-without-client-cert")
+                                      : "";
+    const CommandResult grpc_run =
+        RunCommand(absl::StrCat(py, " --server ", server->address(), client));
+    EXPECT_EQ(grpc_run.code, 0) << grpc_run.out;
+    EXPECT_THAT(grpc_run.out, HasSubstr("TLS: served 3 tokens")) << grpc_run.out;
+    EXPECT_THAT(grpc_run.out, HasSubstr("plain text: refused")) << grpc_run.out;
+    if (mutual) EXPECT_THAT(grpc_run.out, HasSubstr("without a client certificate: refused"));
+
+    const std::string url = absl::StrCat("https://127.0.0.1:", http_port, "/health");
+    const std::string curl =
+        "curl -sS --max-time 20 -o /dev/null -w '%{http_code}' --cacert " + cert;
+    const std::string with_client = mutual ? absl::StrCat(" --cert ", ccert, " --key ", ckey) : "";
+    EXPECT_EQ(RunCommand(curl + with_client + " " + url).out, "200");
+    if (mutual) EXPECT_NE(RunCommand(curl + " " + url).out, "200");
+    EXPECT_NE(RunCommand(absl::StrCat("curl -sS --max-time 10 -o /dev/null -w '%{http_code}' "
+                                      "http://127.0.0.1:",
+                                      http_port, "/health"))
+                  .out,
+              "200");
+  }
+}
+
+// Which hosts count as loopback for the warning about an API without keys (a server in a test
+// may not listen beyond loopback, so the decision is checked here).
+TEST(ApiSecurityTest, LoopbackHostsAreTheOnlyOnesWithoutAWarning) {
+  for (const char* h : {"127.0.0.1", "127.0.0.2", "::1", "localhost"}) {
+    EXPECT_TRUE(IsLoopbackHost(h)) << h;
+  }
+  for (const char* h : {"0.0.0.0", "::", "10.0.0.5", "128.0.0.1", "localhost.example.com"}) {
+    EXPECT_FALSE(IsLoopbackHost(h)) << h;
+  }
+}
+
+TEST(ApiSecurityTest, ApiKeyChecksAndFiles) {
+  const ApiKeys keys({"k1", "k2"});
+  EXPECT_TRUE(keys.Check("Bearer k1").ok());
+  EXPECT_TRUE(keys.Check("Bearer k2").ok());
+  EXPECT_TRUE(absl::IsUnauthenticated(keys.Check("Bearer k3")));
+  EXPECT_TRUE(absl::IsUnauthenticated(keys.Check("k1")));
+  EXPECT_TRUE(absl::IsUnauthenticated(keys.Check("")));
+  EXPECT_TRUE(ApiKeys().Check("").ok());
+  const std::string empty =
+      (fs::path(::testing::TempDir()) / absl::StrCat("no_keys_", getpid())).string();
+  std::ofstream(empty) << "# nothing\n\n";
+  EXPECT_THAT(std::string(ApiKeys::Load(empty, "").status().message()), HasSubstr("holds no key"));
+  EXPECT_THAT(std::string(ApiKeys::Load("/nonexistent/keys", "").status().message()),
+              HasSubstr("cannot read the API key file"));
+}
+
+}  // namespace
+}  // namespace tpserve
