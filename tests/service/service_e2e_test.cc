@@ -695,8 +695,10 @@ TEST(ServiceOverflowTest, FullQueueIsResourceExhaustedAndServiceKeepsServing) {
   for (auto& c : contexts) c->TryCancel();
   for (auto& t : threads) t.join();
   for (const grpc::Status& s : statuses) {
+    // An accepted request may also have finished its 300 tokens before the cancel (a loaded
+    // machine can take seconds to deliver the burst's refusals).
     EXPECT_TRUE(s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ||
-                s.error_code() == grpc::StatusCode::CANCELLED)
+                s.error_code() == grpc::StatusCode::CANCELLED || s.ok())
         << s.error_code() << " " << s.error_message();
   }
   auto stub = v1::Inference::NewStub(server->Channel());
