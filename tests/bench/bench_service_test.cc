@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "tests/service/service_test_util.h"
+#include "tests/testing/service_test_util.h"
 #include "tools/bench/bench_cmd.h"
 
 namespace tpserve {

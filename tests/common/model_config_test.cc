@@ -7,7 +7,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/common/test_files.h"
+#include "tests/testing/test_files.h"
 
 namespace tpserve {
 namespace {

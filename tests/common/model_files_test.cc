@@ -16,7 +16,7 @@
 #include "common/bf16.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/common/test_files.h"
+#include "tests/testing/test_files.h"
 #include "tools/random_model.h"
 
 namespace tpserve {

@@ -17,7 +17,7 @@
 
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
-#include "tests/common/test_files.h"
+#include "tests/testing/test_files.h"
 
 namespace tpserve {
 namespace {

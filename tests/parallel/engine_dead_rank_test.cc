@@ -9,7 +9,7 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/parallel/run_command.h"
+#include "tests/testing/run_command.h"
 
 namespace tpserve {
 namespace {

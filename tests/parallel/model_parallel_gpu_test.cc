@@ -21,8 +21,8 @@
 #include "common/model_config.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/ops.h"
-#include "tests/parallel/model_test_util.h"
-#include "tests/parallel/mp_test_util.h"
+#include "tests/testing/model_test_util.h"
+#include "tests/testing/mp_test_util.h"
 #include "worker/engine.h"
 
 namespace tpserve {

@@ -23,9 +23,9 @@
 #include "absl/strings/str_join.h"
 #include "common/model_config.h"
 #include "kernels/ops.h"
-#include "tests/parallel/model_test_util.h"
-#include "tests/parallel/mp_test_util.h"
-#include "tests/worker/test_models.h"
+#include "tests/testing/model_test_util.h"
+#include "tests/testing/mp_test_util.h"
+#include "tests/testing/test_models.h"
 #include "tools/random_model.h"
 #include "worker/engine.h"
 

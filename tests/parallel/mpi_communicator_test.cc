@@ -12,7 +12,7 @@
 #include "gtest/gtest.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/process_groups.h"
-#include "tests/parallel/fake_ops.h"
+#include "tests/testing/fake_ops.h"
 
 namespace tpserve {
 namespace {

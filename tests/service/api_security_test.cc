@@ -19,7 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/api_keys.h"
-#include "tests/service/service_test_util.h"
+#include "tests/testing/service_test_util.h"
 #include "tpserve/v1/inference.grpc.pb.h"
 
 namespace tpserve {

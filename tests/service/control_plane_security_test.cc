@@ -25,7 +25,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cluster_secret.h"
-#include "tests/service/service_test_util.h"
+#include "tests/testing/service_test_util.h"
 #include "tpserve/v1/inference.grpc.pb.h"
 #include "worker.grpc.pb.h"
 

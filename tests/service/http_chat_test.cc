@@ -15,7 +15,7 @@
 #include "coordinator/metrics.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/tokenizer/tokenizer.h"
-#include "tests/service/http_test_util.h"
+#include "tests/testing/http_test_util.h"
 
 namespace tpserve {
 namespace {

@@ -13,8 +13,8 @@
 
 #include "coordinator/chat_template/chat_template.h"
 #include "coordinator/tokenizer/tokenizer.h"
-#include "tests/service/http_test_util.h"
-#include "tests/service/service_test_util.h"
+#include "tests/testing/http_test_util.h"
+#include "tests/testing/service_test_util.h"
 
 namespace tpserve {
 namespace {

@@ -11,7 +11,7 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/service/service_test_util.h"
+#include "tests/testing/service_test_util.h"
 #include "tpserve/v1/inference.grpc.pb.h"
 
 namespace tpserve {

@@ -18,7 +18,7 @@
 #include "coordinator/chat_template/chat_template.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "tests/service/service_test_util.h"
+#include "tests/testing/service_test_util.h"
 #include "tpserve/v1/inference.grpc.pb.h"
 #include "worker/engine.h"
 

@@ -5,7 +5,7 @@
 
 #include <gtest/gtest.h>
 
-#include "tests/worker/test_models.h"
+#include "tests/testing/test_models.h"
 #include "worker/engine.h"
 
 namespace tpserve {

@@ -14,7 +14,7 @@
 
 #include "common/safetensors.h"
 #include "kernels/cuda/cuda_ops.h"
-#include "tests/parallel/model_test_util.h"
+#include "tests/testing/model_test_util.h"
 #include "worker/engine.h"
 
 namespace tpserve {

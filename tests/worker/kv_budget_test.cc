@@ -9,7 +9,7 @@
 #include "common/model_files.h"
 #include "parallel/communicator.h"
 #include "parallel/shard_plan.h"
-#include "tests/worker/test_models.h"
+#include "tests/testing/test_models.h"
 #include "worker/kv_cache.h"
 #include "worker/model.h"
 #include "worker/shard_loader.h"

@@ -13,8 +13,8 @@
 #include "common/model_files.h"
 #include "parallel/communicator.h"
 #include "parallel/shard_plan.h"
-#include "tests/parallel/fake_ops.h"
-#include "tests/worker/test_models.h"
+#include "tests/testing/fake_ops.h"
+#include "tests/testing/test_models.h"
 #include "worker/model.h"
 
 namespace tpserve {

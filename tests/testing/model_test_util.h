@@ -14,7 +14,7 @@
 
 #include "common/logging.h"
 #include "common/model_config.h"
-#include "tests/parallel/mp_test_util.h"
+#include "tests/testing/mp_test_util.h"
 #include "tools/random_model.h"
 #include "worker/engine.h"
 

@@ -22,7 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/model_config.h"
-#include "tests/worker/test_models.h"
+#include "tests/testing/test_models.h"
 #include "tools/random_model.h"
 
 namespace tpserve::service_test {
