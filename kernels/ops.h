@@ -112,6 +112,9 @@ class Ops {
                           Tensor out) = 0;
   // y[M, N] = x[M, K] * w[N, K]^T (+ bias[N]); the layout of torch.nn.Linear.
   virtual void Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) = 0;
+  // Rope and KvWrite: only tests call them. They stay as the unfused reference that every
+  // backend's fused RopeKvWrite / QkvRopeKvWrite is checked against (cpu_ops_test,
+  // cuda_ops_test); the forward pass uses the fused ops.
   // Rotates q [T, Hq * D] and k [T, Hk * D] in place (rotate-half layout, HF Llama) by the
   // batch positions; inv_freq [D / 2] (f32, on the device) already holds any scaling.
   virtual void Rope(Tensor q, Tensor k, const Tensor& inv_freq, int head_dim) = 0;
