@@ -2,8 +2,11 @@
 // calls getenv.
 #include "common/env.h"
 
+#include <unistd.h>
 #include <atomic>
+
 #include <cstdlib>
+#include <string_view>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -351,6 +354,16 @@ const EnvRegistry& Env() {
 
 bool UnderMpi() {
   return EnvIsSet(env::kOmpiCommWorldSize) || EnvIsSet(env::kPmiSize) || EnvIsSet(env::kPmixRank);
+}
+
+std::vector<std::string> EnvironmentWith(const EnvVar& var, const std::string& value) {
+  const std::string prefix = std::string(var.name) + "=";
+  std::vector<std::string> out;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::string_view(*e).substr(0, prefix.size()) != prefix) out.push_back(*e);
+  }
+  out.push_back(prefix + value);
+  return out;
 }
 
 }  // namespace tpserve

@@ -104,6 +104,10 @@ inline std::string EnvString(const EnvVar& var) { return Env().String(var); }
 // Started by mpirun / an MPI process manager (OMPI_COMM_WORLD_SIZE, PMI_SIZE or PMIX_RANK set).
 bool UnderMpi();
 
+// This process's whole environment ("NAME=value" strings) with `var` set to `value` (any value
+// it had is dropped): the environment of a child process, built before fork.
+std::vector<std::string> EnvironmentWith(const EnvVar& var, const std::string& value);
+
 // For common/logging only: the registry without logging its notes (logging reads its level
 // from it, so it must not log while doing so).
 const EnvRegistry& EnvWithoutLogging();

@@ -111,12 +111,7 @@ absl::StatusOr<pid_t> SpawnWorkers(const CoordinatorOptions& o, int world, const
   if (!EnvIsSet(env::kOpenblasNumThreads)) setenv(env::kOpenblasNumThreads.name, "1", 0);
   if (!EnvIsSet(env::kLogLevel)) setenv(env::kLogLevel.name, "info", 0);
   // The children's environment, built before fork (the child only calls exec).
-  const std::string secret_prefix = absl::StrCat(env::kClusterSecret.name, "=");
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (!absl::StartsWith(*e, secret_prefix)) env_strings.push_back(*e);
-  }
-  env_strings.push_back(absl::StrCat(secret_prefix, secret));
+  std::vector<std::string> env_strings = EnvironmentWith(env::kClusterSecret, secret);
   std::vector<char*> envp;
   for (auto& e : env_strings) envp.push_back(e.data());
   envp.push_back(nullptr);

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/api_keys.h"
+#include "tests/testing/http_test_util.h"
 #include "tests/testing/service_test_util.h"
 #include "tpserve/v1/inference.grpc.pb.h"
 
@@ -28,20 +29,7 @@ namespace {
 using ::testing::HasSubstr;
 namespace fs = std::filesystem;
 
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
-    return 0;
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
+using service_test::FreePort;
 
 struct CommandResult {
   int code = -1;

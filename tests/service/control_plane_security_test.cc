@@ -25,6 +25,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cluster_secret.h"
+#include "tests/testing/http_test_util.h"
 #include "tests/testing/service_test_util.h"
 #include "tpserve/v1/inference.grpc.pb.h"
 #include "worker.grpc.pb.h"
@@ -36,20 +37,7 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 namespace fs = std::filesystem;
 
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
-    return 0;
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
+using service_test::FreePort;
 
 // The TCP ports `pid` listens on: its socket inodes matched against /proc/net/tcp{,6} LISTEN rows.
 std::set<int> ListeningPorts(pid_t pid) {

@@ -15,6 +15,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include "tests/testing/http_test_util.h"
 
 namespace tpserve {
 namespace {
@@ -22,20 +23,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
-    return 0;
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
+using service_test::FreePort;
 
 TEST(MpmdWorkerFailureTest, AFailingWorkerDoesNotAbortTheCoordinator) {
   const int port = FreePort();
