@@ -31,22 +31,8 @@ namespace fs = std::filesystem;
 
 using service_test::FreePort;
 
-struct CommandResult {
-  int code = -1;
-  std::string out;
-};
-
-CommandResult RunCommand(const std::string& cmd) {
-  CommandResult r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using service_test::CommandResult;
+using service_test::RunCommand;
 
 std::string SourceDir() {
   const char* src = std::getenv("TPSERVE_SOURCE_DIR");
@@ -70,14 +56,14 @@ TEST(ApiSecurityTest, ApiKeysGuardGrpcAndHttpButNotHealth) {
       RunCommand(absl::StrCat("timeout -k 5 120 /usr/bin/python3 ", SourceDir(),
                               "/tests/service/api_key_client_test.py --server ", server->address(),
                               " --proto-dir ", SourceDir(), "/proto --key second-key"));
-  EXPECT_EQ(py.code, 0) << py.out;
-  EXPECT_THAT(py.out, HasSubstr("the right key: served 3 tokens")) << py.out;
+  EXPECT_EQ(py.exit_code, 0) << py.output;
+  EXPECT_THAT(py.output, HasSubstr("the right key: served 3 tokens")) << py.output;
 
   const std::string base = absl::StrCat("http://127.0.0.1:", http_port);
   auto http_code = [&](const std::string& extra, const std::string& path) {
     return RunCommand(absl::StrCat("curl -sS --max-time 20 -o /dev/null -w '%{http_code}' ", extra,
                                    " ", base, path))
-        .out;
+        .output;
   };
   EXPECT_EQ(http_code("", "/v1/models"), "401");
   EXPECT_EQ(http_code("-H 'Authorization: Bearer nope'", "/v1/models"), "401");
@@ -87,12 +73,12 @@ TEST(ApiSecurityTest, ApiKeysGuardGrpcAndHttpButNotHealth) {
       RunCommand(absl::StrCat("curl -sS --max-time 20 -H 'Content-Type: application/json' -d "
                               "'{\"prompt\": \"hi\", \"max_tokens\": 2}' ",
                               base, "/v1/completions"));
-  EXPECT_THAT(denied.out, HasSubstr("Bearer")) << denied.out;
+  EXPECT_THAT(denied.output, HasSubstr("Bearer")) << denied.output;
   const CommandResult served = RunCommand(
       absl::StrCat("curl -sS --max-time 60 -H 'Authorization: Bearer first-key' -H "
                    "'Content-Type: application/json' -d '{\"model\": \"",
                    model, "\", \"prompt\": \"hi\", \"max_tokens\": 2}' ", base, "/v1/completions"));
-  EXPECT_THAT(served.out, HasSubstr("\"completion_tokens\":2")) << served.out;
+  EXPECT_THAT(served.output, HasSubstr("\"completion_tokens\":2")) << served.output;
 }
 
 // Four prompts of 3.9 MB of text at once are refused before tokenizing (no CPU spent on them),
@@ -167,9 +153,9 @@ TEST(ApiSecurityTest, TlsAndMutualTlsWithGrpcioAndCurl) {
         (dir / (name + ".key")).string(), " -out ", (dir / (name + ".pem")).string()));
   };
   const CommandResult server_cert = make_cert("server");
-  ASSERT_EQ(server_cert.code, 0) << server_cert.out;
+  ASSERT_EQ(server_cert.exit_code, 0) << server_cert.output;
   const CommandResult client_cert = make_cert("client");
-  ASSERT_EQ(client_cert.code, 0) << client_cert.out;
+  ASSERT_EQ(client_cert.exit_code, 0) << client_cert.output;
   const std::string cert = (dir / "server.pem").string(), key = (dir / "server.key").string();
   const std::string ccert = (dir / "client.pem").string(), ckey = (dir / "client.key").string();
   const std::string model = service_test::ServiceModelDir();
@@ -190,21 +176,21 @@ TEST(ApiSecurityTest, TlsAndMutualTlsWithGrpcioAndCurl) {
                                       : "";
     const CommandResult grpc_run =
         RunCommand(absl::StrCat(py, " --server ", server->address(), client));
-    EXPECT_EQ(grpc_run.code, 0) << grpc_run.out;
-    EXPECT_THAT(grpc_run.out, HasSubstr("TLS: served 3 tokens")) << grpc_run.out;
-    EXPECT_THAT(grpc_run.out, HasSubstr("plain text: refused")) << grpc_run.out;
-    if (mutual) EXPECT_THAT(grpc_run.out, HasSubstr("without a client certificate: refused"));
+    EXPECT_EQ(grpc_run.exit_code, 0) << grpc_run.output;
+    EXPECT_THAT(grpc_run.output, HasSubstr("TLS: served 3 tokens")) << grpc_run.output;
+    EXPECT_THAT(grpc_run.output, HasSubstr("plain text: refused")) << grpc_run.output;
+    if (mutual) EXPECT_THAT(grpc_run.output, HasSubstr("without a client certificate: refused"));
 
     const std::string url = absl::StrCat("https://127.0.0.1:", http_port, "/health");
     const std::string curl =
         "curl -sS --max-time 20 -o /dev/null -w '%{http_code}' --cacert " + cert;
     const std::string with_client = mutual ? absl::StrCat(" --cert ", ccert, " --key ", ckey) : "";
-    EXPECT_EQ(RunCommand(curl + with_client + " " + url).out, "200");
-    if (mutual) EXPECT_NE(RunCommand(curl + " " + url).out, "200");
+    EXPECT_EQ(RunCommand(curl + with_client + " " + url).output, "200");
+    if (mutual) EXPECT_NE(RunCommand(curl + " " + url).output, "200");
     EXPECT_NE(RunCommand(absl::StrCat("curl -sS --max-time 10 -o /dev/null -w '%{http_code}' "
                                       "http://127.0.0.1:",
                                       http_port, "/health"))
-                  .out,
+                  .output,
               "200");
   }
 }

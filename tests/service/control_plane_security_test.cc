@@ -176,22 +176,8 @@ TEST(ControlPlaneSecurityTest, ImpostorRacingTheWorkersNeverBecomesAWorker) {
   EXPECT_EQ(resp.token_ids_size(), 3);
 }
 
-struct CommandResult {
-  int code = -1;
-  std::string out;
-};
-
-CommandResult RunCommand(const std::string& cmd) {
-  CommandResult r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using service_test::CommandResult;
+using service_test::RunCommand;
 
 // A coordinator launched apart from its workers (as under Slurm): a worker with a wrong secret or
 // none is refused with the reason, the right one serves, a second one for the same rank is
@@ -212,8 +198,8 @@ TEST(ControlPlaneSecurityTest, WorkersWithoutTheSecretAreRefusedWithAClearMessag
 
   // Without a secret file the coordinator refuses to start (its workers are not spawned).
   const CommandResult no_file = RunCommand("timeout 30 " + coordinator);
-  EXPECT_NE(no_file.code, 0) << no_file.out;
-  EXPECT_THAT(no_file.out, HasSubstr("--cluster-secret-file is required")) << no_file.out;
+  EXPECT_NE(no_file.exit_code, 0) << no_file.output;
+  EXPECT_THAT(no_file.output, HasSubstr("--cluster-secret-file is required")) << no_file.output;
 
   const pid_t pid = fork();
   if (pid == 0) {
@@ -227,13 +213,13 @@ TEST(ControlPlaneSecurityTest, WorkersWithoutTheSecretAreRefusedWithAClearMessag
                                           " --coordinator 127.0.0.1:", control_port,
                                           " --device cpu --rank 0 --world-size 1");
   const CommandResult wrong = RunCommand(worker + " --cluster-secret-file " + bad);
-  EXPECT_EQ(wrong.code, 1) << wrong.out;
-  EXPECT_THAT(wrong.out, HasSubstr("the coordinator refused this worker")) << wrong.out;
-  EXPECT_THAT(wrong.out, HasSubstr("the cluster secret does not match")) << wrong.out;
+  EXPECT_EQ(wrong.exit_code, 1) << wrong.output;
+  EXPECT_THAT(wrong.output, HasSubstr("the coordinator refused this worker")) << wrong.output;
+  EXPECT_THAT(wrong.output, HasSubstr("the cluster secret does not match")) << wrong.output;
 
   const CommandResult none = RunCommand("env -u TPSERVE_CLUSTER_SECRET " + worker);
-  EXPECT_EQ(none.code, 2) << none.out;
-  EXPECT_THAT(none.out, HasSubstr("no cluster secret")) << none.out;
+  EXPECT_EQ(none.exit_code, 2) << none.output;
+  EXPECT_THAT(none.output, HasSubstr("no cluster secret")) << none.output;
 
   // The right secret (here through the environment, as spawned workers get it).
   FILE* real = popen(
@@ -246,8 +232,8 @@ TEST(ControlPlaneSecurityTest, WorkersWithoutTheSecretAreRefusedWithAClearMessag
   EXPECT_TRUE(fs::exists(ready)) << "the coordinator did not become ready";
   // Rank 0 is taken: a second worker with the right secret is refused, saying so.
   const CommandResult second = RunCommand(worker + " --cluster-secret-file " + good);
-  EXPECT_EQ(second.code, 1) << second.out;
-  EXPECT_THAT(second.out, HasSubstr("registration is closed")) << second.out;
+  EXPECT_EQ(second.exit_code, 1) << second.output;
+  EXPECT_THAT(second.output, HasSubstr("registration is closed")) << second.output;
 
   kill(pid, SIGTERM);
   int status = 0;

@@ -39,7 +39,7 @@ struct CommandResult {
 };
 
 // Runs `command` under `timeout` (killed after `seconds`, SIGKILL 5 s later).
-inline CommandResult RunCommand(const std::string& command, int seconds) {
+inline CommandResult RunCommand(const std::string& command, int seconds = 120) {
   const std::string cmd = "timeout -k 5 " + std::to_string(seconds) + " bash -c '" + [&] {
     std::string q;
     for (char c : command) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
