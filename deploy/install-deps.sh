@@ -10,7 +10,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libpcre2-dev libutf8proc-dev libopenblas-dev
-  libcpp-httplib-dev curl prometheus
+  libcpp-httplib-dev curl prometheus openssl
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy python3-matplotlib
   # clang with libFuzzer builds the chat-template fuzzer that ctest runs (tests/coordinator).
   clang-14 libclang-rt-14-dev
