@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/cluster_secret.h"
 #include "common/env.h"
 #include "common/flags.h"
@@ -94,18 +95,23 @@ std::string Hostname() {
   return buf;
 }
 
+// Why the coordinator ended the control stream: a refused register (wrong secret, rank taken)
+// carries the reason in the stream's status.
+absl::Status StreamEnded(ControlClient& client, absl::string_view otherwise) {
+  const absl::Status end = client.EndStatus();
+  if (!end.ok()) {
+    return absl::Status(end.code(),
+                        absl::StrCat("the coordinator refused this worker: ", end.message()));
+  }
+  return absl::UnavailableError(otherwise);
+}
+
 // Everything after the connection; errors go to the coordinator as fatal_error.
 absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MPI_Comm workers,
                    Ops* ops, const std::string& device) {
   worker::CoordinatorMessage msg;
   if (!client.Read(&msg)) {
-    // A refused register (wrong secret, rank taken) ends the stream with the reason.
-    const absl::Status end = client.EndStatus();
-    if (!end.ok()) {
-      return absl::Status(end.code(),
-                          absl::StrCat("the coordinator refused this worker: ", end.message()));
-    }
-    return absl::UnavailableError("the coordinator closed the control stream before assigning");
+    return StreamEnded(client, "the coordinator closed the control stream before assigning");
   }
   if (msg.has_shutdown()) return absl::OkStatus();
   if (!msg.has_assignment()) return absl::InternalError("expected an assignment");
@@ -309,7 +315,11 @@ int Main(int argc, char** argv) {
       r->set_mpi(mpi);
       r->set_pid(getpid());
       if (!(*client)->Send(reg)) {
-        st = absl::UnavailableError("could not register with the coordinator");
+        // The coordinator may refuse (and end the stream) before the register is written.
+        worker::CoordinatorMessage ignored;
+        while ((*client)->Read(&ignored)) {
+        }
+        st = StreamEnded(**client, "could not register with the coordinator");
       } else {
         (*client)->StartHeartbeats(std::chrono::milliseconds(1000), std::chrono::seconds(5));
         st = Serve(**client, rank, world_size, mpi, mpi_workers.comm, ops->get(), device);
