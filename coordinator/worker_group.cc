@@ -285,6 +285,17 @@ absl::Status WorkerGroup::Start(std::chrono::seconds register_timeout,
   plan_options.pp = options_.tp > 0 ? options_.pp : 1;
   plan_options.device_map = options_.device_map;
   plan_options.bytes_per_elem = device == "cpu" ? 4 : 2;
+  // Balance and check the fit against the memory every rank reported (unequal GPUs, ranks that
+  // share one).
+  std::vector<RankMemory> memory;
+  for (int r = 0; r < n; ++r) {
+    const worker::Register& info = slots_[r]->info;
+    memory.push_back({info.hostname(), info.device() == "cuda", info.gpu_index(),
+                      info.free_memory_bytes(), info.total_memory_bytes()});
+  }
+  plan_options.stage_free_bytes =
+      StageFreeBytes(memory, plan_options.tp, plan_options.pp,
+                     options_.gpu_memory_utilization > 0 ? options_.gpu_memory_utilization : 0.90);
   if (plan_options.tp * plan_options.pp != n) {
     return absl::InvalidArgumentError(absl::StrCat("--tp ", plan_options.tp, " x --pp ",
                                                    plan_options.pp, " does not match the ", n,

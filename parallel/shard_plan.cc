@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <limits>
+#include <map>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -260,6 +261,31 @@ std::string FitSuggestions(const ModelConfig& config, const PlanOptions& options
 }
 
 }  // namespace
+
+std::vector<int64_t> StageFreeBytes(const std::vector<RankMemory>& ranks, int tp, int pp,
+                                    double gpu_memory_utilization) {
+  if (tp <= 0 || pp <= 0 || static_cast<int64_t>(ranks.size()) != int64_t{tp} * pp) return {};
+  auto device_key = [](const RankMemory& m) {
+    return absl::StrCat(m.hostname, m.cuda ? "/gpu" : "/host", m.cuda ? m.gpu_index : -1);
+  };
+  std::map<std::string, int> sharing;
+  for (const RankMemory& m : ranks) {
+    if (m.free_bytes <= 0) return {};
+    ++sharing[device_key(m)];
+  }
+  std::vector<int64_t> stage(pp, std::numeric_limits<int64_t>::max());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const RankMemory& m = ranks[r];
+    int64_t usable = m.free_bytes;
+    if (m.total_bytes > 0) {
+      usable -= std::llround((1.0 - gpu_memory_utilization) * static_cast<double>(m.total_bytes));
+    }
+    usable = std::max<int64_t>(usable, 0) / sharing[device_key(m)];
+    int64_t& s = stage[r / static_cast<size_t>(tp)];
+    s = std::min(s, usable);
+  }
+  return stage;
+}
 
 std::vector<int> ValidTpValues(const ModelConfig& config) {
   std::vector<int> out;

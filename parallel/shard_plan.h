@@ -69,6 +69,24 @@ struct PlanOptions {
   int64_t context_tokens = 0;
 };
 
+// What one rank reported about its device before loading (the Register message).
+struct RankMemory {
+  std::string hostname;
+  bool cuda = false;
+  int gpu_index = -1;
+  int64_t free_bytes = 0;   // 0: unknown
+  int64_t total_bytes = 0;  // device total; 0: unknown (CPU: free_bytes is the host's available)
+};
+
+// The memory each stage's GPUs can use, for PlanOptions::stage_free_bytes (ranks ordered by
+// global rank, tp * pp of them): a rank may use its free memory less the part of the device the
+// utilization fraction keeps back ((1 - gpu_memory_utilization) * total, when the total is
+// known), split evenly among the ranks that share its device (same host and GPU, or the same
+// host's memory for CPU ranks); a stage gets the smallest of its ranks. Empty when any rank's
+// free memory is unknown (then the plan is balanced by bytes alone and not checked).
+std::vector<int64_t> StageFreeBytes(const std::vector<RankMemory>& ranks, int tp, int pp,
+                                    double gpu_memory_utilization);
+
 // Builds a balanced plan (layers weighted by weight + KV bytes; embedding on the first stage and
 // norm + lm_head on the last counted; the largest per-GPU load relative to the stage's free
 // memory minimized over contiguous layer ranges) or validates a manual one. Errors say what

@@ -310,7 +310,15 @@ int Main(int argc, char** argv) {
       r->set_world_size(world_size);
       r->set_device(device);
       r->set_gpu_index(device == "cuda" ? gpu_index : -1);
-      r->set_free_memory_bytes(device == "cpu" ? AvailableHostMemory() : 0);
+      if (device == "cpu") {
+        r->set_free_memory_bytes(AvailableHostMemory());
+      } else if (ops.ok()) {
+        size_t free_bytes = 0, total_bytes = 0;
+        if ((*ops)->MemoryInfo(&free_bytes, &total_bytes)) {
+          r->set_free_memory_bytes(static_cast<int64_t>(free_bytes));
+          r->set_total_memory_bytes(static_cast<int64_t>(total_bytes));
+        }
+      }
       r->set_hostname(Hostname());
       r->set_mpi(mpi);
       r->set_pid(getpid());

@@ -209,6 +209,70 @@ TEST(ShardPlanTest, ManualMapFitCheckNamesTheStage) {
   EXPECT_TRUE(PlanShards(c, o).ok());
 }
 
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+// What the service does with its workers' Register messages: the memory each stage can use
+// (utilization fraction kept back, a shared device split, the smallest rank of a stage) ...
+TEST(ShardPlanTest, StageFreeBytesFromWhatTheRanksReport) {
+  // tp = 2, pp = 2 on four GPUs of two hosts; host b's GPU 1 has less free memory.
+  std::vector<RankMemory> ranks = {
+      {"a", true, 0, 70 * kGiB, 80 * kGiB},
+      {"a", true, 1, 70 * kGiB, 80 * kGiB},
+      {"b", true, 0, 30 * kGiB, 40 * kGiB},
+      {"b", true, 1, 20 * kGiB, 40 * kGiB},
+  };
+  std::vector<int64_t> s = StageFreeBytes(ranks, 2, 2, 0.9);
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_EQ(s[0], 70 * kGiB - 8 * kGiB);
+  EXPECT_EQ(s[1], 20 * kGiB - 4 * kGiB);
+  // Two ranks on one GPU (as on a one-GPU machine) share what it can give.
+  ranks[3].gpu_index = 0;
+  ranks[3].free_bytes = 30 * kGiB;
+  s = StageFreeBytes(ranks, 2, 2, 0.9);
+  EXPECT_EQ(s[1], (30 * kGiB - 4 * kGiB) / 2);
+  // CPU ranks of one host share its available memory; no utilization fraction applies.
+  const std::vector<RankMemory> cpu = {{"h", false, -1, 12 * kGiB, 0},
+                                       {"h", false, -1, 12 * kGiB, 0}};
+  EXPECT_EQ(StageFreeBytes(cpu, 1, 2, 0.9), (std::vector<int64_t>{6 * kGiB, 6 * kGiB}));
+  // Unknown memory on any rank: no balance by memory, no fit check.
+  ranks[2].free_bytes = 0;
+  EXPECT_TRUE(StageFreeBytes(ranks, 2, 2, 0.9).empty());
+  // A layout that does not match the ranks.
+  EXPECT_TRUE(StageFreeBytes(cpu, 2, 2, 0.9).empty());
+}
+
+// ... balances a pipeline towards the larger GPUs and refuses one that cannot fit with the
+// numbers.
+TEST(ShardPlanTest, UnequalReportedMemoryMovesLayersAndRefusesWhatCannotFit) {
+  ModelConfig c = Llama7B();
+  PlanOptions o;
+  o.pp = 2;
+  o.context_tokens = 4096;
+  const std::vector<RankMemory> equal = {{"a", true, 0, 40 * kGiB, 40 * kGiB},
+                                         {"a", true, 1, 40 * kGiB, 40 * kGiB}};
+  o.stage_free_bytes = StageFreeBytes(equal, 1, 2, 0.9);
+  absl::StatusOr<ShardPlan> p = PlanShards(c, o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->num_layers(0), 16);
+  // GPU 1 has another process on it: 12 GiB free of 40.
+  const std::vector<RankMemory> unequal = {{"a", true, 0, 40 * kGiB, 40 * kGiB},
+                                           {"a", true, 1, 12 * kGiB, 40 * kGiB}};
+  o.stage_free_bytes = StageFreeBytes(unequal, 1, 2, 0.9);
+  p = PlanShards(c, o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_GT(p->num_layers(0), 20);
+  for (int s = 0; s < 2; ++s) EXPECT_LE(p->stage_bytes[s], o.stage_free_bytes[s]);
+  // Both GPUs nearly full: refused, naming the stage, the bytes and what would fit.
+  const std::vector<RankMemory> full = {{"a", true, 0, 10 * kGiB, 40 * kGiB},
+                                        {"a", true, 1, 10 * kGiB, 40 * kGiB}};
+  o.stage_free_bytes = StageFreeBytes(full, 1, 2, 0.9);
+  p = PlanShards(c, o);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(p.status().message()), HasSubstr("6.00 GiB free"));
+  EXPECT_THAT(std::string(p.status().message()), HasSubstr("it would fit with pp=3"));
+}
+
 TEST(ShardPlanTest, ManualMap) {
   ModelConfig c = Llama7B();
   PlanOptions o;
