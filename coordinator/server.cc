@@ -789,9 +789,9 @@ struct Parts {
 
 // Replaces a failed group: spawned workers are killed and spawned again after a backoff (1 s,
 // doubling per attempt that does not reach SERVING, at most 30 s); with --rejoin, workers
-// launched apart register again. True once a new group passed its warm-up (health SERVING),
-// false after a signal (nothing can be drained then); the reason when the group cannot be
-// replaced.
+// launched apart register again (one wait of --register-timeout). True once a new group passed its
+// warm-up (health SERVING), false after a signal (nothing can be drained then); the reason when the
+// group cannot be replaced.
 absl::StatusOr<bool> Recover(const Parts& p) {
   const CoordinatorOptions& o = p.layout->options;
   const auto t0 = std::chrono::steady_clock::now();
@@ -847,7 +847,13 @@ absl::StatusOr<bool> Recover(const Parts& p) {
       return true;
     }
     if (!p.events->SleepUnlessSignal(absl::ZeroDuration())) return false;
-    failure = p.group->failure().ok() ? st : p.group->failure();
+    const bool group_failed = !p.group->failure().ok();
+    failure = group_failed ? p.group->failure() : st;
+    if (!o.spawn_workers) {
+      // --rejoin waits once, with its deadline; then the launcher restarts the job.
+      return Annotate(failure, "the workers did not rejoin");
+    }
+    if (!group_failed) p.metrics->OnWorkerGroupFailure();  // else its callback counted it
     p.record->Failed(p.group->failed_rank(), failure);
     p.scheduler->Suspend(failure);  // a start that failed before the group did keeps it too
     TP_LOG(ERROR) << "the new worker group did not come up: " << failure.message();
@@ -861,7 +867,8 @@ absl::Status Serve(const Parts& p) {
   while (true) {
     const int signal = p.events->WaitForSignalOrGroupFailure();
     if (signal != 0) {
-      Drain(p.layout->options, signal, p.scheduler, p.servers);
+      // A failed group runs nothing: there is nothing to drain then.
+      if (p.group->failure().ok()) Drain(p.layout->options, signal, p.scheduler, p.servers);
       return absl::OkStatus();
     }
     TP_ASSIGN_OR_RETURN(const bool serving, Recover(p));
