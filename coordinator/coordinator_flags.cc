@@ -101,7 +101,17 @@ CommandSpec MakeSpec(bool serve_command) {
       IntFlag("load-timeout", 1, 86400, "seconds for the workers to load and warm up (default 600)",
               "S"),
       IntFlag("drain-timeout", 0, 86400,
-              "seconds to finish running requests after SIGTERM (default 30)", "S"),
+              "seconds to finish running requests after SIGTERM (default 15: drain and shutdown "
+              "fit Kubernetes' 30 s grace period)",
+              "S"),
+      IntFlag("max-restarts", 0, 1000,
+              "restarts of a failed group of spawned workers within 10 minutes; one failure more "
+              "exits non-zero (default 5; 0: never restart)",
+              "N"),
+      BoolFlag("rejoin",
+               "workers launched apart (mpirun, Slurm, Kubernetes) may register again after a "
+               "failure (within --register-timeout); without it the coordinator exits non-zero "
+               "so that the launcher restarts the job"),
       FloatFlag("heartbeat-timeout", 0.5, 86400,
                 "seconds without a worker heartbeat before the group fails (default 4)", "S"),
       IntFlag("step-timeout", 1, 86400, "seconds one step may take (default 120)", "S"),
@@ -156,6 +166,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   o.spawn_workers = serve_command || a.Flag("spawn-workers");
   o.enable_prefix_caching = a.GetBool("enable-prefix-caching", true);
   o.overlap_scheduling = a.GetBool("overlap-scheduling", true);
+  o.rejoin = a.Flag("rejoin");
   o.kv_cache_mb = a.GetInt("kv-cache-mb", 0);
   o.max_request_bytes = a.GetInt("max-request-bytes", o.max_request_bytes);
   o.gpu_memory_utilization = a.GetDouble("gpu-memory-utilization", o.gpu_memory_utilization);
@@ -180,6 +191,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
       {"register-timeout", &o.register_timeout_s},
       {"load-timeout", &o.load_timeout_s},
       {"drain-timeout", &o.drain_timeout_s},
+      {"max-restarts", &o.max_restarts},
       {"step-timeout", &o.step_timeout_s},
   };
   for (const IntField& f : ints) *f.value = static_cast<int>(a.GetInt(f.name, *f.value));

@@ -414,6 +414,11 @@ void InferenceService::Activate(Scheduler* scheduler, ServiceLimits limits, v1::
   scheduler_.store(scheduler, std::memory_order_release);
 }
 
+void InferenceService::SetWorkerGroupStatus(const v1::WorkerGroupStatus& status) {
+  absl::MutexLock lock(&group_mu_);
+  group_status_ = status;
+}
+
 namespace {
 absl::Status NotReady() {
   return absl::UnavailableError("the server is starting: the workers are loading the model");
@@ -550,6 +555,10 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
     return reactor;
   }
   *response = info_;
+  {
+    absl::MutexLock lock(&group_mu_);
+    *response->mutable_worker_group() = group_status_;
+  }
   const SchedulerStats s = scheduler->stats();
   v1::KvCacheStats* kv = response->mutable_kv();
   kv->set_block_size(scheduler->options().block_size);

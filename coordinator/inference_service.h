@@ -9,10 +9,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "common/model_config.h"
-#include "coordinator/chat_template/chat_template.h"
 #include "coordinator/api_keys.h"
+#include "coordinator/chat_template/chat_template.h"
 #include "coordinator/request.h"
 #include "coordinator/scheduler.h"
 #include "tpserve/v1/inference.grpc.pb.h"
@@ -68,6 +70,8 @@ class InferenceService final : public v1::Inference::CallbackService {
   // Valid once scheduler() is not null.
   const ServiceLimits& limits() const { return limits_; }
   const v1::ModelInfo& static_info() const { return info_; }
+  // The worker group's failures and restarts, reported by GetModelInfo (any thread).
+  void SetWorkerGroupStatus(const v1::WorkerGroupStatus& status) ABSL_LOCKS_EXCLUDED(group_mu_);
 
   grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* context,
                                      const v1::GenerateRequest* request,
@@ -101,6 +105,8 @@ class InferenceService final : public v1::Inference::CallbackService {
   // Written once by Activate before scheduler_ is published.
   ServiceLimits limits_;
   v1::ModelInfo info_;
+  absl::Mutex group_mu_;
+  v1::WorkerGroupStatus group_status_ ABSL_GUARDED_BY(group_mu_);
   std::atomic<uint64_t> next_request_{1};
 };
 

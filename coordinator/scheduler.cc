@@ -133,6 +133,7 @@ absl::Status Scheduler::Submit(std::shared_ptr<RequestState> request) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!refuse_.ok()) return refuse_;
+    if (!suspend_.ok()) return suspend_;
     if (stop_) return absl::UnavailableError("the server is shutting down");
     if (queued_.load() >= options_.max_queued_requests) {
       return absl::ResourceExhaustedError(absl::StrCat("the request queue is full (",
@@ -179,6 +180,61 @@ void Scheduler::Fail(absl::Status status) {
     if (refuse_.ok()) refuse_ = status;
   }
   cv_.notify_all();
+}
+
+void Scheduler::Suspend(absl::Status status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!fail_.ok() || stop_) return;
+    suspend_ = std::move(status);
+    ++suspend_generation_;
+  }
+  cv_.notify_all();
+}
+
+void Scheduler::Resume(int num_blocks) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    suspend_ = absl::OkStatus();
+    resume_blocks_ = num_blocks;
+  }
+  cv_.notify_all();
+}
+
+bool Scheduler::Suspending() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !suspend_.ok() || suspend_generation_ != handled_generation_;
+}
+
+void Scheduler::Requeue(const absl::Status& status) {
+  pending_.clear();
+  // Sequences that produced output end (their stream cannot be replayed); the rest go back to
+  // the queue in admission order, before the ones that never ran, with nothing computed.
+  std::deque<std::unique_ptr<Seq>> kept;
+  auto keep_or_end = [&](std::unique_ptr<Seq>& s) {
+    s->pending_steps = s->pending_samples = 0;
+    if (s->done) return;
+    if (s->outputs > 0) {
+      Finish(*s, status, Finish::kNone);
+      return;
+    }
+    s->blocks.clear();
+    s->computed = s->scheduled = s->registered = 0;
+    s->send_prefix = s->in_plan = s->preempted = false;
+    kept.push_back(std::move(s));
+  };
+  std::sort(running_.begin(), running_.end(),
+            [](const auto& a, const auto& b) { return a->admit_order < b->admit_order; });
+  for (auto& s : running_) keep_or_end(s);
+  for (auto& s : waiting_) keep_or_end(s);
+  running_.clear();
+  waiting_ = std::move(kept);
+  finished_ids_.clear();  // the new workers know no sequence
+  // The KV contents are gone with the workers: every block is free and nothing is cached.
+  blocks_ = BlockManager(blocks_.total_blocks(), blocks_.block_size(), blocks_.prefix_caching());
+  TP_LOG(WARNING) << "worker group lost: " << waiting_.size()
+                  << " requests without output kept for the next group";
+  PublishStats();
 }
 
 void Scheduler::DropPrefixCache(std::string cache_salt, bool all,
@@ -586,7 +642,8 @@ void Scheduler::Loop() {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] {
         return stop_ || wake_ || !incoming_.empty() || !running_.empty() || !waiting_.empty() ||
-               !fail_.ok() || !drops_.empty();
+               !fail_.ok() || !drops_.empty() || suspend_generation_ != handled_generation_ ||
+               (suspended_ && suspend_.ok());
       });
       wake_ = false;
       if (stop_) break;
@@ -595,6 +652,33 @@ void Scheduler::Loop() {
         waiting_.push_back(std::move(incoming_.front()));
         incoming_.pop_front();
       }
+      if (fail.ok() && suspend_generation_ != handled_generation_) {
+        handled_generation_ = suspend_generation_;
+        suspended_ = true;
+        const absl::Status why =
+            suspend_.ok() ? absl::UnavailableError("the worker group failed") : suspend_;
+        lock.unlock();
+        Requeue(why);
+        lock.lock();
+      }
+      if (fail.ok() && suspended_ && suspend_.ok()) {
+        suspended_ = false;
+        finished_ids_.clear();
+        blocks_ = BlockManager(resume_blocks_, blocks_.block_size(), blocks_.prefix_caching());
+        TP_LOG(INFO) << "the worker group is back (" << resume_blocks_
+                     << " KV blocks): " << waiting_.size() + running_.size() << " requests to run";
+      }
+    }
+    if (fail.ok() && suspended_) {
+      // Waiting for the next group: only cancellations and deadlines move (checked every 100 ms).
+      Reap(finished_ids_);
+      RunDrops();
+      PublishStats();
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(100), [&] {
+        return stop_ || !fail_.ok() || suspend_.ok() || suspend_generation_ != handled_generation_;
+      });
+      continue;
     }
     if (!fail.ok()) {
       FailAll(fail);
@@ -626,7 +710,7 @@ void Scheduler::Loop() {
       if (!st.ok()) {
         TP_LOG(ERROR) << "step " << plan.step_id() << " could not be submitted: " << st;
         pending_.clear();
-        Fail(st);
+        if (!Suspending()) Fail(st);
         failed = true;
         break;
       }
@@ -659,7 +743,7 @@ void Scheduler::Loop() {
     if (!result.ok()) {
       TP_LOG(ERROR) << "step " << p.step_id << " failed: " << result.status();
       pending_.clear();
-      Fail(result.status());
+      if (!Suspending()) Fail(result.status());
       continue;
     }
     ApplyResult(p, *result);

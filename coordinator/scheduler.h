@@ -120,6 +120,14 @@ class Scheduler {
   bool WaitIdle(std::chrono::steady_clock::time_point deadline);
   // Ends every request with `status` and refuses new ones (the worker group failed).
   void Fail(absl::Status status);
+  // The worker group failed and is being replaced (its KV cache is lost): requests that already
+  // produced output end with `status`, the others are kept (queued again, recomputed from their
+  // prompt), new requests are refused with `status`, and no step runs until Resume. Must not
+  // block (called from the thread that notices the failure).
+  void Suspend(absl::Status status);
+  // A new group with `num_blocks` KV blocks (fresh caches) serves: the block accounting and the
+  // prefix cache start empty, the kept requests run again.
+  void Resume(int num_blocks);
   SchedulerStats stats();
   const SchedulerOptions& options() const { return options_; }
   // Forgets the cached blocks of requests with `cache_salt` (every salt when `all`) and stops
@@ -146,6 +154,11 @@ class Scheduler {
   // Applies a collected step's result (it was checked against the plan).
   void ApplyResult(const Pending& p, const worker::StepResult& result);
   void FailAll(const absl::Status& status);
+  // Suspend's work on the scheduler thread: ends or re-queues every sequence, forgets the steps
+  // in flight and every block (the workers that held them are gone).
+  void Requeue(const absl::Status& status);
+  // True when a Suspend is in effect or not yet handled (a failed step is then not fatal).
+  bool Suspending();
   void PublishStats();
   void ExtendHashes(Seq& seq, size_t full_blocks);
   void RegisterComputed(Seq& seq);
@@ -180,6 +193,11 @@ class Scheduler {
   SchedulerStats stats_ ABSL_GUARDED_BY(mu_);
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<DropRequest> drops_ ABSL_GUARDED_BY(mu_);
+  // Suspend / Resume: not OK while the group is replaced; each Suspend bumps the generation,
+  // which the thread compares with the last one it handled; Resume leaves the block count.
+  absl::Status suspend_ ABSL_GUARDED_BY(mu_);
+  uint64_t suspend_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  int resume_blocks_ ABSL_GUARDED_BY(mu_) = 0;
 
   // Owned by the scheduler thread.
   std::deque<std::unique_ptr<Seq>> waiting_;
@@ -189,6 +207,8 @@ class Scheduler {
   worker::StepPlan plan_;                      // the plan being built (reused)
   std::vector<Seq*> order_;                    // BuildStep's candidates (reused)
   uint64_t next_seq_id_ = 1;
+  uint64_t handled_generation_ = 0;  // the last Suspend requeued
+  bool suspended_ = false;           // between a handled Suspend and Resume
   uint64_t next_step_id_ = 1;
   uint64_t admit_counter_ = 0;
   int64_t preemptions_ = 0;

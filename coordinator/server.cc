@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -140,10 +141,14 @@ void OnSignal(int sig) {
 }
 
 // What the coordinator's main thread waits for: SIGTERM / SIGINT (a thread reads them from a
-// self-pipe) and the exit of the spawned workers (a thread blocked in waitpid). While an abort
-// action is set (startup, warm-up), the first of these events runs it so that the wait ends.
+// self-pipe), the exit of the spawned workers (a thread blocked in waitpid) and the failure of
+// the worker group (its failure callback). While an abort action is set (startup, warm-up), the
+// first of these events runs it so that the wait ends.
 class ProcessEvents {
  public:
+  // Runs on the first event while set: `signal` tells a signal from a child exit or a failure.
+  using Abort = std::function<void(const std::string& reason, bool signal)>;
+
   ProcessEvents() {
     if (pipe2(pipe_, O_CLOEXEC) != 0) {
       TP_LOG(ERROR) << "pipe2 failed: SIGTERM / SIGINT will not drain";
@@ -160,12 +165,16 @@ class ProcessEvents {
         const ssize_t n = read(pipe_[0], &c, 1);
         if (n < 0 && errno == EINTR) continue;  // a signal landed on this thread
         if (n != 1 || c == 0) break;            // 0: the destructor stops the thread
-        Notify(c, /*child_status=*/-1);
+        {
+          absl::MutexLock lock(&mu_);
+          if (signal_ == 0) signal_ = c;
+        }
+        RunAbortIfSet();
       }
     });
   }
   ~ProcessEvents() {
-    StopChild();
+    StopChild(absl::Seconds(3), absl::Seconds(3));
     if (signal_thread_.joinable()) {
       sigaction(SIGTERM, &old_term_, nullptr);
       sigaction(SIGINT, &old_int_, nullptr);
@@ -180,44 +189,71 @@ class ProcessEvents {
   ProcessEvents(const ProcessEvents&) = delete;
   ProcessEvents& operator=(const ProcessEvents&) = delete;
 
-  // Watches a spawned child process until it exits.
+  // Watches a spawned child process until it exits (one at a time: StopChild the last first).
   void WatchChild(pid_t pid) {
     {
       absl::MutexLock lock(&mu_);
       child_ = pid;
+      child_exited_ = false;
+      child_status_ = 0;
     }
     child_thread_ = std::thread([this, pid] {
       int status = 0;
       while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
       }
-      Notify(0, status);
+      {
+        absl::MutexLock lock(&mu_);
+        child_exited_ = true;
+        child_status_ = status;
+      }
+      RunAbortIfSet();
     });
   }
+  pid_t child() {
+    absl::MutexLock lock(&mu_);
+    return child_;
+  }
 
-  // Runs `abort` on the first signal or child exit from now on (at once if one already came);
-  // nullptr clears it.
-  void SetAbort(std::function<void(const std::string& reason)> abort) {
-    std::string reason;
+  // The worker group failed (from its failure callback); ClearGroupFailure once handled.
+  void NotifyGroupFailure() {
+    {
+      absl::MutexLock lock(&mu_);
+      group_failed_ = true;
+    }
+    RunAbortIfSet();
+  }
+  void ClearGroupFailure() {
+    absl::MutexLock lock(&mu_);
+    group_failed_ = false;
+  }
+
+  // Runs `abort` on the first event from now on (at once if one is pending); nullptr clears it.
+  void SetAbort(Abort abort) {
     {
       absl::MutexLock lock(&mu_);
       abort_ = std::move(abort);
-      if (abort_ == nullptr || last_event_.empty()) return;
-      reason = last_event_;
     }
-    RunAbort(reason);
+    RunAbortIfSet();
   }
 
-  // Blocks until SIGTERM or SIGINT; returns the signal.
-  int WaitForSignal() {
+  // Blocks until SIGTERM or SIGINT (returns the signal) or a group failure (returns 0).
+  int WaitForSignalOrGroupFailure() {
     absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](int* signal) { return *signal != 0; }, &signal_));
+    mu_.Await(absl::Condition(this, &ProcessEvents::SignalOrFailureLocked));
     return signal_;
   }
 
-  // After the workers were told to shut down: waits for the spawned child to exit, then
-  // SIGTERM, then SIGKILL (3 s, 7 s, then as long as the kernel takes).
-  void StopChild() {
+  // Waits `d` unless a signal comes first; false then.
+  bool SleepUnlessSignal(absl::Duration d) {
+    absl::MutexLock lock(&mu_);
+    return !mu_.AwaitWithTimeout(absl::Condition(
+                                     +[](int* signal) { return *signal != 0; }, &signal_),
+                                 d);
+  }
+
+  // After the workers were told to shut down (or killed): waits up to `exit_wait` for the
+  // spawned child to exit, then SIGTERM and up to `term_wait`, then SIGKILL.
+  void StopChild(absl::Duration exit_wait, absl::Duration term_wait) {
     pid_t pid = -1;
     {
       absl::MutexLock lock(&mu_);
@@ -228,9 +264,9 @@ class ProcessEvents {
       absl::MutexLock lock(&mu_);
       return mu_.AwaitWithTimeout(absl::Condition(&child_exited_), timeout);
     };
-    if (!exited(absl::Seconds(3))) {
+    if (!exited(exit_wait)) {
       kill(pid, SIGTERM);
-      if (!exited(absl::Seconds(7))) {
+      if (!exited(term_wait)) {
         TP_LOG(WARNING) << "the spawned workers (pid " << pid << ") ignored SIGTERM; killing them";
         kill(pid, SIGKILL);
       }
@@ -238,42 +274,46 @@ class ProcessEvents {
     child_thread_.join();
     absl::MutexLock lock(&mu_);
     child_ = -1;
+    child_exited_ = false;
   }
 
  private:
-  // A signal (`sig` > 0) or the child's exit (`child_status` >= 0).
-  void Notify(int sig, int child_status) {
-    std::string reason;
-    {
-      absl::MutexLock lock(&mu_);
-      if (sig > 0) {
-        if (signal_ == 0) signal_ = sig;
-        reason = absl::StrCat("signal ", sig);
-      } else {
-        child_exited_ = true;
-        reason = absl::StrCat("the spawned workers exited (status ", child_status, ")");
-      }
-      if (last_event_.empty()) last_event_ = reason;
-      if (abort_ == nullptr) return;
-    }
-    RunAbort(reason);
+  bool SignalOrFailureLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return signal_ != 0 || group_failed_;
   }
 
-  void RunAbort(const std::string& reason) {
-    std::function<void(const std::string&)> abort;
+  // The pending event's description, empty when none.
+  std::string PendingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (signal_ != 0) return absl::StrCat("signal ", signal_);
+    if (child_ > 0 && child_exited_) {
+      return absl::StrCat("the spawned workers exited (status ", child_status_, ")");
+    }
+    if (group_failed_) return "the worker group failed";
+    return "";
+  }
+
+  void RunAbortIfSet() {
+    Abort abort;
+    std::string reason;
+    bool signal = false;
     {
       absl::MutexLock lock(&mu_);
+      if (abort_ == nullptr) return;
+      reason = PendingLocked();
+      if (reason.empty()) return;
+      signal = signal_ != 0;
       abort.swap(abort_);  // once
     }
-    if (abort) abort(reason);
+    abort(reason, signal);
   }
 
   absl::Mutex mu_;
   int signal_ ABSL_GUARDED_BY(mu_) = 0;
   pid_t child_ ABSL_GUARDED_BY(mu_) = -1;
   bool child_exited_ ABSL_GUARDED_BY(mu_) = false;
-  std::string last_event_ ABSL_GUARDED_BY(mu_);
-  std::function<void(const std::string&)> abort_ ABSL_GUARDED_BY(mu_);
+  int child_status_ ABSL_GUARDED_BY(mu_) = 0;
+  bool group_failed_ ABSL_GUARDED_BY(mu_) = false;
+  Abort abort_ ABSL_GUARDED_BY(mu_);
   int pipe_[2] = {-1, -1};
   struct sigaction old_term_ = {}, old_int_ = {};
   std::thread signal_thread_;
@@ -511,7 +551,8 @@ class Servers {
 };
 
 // Spawns the local workers (when asked) and waits until every worker registered and loaded
-// its shard; a signal or the spawned workers exiting end the wait.
+// its shard; a signal (the group shuts down), the spawned workers exiting or the group failing
+// (it is aborted) end the wait.
 absl::Status StartWorkers(const Layout& layout, const Servers& servers, WorkerGroup* group,
                           ProcessEvents* events) {
   const CoordinatorOptions& o = layout.options;
@@ -524,9 +565,13 @@ absl::Status StartWorkers(const Layout& layout, const Servers& servers, WorkerGr
                                                         layout.cluster_secret));
     events->WatchChild(child);
   }
-  events->SetAbort([group](const std::string& reason) {
-    TP_LOG(ERROR) << "startup aborted: " << reason;
-    group->Shutdown(absl::StrCat(reason, " during startup"));
+  events->SetAbort([group](const std::string& reason, bool signal) {
+    TP_LOG(ERROR) << "worker start aborted: " << reason;
+    if (signal) {
+      group->Shutdown(absl::StrCat(reason, " during startup"));
+    } else {
+      group->Abort(absl::StrCat(reason, " while the workers were starting"));
+    }
   });
   absl::Status st = group->Start(std::chrono::seconds(o.register_timeout_s),
                                  std::chrono::seconds(o.load_timeout_s));
@@ -534,8 +579,12 @@ absl::Status StartWorkers(const Layout& layout, const Servers& servers, WorkerGr
   return Annotate(st, "starting the workers");
 }
 
+// The scheduler over the worker group. A group failure turns health NOT_SERVING at once; when
+// the group can be replaced (`recoverable`), the scheduler keeps the requests without output for
+// the next group, else it fails everything.
 std::unique_ptr<Scheduler> StartScheduler(const Layout& layout, WorkerGroup* group,
-                                          Servers* servers, ServingMetrics* metrics) {
+                                          Servers* servers, ServingMetrics* metrics,
+                                          ProcessEvents* events, bool recoverable) {
   const CoordinatorOptions& o = layout.options;
   SchedulerOptions so;
   so.max_num_seqs = o.max_num_seqs;
@@ -554,16 +603,24 @@ std::unique_ptr<Scheduler> StartScheduler(const Layout& layout, WorkerGroup* gro
   auto scheduler = std::make_unique<Scheduler>(so, layout.tokenizer.get(), group);
   scheduler->Start();
   Scheduler* sched = scheduler.get();
-  group->SetFailureCallback([servers, sched](const absl::Status& status) {
-    servers->SetHealth(false);
-    sched->Fail(status);
-  });
+  group->SetFailureCallback(
+      [servers, sched, metrics, events, recoverable](const absl::Status& status) {
+        servers->SetHealth(false);
+        if (recoverable) {
+          sched->Suspend(status);
+        } else {
+          sched->Fail(status);
+        }
+        metrics->OnWorkerGroupFailure();
+        events->NotifyGroupFailure();
+      });
   return scheduler;
 }
 
 // One short request through the whole path before reporting SERVING; it waits on the request's
-// completion (a signal fails it at once).
-absl::Status WarmUp(const Layout& layout, Scheduler* scheduler, ProcessEvents* events) {
+// completion (a signal fails it at once; a child exit or a group failure cancels it).
+absl::Status WarmUp(const Layout& layout, WorkerGroup* group, Scheduler* scheduler,
+                    ProcessEvents* events) {
   RequestParams w;
   w.request_id = "warm-up";
   for (int i = 0; i < 8; ++i) {
@@ -574,14 +631,20 @@ absl::Status WarmUp(const Layout& layout, Scheduler* scheduler, ProcessEvents* e
   auto state = std::make_shared<RequestState>(w);
   const auto t0 = std::chrono::steady_clock::now();
   TP_RETURN_IF_ERROR(Annotate(scheduler->Submit(state), "warm-up"));
-  events->SetAbort([scheduler](const std::string& reason) {
-    scheduler->Fail(absl::UnavailableError(absl::StrCat(reason, " during the warm-up")));
+  events->SetAbort([scheduler, state](const std::string& reason, bool signal) {
+    if (signal) {
+      scheduler->Fail(absl::UnavailableError(absl::StrCat(reason, " during the warm-up")));
+    } else {
+      state->Cancel();  // a suspended scheduler keeps it otherwise
+      scheduler->Wake();
+    }
   });
   const bool finished =
       state->WaitFinished(t0 + std::chrono::seconds(layout.options.load_timeout_s));
   events->SetAbort(nullptr);
-  const absl::Status warm =
+  absl::Status warm =
       finished ? state->Take().status : absl::DeadlineExceededError("warm-up timed out");
+  if (!group->failure().ok()) warm = group->failure();
   TP_RETURN_IF_ERROR(Annotate(warm, "warm-up"));
   TP_LOG(INFO) << "warm-up done in "
                << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
@@ -651,6 +714,171 @@ void Drain(const CoordinatorOptions& o, int signal, Scheduler* scheduler, Server
   }
 }
 
+// True when /proc/PID/environ holds `entry` ("NAME=value"): the process was started with it.
+bool HasEnvironmentEntry(int64_t pid, const std::string& entry) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/environ"), std::ios::binary);
+  std::string e;
+  while (std::getline(in, e, '\0')) {
+    if (e == entry) return true;
+  }
+  return false;
+}
+
+// The spawned group failed: its workers are killed (a silent one may be stopped, and the others
+// are of no use without it), then their launcher is reaped. Only processes that carry this
+// launch's cluster secret in their environment are killed, whatever pid a worker reported.
+void StopSpawnedWorkers(const Layout& layout, WorkerGroup* group, ProcessEvents* events) {
+  const std::string entry = absl::StrCat(env::kClusterSecret.name, "=", layout.cluster_secret);
+  for (int64_t pid : group->worker_pids()) {
+    if (pid > 1 && pid != getpid() && HasEnvironmentEntry(pid, entry)) {
+      kill(static_cast<pid_t>(pid), SIGKILL);
+    }
+  }
+  events->StopChild(absl::Seconds(3), absl::Seconds(2));
+}
+
+// Failures and restarts of the worker group, for GetModelInfo and the restart budget
+// (--max-restarts within kRestartWindow).
+class RestartRecord {
+ public:
+  static constexpr absl::Duration kRestartWindow = absl::Minutes(10);
+  RestartRecord(int max_restarts, InferenceService* service) : service_(service) {
+    status_.set_serving(false);
+    status_.set_max_restarts(max_restarts);
+  }
+  void Serving() {
+    status_.set_serving(true);
+    service_->SetWorkerGroupStatus(status_);
+  }
+  void Failed(int rank, const absl::Status& failure) {
+    status_.set_serving(false);
+    status_.set_failures(status_.failures() + 1);
+    status_.clear_failed_ranks();
+    if (rank >= 0) status_.add_failed_ranks(rank);
+    status_.set_last_failure(std::string(failure.message()));
+    service_->SetWorkerGroupStatus(status_);
+  }
+  // Counts a restart when the budget allows one; false when it is spent.
+  bool TakeRestart() {
+    const absl::Time now = absl::Now();
+    while (!times_.empty() && now - times_.front() > kRestartWindow) times_.pop_front();
+    if (static_cast<int>(times_.size()) >= status_.max_restarts()) return false;
+    times_.push_back(now);
+    status_.set_restarts(status_.restarts() + 1);
+    service_->SetWorkerGroupStatus(status_);
+    return true;
+  }
+  int restarts() const { return status_.restarts(); }
+
+ private:
+  InferenceService* service_;
+  v1::WorkerGroupStatus status_;
+  std::deque<absl::Time> times_;  // of the restarts within the window
+};
+
+// The serving part of the coordinator: the parts Serve and Recover work on.
+struct Parts {
+  const Layout* layout;
+  WorkerGroup* group;
+  Scheduler* scheduler;
+  Servers* servers;
+  ServingMetrics* metrics;
+  ProcessEvents* events;
+  RestartRecord* record;
+};
+
+// Replaces a failed group: spawned workers are killed and spawned again after a backoff (1 s,
+// doubling per attempt that does not reach SERVING, at most 30 s); with --rejoin, workers
+// launched apart register again (one wait of --register-timeout). True once a new group passed its
+// warm-up (health SERVING), false after a signal (nothing can be drained then); the reason when the
+// group cannot be replaced.
+absl::StatusOr<bool> Recover(const Parts& p) {
+  const CoordinatorOptions& o = p.layout->options;
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status failure = p.group->failure();
+  p.record->Failed(p.group->failed_rank(), failure);
+  if (!o.spawn_workers && !o.rejoin) {
+    return absl::UnavailableError(absl::StrCat(
+        failure.message(),
+        "; the workers were launched apart (mpirun, Slurm, Kubernetes): the coordinator exits so "
+        "that the launcher restarts the job (--rejoin lets workers register again instead)"));
+  }
+  for (int attempt = 0;; ++attempt) {
+    if (!p.record->TakeRestart()) {
+      return absl::UnavailableError(absl::StrCat(
+          o.max_restarts == 0 ? "the worker group failed and restarts are off (--max-restarts 0)"
+                              : absl::StrCat("the worker group failed and its restarts are spent "
+                                             "(--max-restarts ",
+                                             o.max_restarts, " within 10 minutes)"),
+          "; the last failure: ", failure.message()));
+    }
+    p.metrics->OnWorkerGroupRestart();
+    const absl::Duration backoff =
+        o.spawn_workers
+            ? std::min(absl::Seconds(1) * (1 << std::min(attempt, 5)), absl::Seconds(30))
+            : absl::ZeroDuration();
+    TP_LOG(WARNING) << "restarting the worker group (restart " << p.record->restarts()
+                    << ", attempt " << attempt + 1 << ") in " << absl::FormatDuration(backoff)
+                    << " after: " << failure.message();
+    // The backoff runs from the failure, the old workers' teardown included.
+    const absl::Time restart_at = absl::Now() + backoff;
+    if (o.spawn_workers) StopSpawnedWorkers(*p.layout, p.group, p.events);
+    if (!p.events->SleepUnlessSignal(std::max(absl::ZeroDuration(), restart_at - absl::Now()))) {
+      return false;
+    }
+    TP_RETURN_IF_ERROR(
+        Annotate(p.group->Reset(std::chrono::seconds(5)), "replacing the failed worker group"));
+    p.events->ClearGroupFailure();
+    if (!o.spawn_workers) {
+      TP_LOG(INFO) << "--rejoin: waiting up to " << o.register_timeout_s
+                   << " s for every rank to register again";
+    }
+    absl::Status st = StartWorkers(*p.layout, *p.servers, p.group, p.events);
+    if (st.ok()) {
+      p.scheduler->Resume(p.group->num_blocks());
+      st = WarmUp(*p.layout, p.group, p.scheduler, p.events);
+    }
+    if (st.ok() && p.group->failure().ok()) {
+      p.servers->SetHealth(true);
+      p.record->Serving();
+      TP_LOG(INFO) << "SERVING again "
+                   << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
+                   << " s after the failure (restart " << p.record->restarts() << ")";
+      return true;
+    }
+    if (!p.events->SleepUnlessSignal(absl::ZeroDuration())) return false;
+    const bool group_failed = !p.group->failure().ok();
+    failure = group_failed ? p.group->failure() : st;
+    if (!o.spawn_workers) {
+      // --rejoin waits once, with its deadline; then the launcher restarts the job.
+      return Annotate(failure, "the workers did not rejoin");
+    }
+    if (!group_failed) p.metrics->OnWorkerGroupFailure();  // else its callback counted it
+    p.record->Failed(p.group->failed_rank(), failure);
+    p.scheduler->Suspend(failure);  // a start that failed before the group did keeps it too
+    TP_LOG(ERROR) << "the new worker group did not come up: " << failure.message();
+  }
+}
+
+// Serves until a signal (then drains; OK) or a group failure that cannot be recovered (its
+// status).
+absl::Status Serve(const Parts& p) {
+  p.record->Serving();
+  while (true) {
+    const int signal = p.events->WaitForSignalOrGroupFailure();
+    if (signal != 0) {
+      // A failed group runs nothing: there is nothing to drain then.
+      if (p.group->failure().ok()) Drain(p.layout->options, signal, p.scheduler, p.servers);
+      return absl::OkStatus();
+    }
+    TP_ASSIGN_OR_RETURN(const bool serving, Recover(p));
+    if (!serving) {
+      TP_LOG(INFO) << "a signal came while the worker group was replaced: shutting down";
+      return absl::OkStatus();
+    }
+  }
+}
+
 }  // namespace
 
 absl::Status RunCoordinator(const CoordinatorOptions& options) {
@@ -679,26 +907,40 @@ absl::Status RunCoordinator(const CoordinatorOptions& options) {
                << layout.options.control_host << ":" << servers->control_port();
   ProcessEvents events;
   std::unique_ptr<Scheduler> scheduler;
+  // A failure during startup ends the coordinator; after it, a spawned group (or one that may
+  // rejoin) is replaced.
+  const bool recoverable = layout.options.spawn_workers || layout.options.rejoin;
   absl::Status status = StartWorkers(layout, *servers, group.get(), &events);
   if (status.ok()) {
-    scheduler = StartScheduler(layout, group.get(), servers.get(), &serving_metrics);
+    scheduler =
+        StartScheduler(layout, group.get(), servers.get(), &serving_metrics, &events, recoverable);
     status = group->failure();
   }
-  if (status.ok()) status = WarmUp(layout, scheduler.get(), &events);
+  if (status.ok()) status = WarmUp(layout, group.get(), scheduler.get(), &events);
   if (status.ok()) {
     Activate(layout, group.get(), scheduler.get(), &service, servers.get(), &serving_metrics);
-    Drain(layout.options, events.WaitForSignal(), scheduler.get(), servers.get());
+    RestartRecord record(layout.options.max_restarts, &service);
+    status = Serve(Parts{&layout, group.get(), scheduler.get(), servers.get(), &serving_metrics,
+                         &events, &record});
   }
-  // Shut down (after a drain or a failed start): end what is left, stop the workers and the
-  // servers, then the spawned processes.
+  // Shut down (after a drain, a failed start or a group that cannot be replaced): end what is
+  // left, stop the workers and the servers, then the spawned processes.
   if (scheduler != nullptr) {
-    scheduler->Fail(absl::UnavailableError("the server shut down before this request finished"));
+    scheduler->Fail(
+        status.ok() ? absl::UnavailableError("the server shut down before this request finished")
+                    : status);
   }
   group->Shutdown(status.ok() ? "the coordinator is shutting down" : "the coordinator is exiting");
   servers->Shutdown();
   scheduler.reset();
-  events.StopChild();
-  if (status.ok()) TP_LOG(INFO) << "shut down";
+  if (!status.ok() && layout.options.spawn_workers) {
+    StopSpawnedWorkers(layout, group.get(), &events);
+  } else {
+    events.StopChild(absl::Seconds(3), absl::Seconds(3));
+  }
+  if (status.ok()) {
+    TP_LOG(INFO) << "shut down";
+  }
   return status;
 }
 

@@ -50,13 +50,21 @@ struct CoordinatorOptions {
   int64_t max_request_bytes = 8 << 20;  // one gRPC message or HTTP body
   int register_timeout_s = 120;
   int load_timeout_s = 600;
-  int drain_timeout_s = 30;
+  // After SIGTERM: the drain, then at most ~10 s to stop the workers and servers; together under
+  // Kubernetes' default 30 s termination grace period.
+  int drain_timeout_s = 15;
+  // A failed group of spawned workers is restarted (fresh processes, communicators and KV
+  // caches) up to max_restarts times within 10 minutes (0: never); then the coordinator exits
+  // non-zero. Workers launched apart: with rejoin they may register again after a failure (the
+  // same count applies), else the coordinator exits non-zero so that the launcher restarts all.
+  int max_restarts = 5;
+  bool rejoin = false;
   double heartbeat_timeout_s = 4;
   int step_timeout_s = 120;
   std::string ready_file;  // written with "HOST:PORT" once the server is SERVING
   // --enable-prefix-caching[=false], --no-enable-prefix-caching
   bool enable_prefix_caching = true;
-  bool help = false;  // --help was given: print the usage, run nothing
+  bool help = false;               // --help was given: print the usage, run nothing
   bool overlap_scheduling = true;  // --no-overlap-scheduling: one step at a time at pp = 1
 };
 

@@ -33,6 +33,12 @@ ServingMetrics::ServingMetrics(MetricsRegistry* r) : registry_(r) {
       r->GetCounter("tpserve:prompt_tokens_total", "Prompt tokens of finished requests.");
   generation_tokens_ =
       r->GetCounter("tpserve:generation_tokens_total", "Tokens generated (finished requests).");
+  group_failures_ = r->GetCounter("tpserve:worker_group_failures_total",
+                                  "Failures of the worker group (a rank died, went silent or "
+                                  "reported an error).");
+  group_restarts_ = r->GetCounter("tpserve:worker_group_restarts_total",
+                                  "Worker groups started after a failure (spawned again, or "
+                                  "rejoined with --rejoin).");
   const std::string finished = "tpserve:request_success_total";
   const std::string finished_help =
       "Finished requests by finish reason (abort: cancelled or failed).";

@@ -26,6 +26,9 @@ class ServingMetrics {
   void SetScheduler(Scheduler* scheduler) { scheduler_.store(scheduler); }
   // One worker's device memory (bytes); CPU workers report host memory.
   void SetWorkerMemory(int rank, int64_t used_bytes, int64_t total_bytes);
+  // The worker group failed / a new group was started after a failure.
+  void OnWorkerGroupFailure() { group_failures_->Add(); }
+  void OnWorkerGroupRestart() { group_restarts_->Add(); }
 
   MetricsRegistry* registry() { return registry_; }
 
@@ -37,6 +40,7 @@ class ServingMetrics {
   Gauge *running_, *waiting_, *kv_usage_;
   Counter *preemptions_, *prompt_tokens_, *generation_tokens_;
   Counter *finished_stop_, *finished_length_, *finished_abort_;
+  Counter *group_failures_, *group_restarts_;
   Histogram *queue_time_, *ttft_, *tpot_, *e2e_, *step_time_;
 };
 

@@ -58,6 +58,59 @@ std::vector<std::string> WorkerGroup::rank_devices() {
   return out;
 }
 
+int WorkerGroup::failed_rank() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failed_rank_;
+}
+
+std::vector<int64_t> WorkerGroup::worker_pids() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> out;
+  for (const auto& s : slots_) out.push_back(s->registered ? s->info.pid() : 0);
+  return out;
+}
+
+absl::Status WorkerGroup::Reset(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (shutdown_) return absl::FailedPreconditionError("the worker group is shut down");
+  if (failure_.ok()) {
+    // A start that did not complete (a deadline): its streams end like a failed group's.
+    failure_ = absl::UnavailableError("the worker group is being replaced");
+    lock.unlock();
+    cv_.notify_all();
+    for (auto& s : slots_) {
+      std::lock_guard<std::mutex> wlock(s->write_mu);
+      if (s->context != nullptr) s->context->TryCancel();
+    }
+    lock.lock();
+  }
+  // Fail cancelled every stream; their handlers return once gRPC ends them.
+  if (!cv_.wait_for(lock, timeout, [&] { return active_streams_ == 0; })) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(active_streams_,
+                     " control streams of the failed worker group did not end "
+                     "within ",
+                     timeout.count(), " ms"));
+  }
+  lock.unlock();
+  if (monitor_.joinable()) monitor_.join();  // it returns once it sees the failure
+  lock.lock();
+  for (auto& s : slots_) {
+    std::lock_guard<std::mutex> wlock(s->write_mu);
+    s->registered = s->kv_reported = false;
+    s->info.Clear();
+    s->kv.Clear();
+  }
+  started_ = false;
+  failure_ = absl::OkStatus();
+  failed_rank_ = -1;
+  results_.clear();
+  expected_.clear();
+  forward_seconds_.clear();
+  num_blocks_ = 0;
+  return absl::OkStatus();
+}
+
 std::vector<worker::KvReport> WorkerGroup::kv_reports() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<worker::KvReport> out;
@@ -78,12 +131,17 @@ void WorkerGroup::Fail(int rank, const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.ok() || shutdown_) return;
-    const worker::Register& info = slots_[rank]->info;
-    failure_ = absl::UnavailableError(absl::StrCat(
-        "worker rank ", rank,
-        info.hostname().empty() ? std::string()
-                                : absl::StrCat(" (", info.hostname(), ", pid ", info.pid(), ")"),
-        " failed: ", reason));
+    failed_rank_ = rank;
+    if (rank < 0) {
+      failure_ = absl::UnavailableError(absl::StrCat("the worker group failed: ", reason));
+    } else {
+      const worker::Register& info = slots_[rank]->info;
+      failure_ = absl::UnavailableError(absl::StrCat(
+          "worker rank ", rank,
+          info.hostname().empty() ? std::string()
+                                  : absl::StrCat(" (", info.hostname(), ", pid ", info.pid(), ")"),
+          " failed: ", reason));
+    }
     status = failure_;
     callback = on_failure_;
   }

@@ -67,6 +67,19 @@ class WorkerGroup final : public worker::WorkerControl::Service, public StepExec
   double last_forward_seconds() const override { return last_forward_seconds_; }
   // Tells every worker to exit and closes the streams.
   void Shutdown(const std::string& reason);
+  // After a failure (or a start that did not complete: then its streams are closed now): waits
+  // (up to `timeout`) until the group's control streams and its monitor ended, then forgets its
+  // workers so that Start can take a new group (every rank registers again, fresh assignments
+  // and KV reports). FAILED_PRECONDITION after Shutdown; DEADLINE_EXCEEDED when a stream
+  // outlives the timeout.
+  absl::Status Reset(std::chrono::milliseconds timeout);
+  // Fails the group naming no rank (e.g. the spawned workers' launcher exited): like a rank's
+  // failure, the callback runs and every stream closes.
+  void Abort(const std::string& reason) { Fail(-1, reason); }
+  // The rank whose failure failed the group (-1: none, or an Abort).
+  int failed_rank();
+  // The pids the registered workers reported (0 for ranks not registered), by rank.
+  std::vector<int64_t> worker_pids();
   // Called once when the group fails (from the thread that notices).
   void SetFailureCallback(std::function<void(const absl::Status&)> callback);
   absl::Status failure();
@@ -102,6 +115,7 @@ class WorkerGroup final : public worker::WorkerControl::Service, public StepExec
   int active_streams_ = 0;    // control handlers of registered workers running
   int control_handlers_ = 0;  // every control handler running (capped)
   absl::Status failure_;
+  int failed_rank_ = -1;
   std::function<void(const absl::Status&)> on_failure_;
   std::map<uint64_t, worker::StepResult> results_;  // step id -> the sampler's result
   // step id -> (sampled sequences, of which asking for logprobs), to validate its result.

@@ -671,6 +671,77 @@ bool WaitIdle(Scheduler& s, double seconds) {
   return false;
 }
 
+// The group fails and is replaced (Suspend, then Resume with a fresh KV cache): the request that
+// produced output ends UNAVAILABLE naming the rank; the one still queued is kept and, after
+// Resume, gives the same output as on a scheduler that never failed; new requests are refused
+// meanwhile; nothing is cached or held across the failure (the fake's KV cache is wiped like a
+// new worker's, so a block reused from before would not hold the sequence's tokens).
+TEST(SchedulerTest, SuspendKeepsRequestsWithoutOutputAndResumeStartsFresh) {
+  std::vector<int32_t> expected;
+  {
+    FakeExecutor ex(64, 4);
+    Scheduler clean(Options(64, 1, 64), nullptr, &ex);
+    clean.Start();
+    auto r = MakeRequest(9, 6, 2);
+    ASSERT_TRUE(clean.Submit(r).ok());
+    ASSERT_TRUE(WaitFinished({r}, 5));
+    expected = Output(*r);
+  }
+  FakeExecutor ex(64, 4);
+  ex.delay_ms_ = 1;
+  Scheduler s(Options(64, 1, 64), nullptr, &ex);  // one sequence at a time: the second waits
+  s.Start();
+  auto running = MakeRequest(10, 400, 1);
+  auto queued = MakeRequest(9, 6, 2);
+  ASSERT_TRUE(s.Submit(running).ok());
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (Output(*running).empty() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_FALSE(Output(*running).empty());
+  ASSERT_TRUE(s.Submit(queued).ok());
+  // As the worker group does: the failure callback (Suspend) runs before the step fails.
+  const absl::Status failure = absl::UnavailableError("worker rank 1 failed: killed by the test");
+  s.Suspend(failure);
+  {
+    std::lock_guard<std::mutex> lock(ex.mu_);
+    ex.fail_ = true;
+  }
+  ASSERT_TRUE(WaitFinished({running}, 5));
+  EXPECT_EQ(running->Take().status, failure);
+  EXPECT_EQ(s.Submit(MakeRequest(3, 3, 3)).code(), absl::StatusCode::kUnavailable);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(queued->finished()) << "a request without output waits for the next group";
+  SchedulerStats st = s.stats();
+  EXPECT_EQ(st.running, 0);
+  EXPECT_EQ(st.waiting, 1);
+  EXPECT_EQ(st.free_blocks, st.total_blocks);
+  EXPECT_EQ(st.cached_blocks, 0);
+  {
+    // A new group: empty KV cache, no sequence known.
+    std::lock_guard<std::mutex> lock(ex.mu_);
+    ex.fail_ = false;
+    std::fill(ex.kv_.begin(), ex.kv_.end(), -1);
+    ex.history_.clear();
+    ex.last_sampled_.clear();
+    ex.in_flight_blocks_.clear();  // the failed group's steps were never collected
+  }
+  s.Resume(48);
+  ASSERT_TRUE(WaitFinished({queued}, 5));
+  EXPECT_TRUE(queued->Take().status.ok());
+  EXPECT_EQ(Output(*queued), expected);
+  // The prompt of the failed request again: the cache from before the failure is gone, so it is
+  // computed in full (the fake checks that every block holds the sequence's tokens).
+  auto again = MakeRequest(10, 4, 1);
+  ASSERT_TRUE(s.Submit(again).ok());
+  ASSERT_TRUE(WaitFinished({again}, 5));
+  EXPECT_TRUE(again->Take().status.ok());
+  ASSERT_TRUE(WaitIdle(s, 5));
+  st = s.stats();
+  EXPECT_EQ(st.total_blocks, 48) << "the new group's KV capacity";
+  EXPECT_EQ(st.free_blocks, 48);
+}
+
 TEST(BlockManagerTest, ChainedHashesMatchTheLongestCachedPrefix) {
   constexpr int kBs = 4;
   BlockManager m(16, kBs, /*enable_prefix_caching=*/true);

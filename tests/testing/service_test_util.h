@@ -253,6 +253,23 @@ class ServerProcess {
     return pids;
   }
 
+  // Waits up to `timeout` for the coordinator to exit by itself; returns its wait status, or -1
+  // when it is still running (it is left running then). Its workers are killed either way.
+  int WaitExit(std::chrono::milliseconds timeout) {
+    if (pid_ <= 0) return -1;
+    const std::vector<pid_t> workers = WorkerPids();
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    int status = -1;
+    while (waitpid(pid_, &status, WNOHANG) != pid_) {
+      if (std::chrono::steady_clock::now() >= end) return -1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    for (pid_t w : workers) kill(w, SIGKILL);
+    kill(-pid_, SIGKILL);
+    pid_ = -1;
+    return status;
+  }
+
   // SIGTERM (drain), then SIGKILL of the whole process group after `grace`; returns the exit
   // status (or -1).
   int Stop(std::chrono::seconds grace = std::chrono::seconds(20)) {
