@@ -696,6 +696,7 @@ absl::Status RunCoordinator(const CoordinatorOptions& options) {
   }
   group->Shutdown(status.ok() ? "the coordinator is shutting down" : "the coordinator is exiting");
   servers->Shutdown();
+  service.Shutdown();  // long prompts still waiting to be tokenized: UNAVAILABLE
   scheduler.reset();
   events.StopChild();
   if (status.ok()) TP_LOG(INFO) << "shut down";
