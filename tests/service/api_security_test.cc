@@ -290,6 +290,26 @@ TEST(ApiSecurityTest, TlsAndMutualTlsWithGrpcioAndCurl) {
   }
 }
 
+// Bytes that are not the method's message, from grpcio with identity serializers: every method
+// answers INVALID_ARGUMENT naming the message type (gRPC alone answers UNIMPLEMENTED with no
+// message), and the server serves normally after them.
+TEST(ApiSecurityTest, UnparsableRequestBytesAreInvalidArgument) {
+  auto server =
+      service_test::ServerProcess::Start(service_test::ServiceModelDir(), {"--workers", "1"});
+  ASSERT_NE(server, nullptr);
+  const CommandResult py =
+      RunCommand(absl::StrCat("timeout -k 5 120 /usr/bin/python3 ", SourceDir(),
+                              "/tests/service/raw_bytes_client_test.py "
+                              "--server ",
+                              server->address()));
+  EXPECT_EQ(py.exit_code, 0) << py.output;
+  EXPECT_THAT(py.output, HasSubstr("Generate: INVALID_ARGUMENT: the request's bytes do not parse "
+                                   "as a protobuf tpserve.v1.GenerateRequest"))
+      << py.output;
+  EXPECT_THAT(py.output, HasSubstr("GenerateStream: INVALID_ARGUMENT")) << py.output;
+  EXPECT_THAT(py.output, HasSubstr("a valid request after them: served")) << py.output;
+}
+
 // Which hosts count as loopback for the warning about an API without keys (a server in a test
 // may not listen beyond loopback, so the decision is checked here).
 TEST(ApiSecurityTest, LoopbackHostsAreTheOnlyOnesWithoutAWarning) {
