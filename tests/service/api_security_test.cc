@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -308,6 +309,96 @@ TEST(ApiSecurityTest, UnparsableRequestBytesAreInvalidArgument) {
       << py.output;
   EXPECT_THAT(py.output, HasSubstr("GenerateStream: INVALID_ARGUMENT")) << py.output;
   EXPECT_THAT(py.output, HasSubstr("a valid request after them: served")) << py.output;
+}
+
+// The coordinator's resident memory now and at its peak (VmRSS, VmHWM of /proc/PID/status), in
+// bytes.
+std::pair<int64_t, int64_t> ResidentBytes(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  int64_t rss = 0, peak = 0;
+  std::string key;
+  int64_t kb = 0;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    if (!(fields >> key >> kb)) continue;
+    if (key == "VmRSS:") rss = kb * 1024;
+    if (key == "VmHWM:") peak = kb * 1024;
+  }
+  return {rss, peak};
+}
+
+// Ten times what the server holds (2 running + 4 queued) at once, from 60 gRPC clients: the
+// requests beyond the queue are refused at once RESOURCE_EXHAUSTED with a message that says
+// so, every accepted one is served in full, the coordinator's memory stays within a bound, and
+// it serves normally afterwards.
+TEST(ApiSecurityTest, TenTimesCapacityIsRefusedClearlyAndServedAfter) {
+  auto server = service_test::ServerProcess::Start(
+      service_test::ServiceModelDir(),
+      {"--workers", "1", "--max-num-seqs", "2", "--max-queued-requests", "4"});
+  ASSERT_NE(server, nullptr);
+  auto channel = server->Channel();
+  auto stub = v1::Inference::NewStub(channel);
+  auto request = [](int i) {
+    v1::GenerateRequest req;
+    for (int k = 0; k < 20; ++k) req.mutable_token_ids()->add_ids(5 + (i * 7 + k) % 50);
+    // Long enough that the accepted ones hold their slots while the burst arrives.
+    req.mutable_stopping()->set_max_new_tokens(16);
+    req.mutable_stopping()->set_ignore_eos(true);
+    return req;
+  };
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::GenerateResponse resp;
+    ASSERT_TRUE(stub->Generate(&ctx, request(0), &resp).ok());
+  }
+  const int64_t rss_before = ResidentBytes(server->pid()).first;
+  ASSERT_GT(rss_before, 0);
+
+  constexpr int kClients = 60;
+  std::vector<grpc::Status> statuses(kClients);
+  std::vector<int> tokens(kClients, 0);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+      v1::GenerateResponse resp;
+      statuses[i] = stub->Generate(&ctx, request(i), &resp);
+      tokens[i] = resp.token_ids_size();
+    });
+  }
+  for (auto& t : threads) t.join();
+  int served = 0, exhausted = 0;
+  for (int i = 0; i < kClients; ++i) {
+    if (statuses[i].ok()) {
+      ++served;
+      EXPECT_EQ(tokens[i], 16) << i;
+    } else {
+      EXPECT_EQ(statuses[i].error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+          << i << ": " << statuses[i].error_message();
+      EXPECT_THAT(statuses[i].error_message(), HasSubstr("the request queue is full"));
+      ++exhausted;
+    }
+  }
+  std::printf("%d of %d served, %d refused RESOURCE_EXHAUSTED\n", served, kClients, exhausted);
+  // At least the queue's 4 (and more as running ones finish and free slots before the burst is
+  // over); most are refused.
+  EXPECT_GE(served, 4);
+  EXPECT_GE(exhausted, kClients / 2);
+  const auto [rss_after, peak] = ResidentBytes(server->pid());
+  std::printf("coordinator RSS %.1f MB before, %.1f MB after, peak %.1f MB\n", rss_before / 1e6,
+              rss_after / 1e6, peak / 1e6);
+  // The burst holds a few KB per request; 64 MB is room for gRPC's buffers and thread stacks.
+  EXPECT_LT(peak, rss_before + (64 << 20));
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::GenerateResponse resp;
+  const grpc::Status after = stub->Generate(&ctx, request(1), &resp);
+  EXPECT_TRUE(after.ok()) << after.error_message();
+  EXPECT_EQ(resp.token_ids_size(), 16);
 }
 
 // Which hosts count as loopback for the warning about an API without keys (a server in a test
