@@ -238,7 +238,8 @@ TEST(ApiSecurityTest, LongPromptsAreTokenizedOffTheRpcThreads) {
 
 // TLS on both front ends with a certificate made now by the openssl command line: grpcio with
 // ssl_channel_credentials and curl --cacert are served, plain-text clients are not; with
-// --tls-client-ca (mutual TLS) a client without a certificate is refused.
+// --tls-client-ca (mutual TLS) a client without a certificate is refused. The plain TLS server
+// also needs an API key: grpcio sends it as call credentials, curl as a header over https.
 TEST(ApiSecurityTest, TlsAndMutualTlsWithGrpcioAndCurl) {
   const fs::path dir = fs::path(::testing::TempDir()) / absl::StrCat("tls_", getpid());
   fs::create_directories(dir);
@@ -265,17 +266,38 @@ TEST(ApiSecurityTest, TlsAndMutualTlsWithGrpcioAndCurl) {
     std::vector<std::string> flags = {"--workers",  "1",  "--http-port", std::to_string(http_port),
                                       "--tls-cert", cert, "--tls-key",   key};
     if (mutual) flags.insert(flags.end(), {"--tls-client-ca", ccert});
+    // TLS with an API key: the key as grpcio call credentials and as curl's header over https.
+    const std::string keys = (dir / "api_keys").string();
+    if (!mutual) {
+      std::ofstream(keys) << "tls-key-1\n";
+      flags.insert(flags.end(), {"--api-key-file", keys});
+    }
     auto server = service_test::ServerProcess::Start(model, flags);
     ASSERT_NE(server, nullptr);
     const std::string client = mutual ? absl::StrCat(" --client-cert ", ccert, " --client-key ",
                                                      ckey, " --expect-refused-without-client-cert")
-                                      : "";
+                                      : " --api-key tls-key-1";
     const CommandResult grpc_run =
         RunCommand(absl::StrCat(py, " --server ", server->address(), client));
     EXPECT_EQ(grpc_run.exit_code, 0) << grpc_run.output;
     EXPECT_THAT(grpc_run.output, HasSubstr("TLS: served 3 tokens")) << grpc_run.output;
     EXPECT_THAT(grpc_run.output, HasSubstr("plain text: refused")) << grpc_run.output;
     if (mutual) EXPECT_THAT(grpc_run.output, HasSubstr("without a client certificate: refused"));
+    if (!mutual) {
+      EXPECT_THAT(grpc_run.output, HasSubstr("TLS without the API key: UNAUTHENTICATED"));
+      EXPECT_THAT(grpc_run.output,
+                  HasSubstr("TLS with the API key as call credentials: streamed 3 tokens"));
+      const std::string completions =
+          absl::StrCat("curl -sS --max-time 60 --cacert ", cert,
+                       " -H 'Content-Type: application/json' -d '{\"model\": \"", model,
+                       "\", \"prompt\": \"hi\", \"max_tokens\": 2}' https://127.0.0.1:", http_port,
+                       "/v1/completions");
+      const CommandResult served =
+          RunCommand(completions + " -H 'Authorization: Bearer tls-key-1'");
+      EXPECT_THAT(served.output, HasSubstr("\"completion_tokens\":2")) << served.output;
+      const CommandResult denied = RunCommand(completions + " -w ' %{http_code}'");
+      EXPECT_THAT(denied.output, HasSubstr(" 401")) << denied.output;
+    }
 
     const std::string url = absl::StrCat("https://127.0.0.1:", http_port, "/health");
     const std::string curl =
