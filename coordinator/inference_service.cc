@@ -599,6 +599,29 @@ absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Submit(
   return result;
 }
 
+absl::StatusOr<std::vector<int32_t>> InferenceService::EncodeText(const std::string& text,
+                                                                  bool add_special_tokens) {
+  if (tokenizer_ == nullptr) {
+    return absl::FailedPreconditionError("the model directory has no tokenizer.json");
+  }
+  if (static_cast<int64_t>(text.size()) <= intake_.inline_bytes) {
+    return tokenizer_->Encode(text, add_special_tokens);
+  }
+  absl::StatusOr<std::vector<int32_t>> result;
+  absl::Notification answered;
+  absl::Status posted = pool_.Post(Clock::time_point::max(), [&](absl::Status status) {
+    if (status.ok()) {
+      result = tokenizer_->Encode(text, add_special_tokens);
+    } else {
+      result = status;
+    }
+    answered.Notify();
+  });
+  if (!posted.ok()) return posted;
+  answered.WaitForNotification();  // bounded: one text, or UNAVAILABLE at shutdown
+  return result;
+}
+
 absl::Status InferenceService::Authorize(const grpc::CallbackServerContext* context) const {
   if (!api_keys_.enabled()) return absl::OkStatus();
   const auto& md = context->client_metadata();

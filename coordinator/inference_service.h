@@ -78,6 +78,10 @@ class InferenceService final : public v1::Inference::CallbackService {
   using SubmitDone = std::function<void(absl::StatusOr<std::shared_ptr<RequestState>>)>;
   void SubmitAsync(const v1::GenerateRequest& request, Clock::time_point deadline,
                    std::function<bool()> cancelled, SubmitDone done);
+  // Tokenizes `text` like Tokenizer::Encode, on the intake pool when it is long (waiting for
+  // it): for the HTTP chat endpoint, which renders the conversation itself. RESOURCE_EXHAUSTED
+  // when the pool's queue is full, FAILED_PRECONDITION without a tokenizer.
+  absl::StatusOr<std::vector<int32_t>> EncodeText(const std::string& text, bool add_special_tokens);
   // SubmitAsync, waiting for the answer.
   absl::StatusOr<std::shared_ptr<RequestState>> Submit(const v1::GenerateRequest& request,
                                                        Clock::time_point deadline);
