@@ -109,6 +109,7 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public Reque
                                                       v1::GenerateResponse* response) {
     auto r = std::shared_ptr<UnaryGenerateReactor>(new UnaryGenerateReactor(tokenizer, response));
     r->self_ = r;
+    r->weak_self_ = r;
     return r;
   }
 
@@ -133,8 +134,8 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public Reque
       return;
     }
     lock.unlock();
-    state_->SetListener(self_);
-    OnRequestUpdate();  // it may already be over
+    state_->SetListener(weak_self_);  // not self_: OnDone may be clearing it
+    OnRequestUpdate();                // it may already be over
   }
 
   bool cancelled() {
@@ -191,7 +192,8 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public Reque
   Scheduler* scheduler_ = nullptr;
   const Tokenizer* tokenizer_;
   v1::GenerateResponse* response_;
-  std::shared_ptr<UnaryGenerateReactor> self_;
+  std::shared_ptr<UnaryGenerateReactor> self_;  // until OnDone
+  std::weak_ptr<UnaryGenerateReactor> weak_self_;
   std::mutex mu_;
   bool attached_ = false;
   bool cancelled_ = false;
@@ -206,6 +208,7 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
   static std::shared_ptr<StreamGenerateReactor> Create(const Tokenizer* tokenizer) {
     auto r = std::shared_ptr<StreamGenerateReactor>(new StreamGenerateReactor(tokenizer));
     r->self_ = r;
+    r->weak_self_ = r;
     return r;
   }
 
@@ -229,7 +232,7 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
       return;
     }
     lock.unlock();
-    state_->SetListener(self_);
+    state_->SetListener(weak_self_);  // not self_: OnDone may be clearing it
     OnRequestUpdate();
   }
 
@@ -314,7 +317,8 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
   std::shared_ptr<RequestState> state_;
   Scheduler* scheduler_ = nullptr;
   const Tokenizer* tokenizer_;
-  std::shared_ptr<StreamGenerateReactor> self_;
+  std::shared_ptr<StreamGenerateReactor> self_;  // until OnDone
+  std::weak_ptr<StreamGenerateReactor> weak_self_;
   std::mutex mu_;
   v1::GenerateResponse response_;
   bool attached_ = false;

@@ -1,5 +1,6 @@
-// The public API's access control with real clients: API keys (--api-key-file) on gRPC (Python
-// grpcio with metadata) and HTTP (curl), health exempt.
+// The public API against abuse, with real clients: API keys (--api-key-file) on gRPC (Python
+// grpcio with metadata) and HTTP (curl), health exempt; TLS; long and huge prompts; unparsable
+// request bytes; ten times the capacity at once.
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
