@@ -33,11 +33,19 @@ class ParseErrorInterceptor final : public grpc::experimental::Interceptor {
   explicit ParseErrorInterceptor(grpc::experimental::ServerRpcInfo* info) : info_(info) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
+    // Only where the one request message arrives before the handler runs (unary and server
+    // streaming: every tpserve.v1 method). On a client or bidi stream a null message is also
+    // what the end of the stream looks like, so those (server reflection) keep gRPC's answer.
+    const auto type = info_->type();
+    const bool single_request = type == grpc::experimental::ServerRpcInfo::Type::UNARY ||
+                                type == grpc::experimental::ServerRpcInfo::Type::SERVER_STREAMING;
+    if (single_request &&
+        methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
         methods->GetRecvMessage() == nullptr) {
       unparsed_ = true;
     }
-    if (unparsed_ && methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+    if (unparsed_ && methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS) &&
+        methods->GetSendStatus().error_code() == grpc::StatusCode::UNIMPLEMENTED) {
       const std::string type = InputTypeOf(info_->method());
       methods->ModifySendStatus(grpc::Status(
           grpc::StatusCode::INVALID_ARGUMENT,
