@@ -1,11 +1,14 @@
 // The public gRPC service (see inference_service.h).
 #include "coordinator/inference_service.h"
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <random>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "common/logging.h"
 #include "common/sampling.h"
 #include "common/status.h"
@@ -62,6 +65,30 @@ void FillLogprobs(const std::vector<int32_t>& ids, const std::vector<TokenLogpro
   }
 }
 
+// The longest prompt a request could have and be served: --max-prompt-tokens, and room for one
+// output token in the context and in the KV cache. Text is tokenized only that far.
+struct PromptBound {
+  int64_t tokens;
+  std::string why;
+};
+PromptBound MaxPromptTokens(const ServiceLimits& limits) {
+  PromptBound b{
+      limits.context_length - 1,
+      absl::StrCat("at most ", limits.context_length - 1, " fit the model's context length of ",
+                   limits.context_length, " tokens with room for one output token")};
+  if (limits.kv_capacity_tokens > 0 && limits.kv_capacity_tokens - 1 < b.tokens) {
+    b = {limits.kv_capacity_tokens - 1,
+         absl::StrCat("at most ", limits.kv_capacity_tokens - 1, " fit the KV cache's capacity of ",
+                      limits.kv_capacity_tokens, " tokens with room for one output token")};
+  }
+  if (limits.max_prompt_tokens > 0 && limits.max_prompt_tokens <= b.tokens) {
+    b = {limits.max_prompt_tokens,
+         absl::StrCat("at most ", limits.max_prompt_tokens, " are accepted (--max-prompt-tokens)")};
+  }
+  b.tokens = std::max<int64_t>(b.tokens, 0);
+  return b;
+}
+
 void FillFinal(const std::string& request_id, const FinalInfo& info, v1::GenerateResponse* r) {
   r->set_request_id(request_id);
   r->set_finished(true);
@@ -73,18 +100,47 @@ void FillFinal(const std::string& request_id, const FinalInfo& info, v1::Generat
   r->mutable_timings()->set_total_seconds(info.total_s);
 }
 
-// Answers a unary Generate once the request finishes (or is cancelled).
+// Answers a unary Generate once the request finishes (or is cancelled). Created before the
+// request is admitted (its prompt may be tokenized on an intake thread): until Attach, a cancel
+// only marks it, because the call's request must live until the intake has read it.
 class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public RequestListener {
  public:
-  static grpc::ServerUnaryReactor* Start(std::shared_ptr<RequestState> state, Scheduler* scheduler,
-                                         const Tokenizer* tokenizer,
-                                         v1::GenerateResponse* response) {
-    auto r = std::shared_ptr<UnaryGenerateReactor>(
-        new UnaryGenerateReactor(state, scheduler, tokenizer, response));
+  static std::shared_ptr<UnaryGenerateReactor> Create(const Tokenizer* tokenizer,
+                                                      v1::GenerateResponse* response) {
+    auto r = std::shared_ptr<UnaryGenerateReactor>(new UnaryGenerateReactor(tokenizer, response));
     r->self_ = r;
-    state->SetListener(r);
-    r->OnRequestUpdate();  // it may already be over
-    return r.get();
+    r->weak_self_ = r;
+    return r;
+  }
+
+  // The admitted request (or why it was not admitted); called once.
+  void Attach(absl::StatusOr<std::shared_ptr<RequestState>> state, Scheduler* scheduler) {
+    std::unique_lock<std::mutex> lock(mu_);
+    attached_ = true;
+    if (!state.ok()) {
+      finish_called_ = true;
+      lock.unlock();
+      Finish(ToGrpc(state.status()));
+      return;
+    }
+    state_ = *state;
+    scheduler_ = scheduler;
+    if (cancelled_) {
+      finish_called_ = true;
+      lock.unlock();
+      state_->Cancel();
+      scheduler_->Wake();
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the request was cancelled"));
+      return;
+    }
+    lock.unlock();
+    state_->SetListener(weak_self_);  // not self_: OnDone may be clearing it
+    OnRequestUpdate();                // it may already be over
+  }
+
+  bool cancelled() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cancelled_;
   }
 
   void OnRequestUpdate() override {
@@ -108,6 +164,11 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public Reque
   }
 
   void OnCancel() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      if (!attached_ || state_ == nullptr) return;  // Attach answers, or it has answered
+    }
     state_->Cancel();
     scheduler_->Wake();
     {
@@ -123,35 +184,61 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public Reque
   }
 
  private:
-  UnaryGenerateReactor(std::shared_ptr<RequestState> state, Scheduler* scheduler,
-                       const Tokenizer* tokenizer, v1::GenerateResponse* response)
-      : state_(std::move(state)),
-        scheduler_(scheduler),
-        tokenizer_(tokenizer),
-        response_(response) {}
+  UnaryGenerateReactor(const Tokenizer* tokenizer, v1::GenerateResponse* response)
+      : tokenizer_(tokenizer), response_(response) {}
 
+  // Set once by Attach (under mu_), read-only afterwards.
   std::shared_ptr<RequestState> state_;
-  Scheduler* scheduler_;
+  Scheduler* scheduler_ = nullptr;
   const Tokenizer* tokenizer_;
   v1::GenerateResponse* response_;
-  std::shared_ptr<UnaryGenerateReactor> self_;
+  std::shared_ptr<UnaryGenerateReactor> self_;  // until OnDone
+  std::weak_ptr<UnaryGenerateReactor> weak_self_;
   std::mutex mu_;
+  bool attached_ = false;
+  bool cancelled_ = false;
   bool finish_called_ = false;
 };
 
-// Streams deltas as the scheduler produces them; one write in flight, deltas coalesce.
+// Streams deltas as the scheduler produces them; one write in flight, deltas coalesce. Like the
+// unary reactor, it exists before its request is admitted and answers nothing until Attach.
 class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
                                     public RequestListener {
  public:
-  static grpc::ServerWriteReactor<v1::GenerateResponse>* Start(std::shared_ptr<RequestState> state,
-                                                               Scheduler* scheduler,
-                                                               const Tokenizer* tokenizer) {
-    auto r = std::shared_ptr<StreamGenerateReactor>(
-        new StreamGenerateReactor(state, scheduler, tokenizer));
+  static std::shared_ptr<StreamGenerateReactor> Create(const Tokenizer* tokenizer) {
+    auto r = std::shared_ptr<StreamGenerateReactor>(new StreamGenerateReactor(tokenizer));
     r->self_ = r;
-    state->SetListener(r);
-    r->OnRequestUpdate();
-    return r.get();
+    r->weak_self_ = r;
+    return r;
+  }
+
+  void Attach(absl::StatusOr<std::shared_ptr<RequestState>> state, Scheduler* scheduler) {
+    std::unique_lock<std::mutex> lock(mu_);
+    attached_ = true;
+    if (!state.ok()) {
+      finish_called_ = true;
+      lock.unlock();
+      Finish(ToGrpc(state.status()));
+      return;
+    }
+    state_ = *state;
+    scheduler_ = scheduler;
+    if (cancelled_) {
+      finish_called_ = true;
+      lock.unlock();
+      state_->Cancel();
+      scheduler_->Wake();
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the request was cancelled"));
+      return;
+    }
+    lock.unlock();
+    state_->SetListener(weak_self_);  // not self_: OnDone may be clearing it
+    OnRequestUpdate();
+  }
+
+  bool cancelled() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cancelled_;
   }
 
   void OnRequestUpdate() override { Pump(); }
@@ -178,11 +265,15 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
   }
 
   void OnCancel() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      if (!attached_ || state_ == nullptr) return;  // Attach answers, or it has answered
+    }
     state_->Cancel();
     scheduler_->Wake();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      cancelled_ = true;
       if (finish_called_ || writing_) return;  // OnWriteDone finishes
       finish_called_ = true;
     }
@@ -192,9 +283,7 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
   void OnDone() override { std::shared_ptr<StreamGenerateReactor> self = std::move(self_); }
 
  private:
-  StreamGenerateReactor(std::shared_ptr<RequestState> state, Scheduler* scheduler,
-                        const Tokenizer* tokenizer)
-      : state_(std::move(state)), scheduler_(scheduler), tokenizer_(tokenizer) {}
+  explicit StreamGenerateReactor(const Tokenizer* tokenizer) : tokenizer_(tokenizer) {}
 
   void Pump() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -224,12 +313,15 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
     StartWrite(&response_);
   }
 
+  // Set once by Attach (under mu_), read-only afterwards.
   std::shared_ptr<RequestState> state_;
-  Scheduler* scheduler_;
+  Scheduler* scheduler_ = nullptr;
   const Tokenizer* tokenizer_;
-  std::shared_ptr<StreamGenerateReactor> self_;
+  std::shared_ptr<StreamGenerateReactor> self_;  // until OnDone
+  std::weak_ptr<StreamGenerateReactor> weak_self_;
   std::mutex mu_;
   v1::GenerateResponse response_;
+  bool attached_ = false;
   bool writing_ = false;
   bool finish_called_ = false;
   bool cancelled_ = false;
@@ -260,13 +352,12 @@ absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest&
         return Invalid(
             "prompt.text: the model directory has no tokenizer.json; send prompt.token_ids");
       }
-      p.prompt = tokenizer->Encode(text, /*add_special_tokens=*/true);
+      const PromptBound bound = MaxPromptTokens(limits);
+      p.prompt = tokenizer->Encode(text, /*add_special_tokens=*/true, bound.tokens);
       if (p.prompt.empty()) return Invalid("prompt.text encodes to no tokens");
-      if (limits.max_prompt_tokens > 0 &&
-          static_cast<int64_t>(p.prompt.size()) > limits.max_prompt_tokens) {
-        return Invalid(absl::StrCat("prompt.text encodes to ", p.prompt.size(), " tokens; at most ",
-                                    limits.max_prompt_tokens,
-                                    " are accepted (--max-prompt-tokens)"));
+      if (static_cast<int64_t>(p.prompt.size()) > bound.tokens) {
+        return Invalid(absl::StrCat("prompt.text encodes to more than ", bound.tokens, " tokens; ",
+                                    bound.why));
       }
       break;
     }
@@ -314,8 +405,13 @@ absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest&
             absl::StrCat("prompt.messages: the chat template failed: ", text.status().message()));
       }
       // The template writes the BOS and the other special tokens itself.
-      p.prompt = tokenizer->Encode(*text, /*add_special_tokens=*/false);
+      const PromptBound bound = MaxPromptTokens(limits);
+      p.prompt = tokenizer->Encode(*text, /*add_special_tokens=*/false, bound.tokens);
       if (p.prompt.empty()) return Invalid("prompt.messages render to no tokens");
+      if (static_cast<int64_t>(p.prompt.size()) > bound.tokens) {
+        return Invalid(absl::StrCat("prompt.messages render to more than ", bound.tokens,
+                                    " tokens; ", bound.why));
+      }
       break;
     }
     default:
@@ -425,7 +521,42 @@ absl::Status NotReady() {
 }
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Submit(
+namespace {
+// The bytes of text that admitting `request` tokenizes (none for token ids).
+int64_t PromptTextBytes(const v1::GenerateRequest& request) {
+  switch (request.prompt_case()) {
+    case v1::GenerateRequest::kText:
+      return static_cast<int64_t>(request.text().size());
+    case v1::GenerateRequest::kMessages: {
+      int64_t bytes = 0;
+      for (const v1::ChatMessage& m : request.messages().messages()) {
+        bytes += static_cast<int64_t>(m.content().size() + m.role().size());
+      }
+      return bytes;
+    }
+    default:
+      return 0;
+  }
+}
+
+int DefaultIntakeThreads() {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  return std::clamp(cores / 4, 1, 4);
+}
+}  // namespace
+
+InferenceService::InferenceService(const Tokenizer* tokenizer, ChatPromptRenderer chat,
+                                   IntakeOptions intake)
+    : tokenizer_(tokenizer),
+      chat_(std::move(chat)),
+      intake_(intake),
+      pool_(intake.threads > 0 ? intake.threads : DefaultIntakeThreads(), intake.max_queued) {}
+
+InferenceService::~InferenceService() { pool_.Shutdown(); }
+
+void InferenceService::Shutdown() { pool_.Shutdown(); }
+
+absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::SubmitNow(
     const v1::GenerateRequest& request, Clock::time_point deadline) {
   Scheduler* scheduler = scheduler_.load(std::memory_order_acquire);
   if (scheduler == nullptr) return NotReady();
@@ -442,6 +573,64 @@ absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Submit(
   return state;
 }
 
+void InferenceService::SubmitAsync(const v1::GenerateRequest& request, Clock::time_point deadline,
+                                   std::function<bool()> cancelled, SubmitDone done) {
+  if (scheduler_.load(std::memory_order_acquire) == nullptr) return done(NotReady());
+  // A short prompt is tokenized here at once (a few ms at most), and one too long to be
+  // accepted is refused here by its length alone; a long one waits for an intake thread, so
+  // that it holds neither an RPC thread nor the CPU against the short ones.
+  const int64_t bytes = PromptTextBytes(request);
+  if (bytes <= intake_.inline_bytes || bytes > limits_.max_prompt_text_bytes) {
+    return done(SubmitNow(request, deadline));
+  }
+  auto task = [this, &request, deadline, cancelled = std::move(cancelled),
+               done](absl::Status status) {
+    if (status.ok() && cancelled && cancelled()) {
+      status = absl::CancelledError("the request was cancelled");
+    }
+    if (!status.ok()) return done(status);
+    done(SubmitNow(request, deadline));
+  };
+  if (absl::Status posted = pool_.Post(deadline, std::move(task)); !posted.ok()) done(posted);
+}
+
+absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Submit(
+    const v1::GenerateRequest& request, Clock::time_point deadline) {
+  absl::StatusOr<std::shared_ptr<RequestState>> result;
+  absl::Notification answered;
+  SubmitAsync(request, deadline, nullptr, [&](absl::StatusOr<std::shared_ptr<RequestState>> state) {
+    result = std::move(state);
+    answered.Notify();
+  });
+  // Bounded: the intake answers every request it took (one prompt of at most
+  // max_prompt_text_bytes each, or UNAVAILABLE when it shuts down).
+  answered.WaitForNotification();
+  return result;
+}
+
+absl::StatusOr<std::vector<int32_t>> InferenceService::EncodeText(const std::string& text,
+                                                                  bool add_special_tokens) {
+  if (tokenizer_ == nullptr) {
+    return absl::FailedPreconditionError("the model directory has no tokenizer.json");
+  }
+  if (static_cast<int64_t>(text.size()) <= intake_.inline_bytes) {
+    return tokenizer_->Encode(text, add_special_tokens);
+  }
+  absl::StatusOr<std::vector<int32_t>> result;
+  absl::Notification answered;
+  absl::Status posted = pool_.Post(Clock::time_point::max(), [&](absl::Status status) {
+    if (status.ok()) {
+      result = tokenizer_->Encode(text, add_special_tokens);
+    } else {
+      result = status;
+    }
+    answered.Notify();
+  });
+  if (!posted.ok()) return posted;
+  answered.WaitForNotification();  // bounded: one text, or UNAVAILABLE at shutdown
+  return result;
+}
+
 absl::Status InferenceService::Authorize(const grpc::CallbackServerContext* context) const {
   if (!api_keys_.enabled()) return absl::OkStatus();
   const auto& md = context->client_metadata();
@@ -450,31 +639,17 @@ absl::Status InferenceService::Authorize(const grpc::CallbackServerContext* cont
                                         : std::string_view(it->second.data(), it->second.size()));
 }
 
-absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Admit(
-    grpc::CallbackServerContext* context, const v1::GenerateRequest& request) {
-  TP_RETURN_IF_ERROR(Authorize(context));
-  Clock::time_point deadline = Clock::time_point::max();
-  const auto grpc_deadline = context->deadline();
-  if (grpc_deadline != std::chrono::system_clock::time_point::max()) {
-    const auto left = grpc_deadline - std::chrono::system_clock::now();
-    deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
-  }
-  return Submit(request, deadline);
-}
-
-grpc::ServerUnaryReactor* InferenceService::Generate(grpc::CallbackServerContext* context,
-                                                     const v1::GenerateRequest* request,
-                                                     v1::GenerateResponse* response) {
-  auto state = Admit(context, *request);
-  if (!state.ok()) {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(ToGrpc(state.status()));
-    return reactor;
-  }
-  return UnaryGenerateReactor::Start(*state, scheduler_.load(), tokenizer_, response);
-}
-
 namespace {
+// The call's gRPC deadline on the scheduler's clock (none: max).
+Clock::time_point CallDeadline(const grpc::CallbackServerContext* context) {
+  const auto grpc_deadline = context->deadline();
+  if (grpc_deadline == std::chrono::system_clock::time_point::max()) {
+    return Clock::time_point::max();
+  }
+  const auto left = grpc_deadline - std::chrono::system_clock::now();
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(left);
+}
+
 class ErrorWriteReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
  public:
   explicit ErrorWriteReactor(const absl::Status& status) { Finish(ToGrpc(status)); }
@@ -482,11 +657,33 @@ class ErrorWriteReactor final : public grpc::ServerWriteReactor<v1::GenerateResp
 };
 }  // namespace
 
+grpc::ServerUnaryReactor* InferenceService::Generate(grpc::CallbackServerContext* context,
+                                                     const v1::GenerateRequest* request,
+                                                     v1::GenerateResponse* response) {
+  if (absl::Status auth = Authorize(context); !auth.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(ToGrpc(auth));
+    return reactor;
+  }
+  auto reactor = UnaryGenerateReactor::Create(tokenizer_, response);
+  SubmitAsync(
+      *request, CallDeadline(context), [reactor] { return reactor->cancelled(); },
+      [this, reactor](absl::StatusOr<std::shared_ptr<RequestState>> state) {
+        reactor->Attach(std::move(state), scheduler_.load(std::memory_order_acquire));
+      });
+  return reactor.get();
+}
+
 grpc::ServerWriteReactor<v1::GenerateResponse>* InferenceService::GenerateStream(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
-  auto state = Admit(context, *request);
-  if (!state.ok()) return new ErrorWriteReactor(state.status());
-  return StreamGenerateReactor::Start(*state, scheduler_.load(), tokenizer_);
+  if (absl::Status auth = Authorize(context); !auth.ok()) return new ErrorWriteReactor(auth);
+  auto reactor = StreamGenerateReactor::Create(tokenizer_);
+  SubmitAsync(
+      *request, CallDeadline(context), [reactor] { return reactor->cancelled(); },
+      [this, reactor](absl::StatusOr<std::shared_ptr<RequestState>> state) {
+        reactor->Attach(std::move(state), scheduler_.load(std::memory_order_acquire));
+      });
+  return reactor.get();
 }
 
 grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext* context,
@@ -507,9 +704,22 @@ grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext
         "text is ", request->text().size(), " bytes; at most ", limits_.max_prompt_text_bytes))));
     return reactor;
   }
-  std::vector<int32_t> ids = tokenizer_->Encode(request->text(), request->add_special_tokens());
-  response->mutable_token_ids()->Assign(ids.begin(), ids.end());
-  reactor->Finish(grpc::Status::OK);
+  auto encode = [this, reactor, request, response] {
+    std::vector<int32_t> ids = tokenizer_->Encode(request->text(), request->add_special_tokens());
+    response->mutable_token_ids()->Assign(ids.begin(), ids.end());
+    reactor->Finish(grpc::Status::OK);
+  };
+  if (static_cast<int64_t>(request->text().size()) <= intake_.inline_bytes) {
+    encode();
+    return reactor;
+  }
+  // Long text: on an intake thread, like a long prompt (the call, and so `request`, lives
+  // until Finish).
+  absl::Status posted = pool_.Post(CallDeadline(context), [reactor, encode](absl::Status status) {
+    if (!status.ok()) return reactor->Finish(ToGrpc(status));
+    encode();
+  });
+  if (!posted.ok()) reactor->Finish(ToGrpc(posted));
   return reactor;
 }
 

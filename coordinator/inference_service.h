@@ -15,6 +15,7 @@
 #include "common/model_config.h"
 #include "coordinator/api_keys.h"
 #include "coordinator/chat_template/chat_template.h"
+#include "coordinator/intake_pool.h"
 #include "coordinator/request.h"
 #include "coordinator/scheduler.h"
 #include "tpserve/v1/inference.grpc.pb.h"
@@ -48,11 +49,20 @@ absl::StatusOr<RequestParams> ValidateGenerateRequest(const v1::GenerateRequest&
                                                       const ServiceLimits& limits,
                                                       const ChatPromptRenderer& chat = {});
 
+// Where a request's prompt is tokenized: texts up to `inline_bytes` on the thread that
+// submits it (an RPC or HTTP thread: a few ms), longer ones on the intake pool.
+struct IntakeOptions {
+  int threads = 0;                  // 0: a quarter of the cores, 1 to 4
+  int max_queued = 16;              // long prompts waiting for a thread; more: RESOURCE_EXHAUSTED
+  int64_t inline_bytes = 16 << 10;  // about 10 ms of tokenizing
+};
+
 class InferenceService final : public v1::Inference::CallbackService {
  public:
   // Until Activate, generation answers UNAVAILABLE (the workers are still loading).
-  explicit InferenceService(const Tokenizer* tokenizer, ChatPromptRenderer chat = {})
-      : tokenizer_(tokenizer), chat_(std::move(chat)) {}
+  explicit InferenceService(const Tokenizer* tokenizer, ChatPromptRenderer chat = {},
+                            IntakeOptions intake = {});
+  ~InferenceService() override;
   // Every call needs one of `keys` in its `authorization: Bearer` metadata (set before the
   // server starts; none: no check).
   void SetApiKeys(ApiKeys keys) { api_keys_ = std::move(keys); }
@@ -62,8 +72,24 @@ class InferenceService final : public v1::Inference::CallbackService {
   // The one path from a request to the scheduler, for the gRPC and the HTTP front ends alike:
   // UNAVAILABLE until Activate, validation (INVALID_ARGUMENT naming the field), a request id
   // when none is given, the queue (RESOURCE_EXHAUSTED when full, UNAVAILABLE when draining).
+  // A long text prompt is tokenized on the intake pool (see IntakeOptions): RESOURCE_EXHAUSTED
+  // when its queue is full, DEADLINE_EXCEEDED when `deadline` passes while it waits.
+  // `done` is called once, with the admitted request or the error, before SubmitAsync returns
+  // or later on an intake thread; `request` must stay valid until then. `cancelled` (may be
+  // empty) lets a request whose caller left skip its tokenizing.
+  using SubmitDone = std::function<void(absl::StatusOr<std::shared_ptr<RequestState>>)>;
+  void SubmitAsync(const v1::GenerateRequest& request, Clock::time_point deadline,
+                   std::function<bool()> cancelled, SubmitDone done);
+  // Tokenizes `text` like Tokenizer::Encode, on the intake pool when it is long (waiting for
+  // it): for the HTTP chat endpoint, which renders the conversation itself. RESOURCE_EXHAUSTED
+  // when the pool's queue is full, FAILED_PRECONDITION without a tokenizer.
+  absl::StatusOr<std::vector<int32_t>> EncodeText(const std::string& text, bool add_special_tokens);
+  // SubmitAsync, waiting for the answer.
   absl::StatusOr<std::shared_ptr<RequestState>> Submit(const v1::GenerateRequest& request,
                                                        Clock::time_point deadline);
+  // Answers the requests still waiting for the intake pool UNAVAILABLE and stops its threads
+  // (after the servers stopped, before the scheduler goes).
+  void Shutdown();
   // Null until Activate.
   Scheduler* scheduler() const { return scheduler_.load(std::memory_order_acquire); }
   const Tokenizer* tokenizer() const { return tokenizer_; }
@@ -92,8 +118,9 @@ class InferenceService final : public v1::Inference::CallbackService {
                                             v1::DropPrefixCacheResponse* response) override;
 
  private:
-  absl::StatusOr<std::shared_ptr<RequestState>> Admit(grpc::CallbackServerContext* context,
-                                                      const v1::GenerateRequest& request);
+  // Validates, tokenizes and queues `request` on this thread.
+  absl::StatusOr<std::shared_ptr<RequestState>> SubmitNow(const v1::GenerateRequest& request,
+                                                          Clock::time_point deadline);
 
   // UNAUTHENTICATED unless the call carries a valid API key (when keys are set).
   absl::Status Authorize(const grpc::CallbackServerContext* context) const;
@@ -108,6 +135,8 @@ class InferenceService final : public v1::Inference::CallbackService {
   absl::Mutex group_mu_;
   v1::WorkerGroupStatus group_status_ ABSL_GUARDED_BY(group_mu_);
   std::atomic<uint64_t> next_request_{1};
+  const IntakeOptions intake_;
+  IntakePool pool_;
 };
 
 // absl::Status -> grpc::Status (same code and message).

@@ -39,6 +39,7 @@
 #include "coordinator/http/http_server.h"
 #include "coordinator/inference_service.h"
 #include "coordinator/metrics.h"
+#include "coordinator/parse_error_interceptor.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/serving_metrics.h"
 #include "coordinator/tokenizer/tokenizer.h"
@@ -477,6 +478,11 @@ class Servers {
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
     builder.RegisterService(service);
+    // Unparsable request bytes: INVALID_ARGUMENT naming the message, not an empty UNIMPLEMENTED.
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+        interceptors;
+    interceptors.push_back(MakeParseErrorInterceptorFactory());
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
     s->grpc_ = builder.BuildAndStart();
     if (s->grpc_ == nullptr || s->port_ == 0) {
       return absl::UnavailableError(absl::StrCat("could not listen on ", listen));
@@ -932,6 +938,7 @@ absl::Status RunCoordinator(const CoordinatorOptions& options) {
   }
   group->Shutdown(status.ok() ? "the coordinator is shutting down" : "the coordinator is exiting");
   servers->Shutdown();
+  service.Shutdown();  // long prompts still waiting to be tokenized: UNAVAILABLE
   scheduler.reset();
   if (!status.ok() && layout.options.spawn_workers) {
     StopSpawnedWorkers(layout, group.get(), &events);

@@ -8,6 +8,8 @@ add_library(tpserve_coordinator STATIC
   ${CMAKE_CURRENT_LIST_DIR}/scheduler.cc
   ${CMAKE_CURRENT_LIST_DIR}/worker_group.cc
   ${CMAKE_CURRENT_LIST_DIR}/inference_service.cc
+  ${CMAKE_CURRENT_LIST_DIR}/intake_pool.cc
+  ${CMAKE_CURRENT_LIST_DIR}/parse_error_interceptor.cc
   ${CMAKE_CURRENT_LIST_DIR}/api_keys.cc
   ${CMAKE_CURRENT_LIST_DIR}/metrics.cc
   ${CMAKE_CURRENT_LIST_DIR}/serving_metrics.cc

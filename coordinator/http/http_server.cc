@@ -265,9 +265,12 @@ void HttpFrontend::Impl::Generate(Endpoint endpoint, const httplib::Request& req
               "messages", absl::StrCat("the rendered chat is ", prompt->size(), " bytes; at most ",
                                        service->limits().max_prompt_text_bytes, " are accepted")));
     }
-    // The template writes the BOS and the other special tokens itself.
-    const std::vector<int32_t> ids = tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
-    parsed->generate.mutable_token_ids()->mutable_ids()->Assign(ids.begin(), ids.end());
+    // The template writes the BOS and the other special tokens itself. A long conversation is
+    // tokenized on the intake pool, as a long gRPC prompt is.
+    absl::StatusOr<std::vector<int32_t>> ids =
+        service->EncodeText(*prompt, /*add_special_tokens=*/false);
+    if (!ids.ok()) return SendError(res, ids.status());
+    parsed->generate.mutable_token_ids()->mutable_ids()->Assign(ids->begin(), ids->end());
   }
   parsed->generate.set_request_id(RandomId(endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-"));
 

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "absl/container/flat_hash_map.h"
@@ -95,7 +96,9 @@ class TokenizerImpl {
  public:
   absl::Status Init(const json& tj, const json& cfg, const std::string& source);
 
-  void Encode(std::string_view text, bool add_special_tokens, std::vector<int32_t>* ids) const;
+  // Stops early once `ids` holds more than `limit` ids (the caller refuses such a text).
+  void Encode(std::string_view text, bool add_special_tokens, size_t limit,
+              std::vector<int32_t>* ids) const;
   std::string Decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const;
 
   std::optional<int32_t> TokenToId(std::string_view token) const {
@@ -122,8 +125,10 @@ class TokenizerImpl {
  private:
   void SplitAddedTokens(std::string_view s, const TokenTrie& trie,
                         const std::vector<int32_t>& trie_tokens, std::vector<Segment>* out) const;
-  void EncodeText(std::string_view text, bool at_start, std::vector<int32_t>* ids) const;
-  void EncodeNormalized(std::string text, bool at_start, std::vector<int32_t>* ids) const;
+  void EncodeText(std::string_view text, bool at_start, size_t limit,
+                  std::vector<int32_t>* ids) const;
+  void EncodeNormalized(std::string text, bool at_start, size_t limit,
+                        std::vector<int32_t>* ids) const;
 
   std::unique_ptr<BpeModel> model_;
   std::unique_ptr<Normalizer> normalizer_;
@@ -307,7 +312,7 @@ void TokenizerImpl::SplitAddedTokens(std::string_view s, const TokenTrie& trie,
   if (start_offset < s.size()) out->push_back({start_offset, s.size(), -1});
 }
 
-void TokenizerImpl::Encode(std::string_view text, bool add_special_tokens,
+void TokenizerImpl::Encode(std::string_view text, bool add_special_tokens, size_t limit,
                            std::vector<int32_t>* ids) const {
   std::string repaired;
   if (!IsValidUtf8(text)) {
@@ -318,43 +323,47 @@ void TokenizerImpl::Encode(std::string_view text, bool add_special_tokens,
     ids->insert(ids->end(), post_processor_->prefix.begin(), post_processor_->prefix.end());
   }
   if (raw_trie_.empty()) {
-    EncodeText(text, true, ids);
+    EncodeText(text, true, limit, ids);
   } else {
     std::vector<Segment> segs;
     SplitAddedTokens(text, raw_trie_, raw_trie_tokens_, &segs);
     for (const Segment& s : segs) {
+      if (ids->size() > limit) return;
       if (s.id >= 0) {
         ids->push_back(s.id);
       } else {
-        EncodeText(text.substr(s.start, s.end - s.start), s.start == 0, ids);
+        EncodeText(text.substr(s.start, s.end - s.start), s.start == 0, limit, ids);
       }
     }
   }
+  if (ids->size() > limit) return;
   if (add_special_tokens && post_processor_) {
     ids->insert(ids->end(), post_processor_->suffix.begin(), post_processor_->suffix.end());
   }
 }
 
-void TokenizerImpl::EncodeText(std::string_view text, bool at_start,
+void TokenizerImpl::EncodeText(std::string_view text, bool at_start, size_t limit,
                                std::vector<int32_t>* ids) const {
   std::string normalized(text);
   if (normalizer_) normalizer_->Normalize(&normalized);
   if (normalized_trie_.empty()) {
-    EncodeNormalized(std::move(normalized), at_start, ids);
+    EncodeNormalized(std::move(normalized), at_start, limit, ids);
     return;
   }
   std::vector<Segment> segs;
   SplitAddedTokens(normalized, normalized_trie_, normalized_trie_tokens_, &segs);
   for (const Segment& s : segs) {
+    if (ids->size() > limit) return;
     if (s.id >= 0) {
       ids->push_back(s.id);
     } else {
-      EncodeNormalized(normalized.substr(s.start, s.end - s.start), at_start && s.start == 0, ids);
+      EncodeNormalized(normalized.substr(s.start, s.end - s.start), at_start && s.start == 0, limit,
+                       ids);
     }
   }
 }
 
-void TokenizerImpl::EncodeNormalized(std::string text, bool at_start,
+void TokenizerImpl::EncodeNormalized(std::string text, bool at_start, size_t limit,
                                      std::vector<int32_t>* ids) const {
   if (text.empty()) return;
   BpeModel::WordCache* cache = model_->ThreadCache();
@@ -366,7 +375,10 @@ void TokenizerImpl::EncodeNormalized(std::string text, bool at_start,
   Arena arena;
   pieces.push_back(Piece{text, at_start});
   pre_tokenizer_->PreTokenize(&pieces, &arena);
-  for (const Piece& p : pieces) model_->Tokenize(p.text, byte_mode_, cache, ids);
+  for (const Piece& p : pieces) {
+    if (ids->size() > limit) return;
+    model_->Tokenize(p.text, byte_mode_, cache, ids);
+  }
 }
 
 std::string TokenizerImpl::Decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const {
@@ -457,7 +469,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
 std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_special_tokens) const {
   std::vector<int32_t> ids;
   ids.reserve(text.size() / 3 + 4);
-  impl_->Encode(text, add_special_tokens, &ids);
+  impl_->Encode(text, add_special_tokens, std::numeric_limits<size_t>::max(), &ids);
+  return ids;
+}
+
+std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_special_tokens,
+                                       size_t max_tokens) const {
+  std::vector<int32_t> ids;
+  ids.reserve(std::min(text.size() / 3, max_tokens) + 4);
+  impl_->Encode(text, add_special_tokens, max_tokens, &ids);
   return ids;
 }
 

@@ -61,6 +61,13 @@ class Tokenizer {
   // tokenizers (checked on DeepSeek-V3's, whose config says add_bos_token=true but whose
   // post_processor adds nothing). They are exposed below for callers that want them.
   std::vector<int32_t> Encode(std::string_view text, bool add_special_tokens) const;
+  // The same, but it stops soon after the ids outnumber `max_tokens`, so that a text too long
+  // for the caller costs about max_tokens tokens of work, not the whole text's. Returns the
+  // exact ids when there are at most `max_tokens`; more than `max_tokens` ids (a prefix of the
+  // full encoding's, with the post_processor's suffix missing) otherwise. Normalization and
+  // pre-tokenization still read the whole text (they are linear and cheap beside the BPE).
+  std::vector<int32_t> Encode(std::string_view text, bool add_special_tokens,
+                              size_t max_tokens) const;
   // Like HF `decode(ids, skip_special_tokens=...)`. Unknown ids are skipped, as in HF.
   std::string Decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const;
 

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
 #include "coordinator/tokenizer/pipeline.h"
@@ -379,6 +380,31 @@ std::string RunWithStdin(absl::Status (*cmd)(const std::vector<std::string>&),
   std::cin.rdbuf(old_in);
   std::cout.rdbuf(old_out);
   return out.str();
+}
+
+// Encode with a token limit gives the exact ids when they fit and otherwise stops soon after the
+// limit with a prefix of the full encoding (what the service refuses without reading on).
+TEST(Tokenizer, EncodeWithALimitStopsEarlyWithAPrefix) {
+  const char* src = std::getenv("TPSERVE_SOURCE_DIR");
+  auto tokenizer =
+      Tokenizer::Load((std::filesystem::path(src ? src : ".") / "models" / "tiny-coder").string());
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  std::string text;
+  for (int i = 0; i < 2000; ++i) text += "def f" + std::to_string(i) + "(x):\n    return x * 2\n";
+  for (bool special : {false, true}) {
+    const std::vector<int32_t> full = (*tokenizer)->Encode(text, special);
+    ASSERT_GT(full.size(), 10000u);
+    for (size_t limit : {size_t{0}, size_t{1}, size_t{100}, size_t{5000}, full.size() - 1}) {
+      const std::vector<int32_t> ids = (*tokenizer)->Encode(text, special, limit);
+      EXPECT_GT(ids.size(), limit);
+      EXPECT_LT(ids.size(), limit + 64) << "it should stop within a piece of the limit";
+      ASSERT_LE(ids.size(), full.size());
+      EXPECT_TRUE(std::equal(ids.begin(), ids.end(), full.begin())) << limit;
+    }
+    for (size_t limit : {full.size(), full.size() + 1, std::numeric_limits<size_t>::max()}) {
+      EXPECT_EQ((*tokenizer)->Encode(text, special, limit), full) << limit;
+    }
+  }
 }
 
 TEST(TokenizeCommand, RoundTrip) {

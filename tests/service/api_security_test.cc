@@ -1,21 +1,25 @@
-// The public API's access control with real clients: API keys (--api-key-file) on gRPC (Python
-// grpcio with metadata) and HTTP (curl), health exempt.
+// The public API against abuse, with real clients: API keys (--api-key-file) on gRPC (Python
+// grpcio with metadata) and HTTP (curl), health exempt; TLS; long and huge prompts; unparsable
+// request bytes; ten times the capacity at once.
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/api_keys.h"
@@ -140,9 +144,103 @@ TEST(ApiSecurityTest, HugePromptsAreRefusedUnreadAndDoNotDelayOthers) {
   EXPECT_THAT(st.error_message(), HasSubstr("at most 64 are accepted")) << st.error_message();
 }
 
+// tiny-coder with a context of 131072 tokens, so that a text of several MB passes the byte bound
+// (8 MiB, --max-request-bytes) and really is tokenized.
+std::string LongContextModelDir() {
+  const fs::path src = fs::path(SourceDir()) / "models" / "tiny-coder";
+  const fs::path dir = fs::path(::testing::TempDir()) / absl::StrCat("long_context_", getpid());
+  fs::create_directories(dir);
+  for (const char* f :
+       {"model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
+    std::error_code ec;
+    fs::remove(dir / f, ec);
+    fs::create_symlink(fs::absolute(src / f), dir / f);
+  }
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(src / "config.json"));
+  config["max_position_embeddings"] = 131072;
+  std::ofstream(dir / "config.json") << config.dump(2);
+  return dir.string();
+}
+
+// Four prompts of 3.9 MB of code that pass the byte bound are tokenized on the intake pool, at
+// a lower CPU priority, not on the RPC threads: 4-token requests sent meanwhile answer within
+// a second (alone they take ~10 ms; tokenizing one long prompt takes ~1 s of CPU); the long
+// ones get a clear answer (here: more tokens than the KV cache holds); nothing hangs.
+TEST(ApiSecurityTest, LongPromptsAreTokenizedOffTheRpcThreads) {
+  auto server = service_test::ServerProcess::Start(LongContextModelDir(), {"--workers", "1"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::Inference::NewStub(server->Channel());
+  auto call = [&](const v1::GenerateRequest& req, double* seconds) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::GenerateResponse resp;
+    const auto t0 = std::chrono::steady_clock::now();
+    grpc::Status st = stub->Generate(&ctx, req, &resp);
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return st;
+  };
+  std::string code;
+  for (const char* f : {"coordinator/scheduler.cc", "coordinator/inference_service.cc"}) {
+    std::ifstream in(fs::path(SourceDir()) / f);
+    code += std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
+  ASSERT_GT(code.size(), 10000u);
+  v1::GenerateRequest long_prompt;
+  std::string* text = long_prompt.mutable_text();
+  while (text->size() < 3900 * 1000) *text += code;
+  text->resize(3900 * 1000);
+  long_prompt.mutable_stopping()->set_max_new_tokens(2);
+  v1::GenerateRequest small;
+  for (int id : {5, 6, 7, 8}) small.mutable_token_ids()->add_ids(id);
+  small.mutable_stopping()->set_max_new_tokens(2);
+  small.mutable_stopping()->set_ignore_eos(true);
+  double alone = 1e9;
+  for (int i = 0; i < 3; ++i) {
+    double seconds = 0;
+    ASSERT_TRUE(call(small, &seconds).ok());
+    alone = std::min(alone, seconds);
+  }
+
+  std::vector<grpc::Status> long_status(4);
+  std::vector<double> long_seconds(4);
+  std::atomic<int> long_done{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] {
+      long_status[i] = call(long_prompt, &long_seconds[i]);
+      ++long_done;
+    });
+  }
+  // Short requests one after another while the long ones are being tokenized.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::vector<double> during;
+  while (long_done.load() < 4 && during.size() < 50) {
+    double seconds = 0;
+    const grpc::Status st = call(small, &seconds);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    during.push_back(seconds);
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_FALSE(during.empty()) << "the long prompts were answered within 200 ms";
+  const double worst = *std::max_element(during.begin(), during.end());
+  std::printf(
+      "4-token request alone: %.3f s; while 4 long prompts were tokenized: worst %.3f s "
+      "of %zu; long prompts answered in %.2f to %.2f s\n",
+      alone, worst, during.size(), *std::min_element(long_seconds.begin(), long_seconds.end()),
+      *std::max_element(long_seconds.begin(), long_seconds.end()));
+  // Generous for a loaded 2-core CI machine; on the RPC threads the wait was seconds.
+  EXPECT_LT(worst, 1.0);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(long_status[i].error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << long_status[i].error_message();
+    EXPECT_THAT(long_status[i].error_message(), HasSubstr("prompt.text encodes to more than"));
+  }
+}
+
 // TLS on both front ends with a certificate made now by the openssl command line: grpcio with
 // ssl_channel_credentials and curl --cacert are served, plain-text clients are not; with
-// --tls-client-ca (mutual TLS) a client without a certificate is refused.
+// --tls-client-ca (mutual TLS) a client without a certificate is refused. The plain TLS server
+// also needs an API key: grpcio sends it as call credentials, curl as a header over https.
 TEST(ApiSecurityTest, TlsAndMutualTlsWithGrpcioAndCurl) {
   const fs::path dir = fs::path(::testing::TempDir()) / absl::StrCat("tls_", getpid());
   fs::create_directories(dir);
@@ -169,17 +267,38 @@ TEST(ApiSecurityTest, TlsAndMutualTlsWithGrpcioAndCurl) {
     std::vector<std::string> flags = {"--workers",  "1",  "--http-port", std::to_string(http_port),
                                       "--tls-cert", cert, "--tls-key",   key};
     if (mutual) flags.insert(flags.end(), {"--tls-client-ca", ccert});
+    // TLS with an API key: the key as grpcio call credentials and as curl's header over https.
+    const std::string keys = (dir / "api_keys").string();
+    if (!mutual) {
+      std::ofstream(keys) << "tls-key-1\n";
+      flags.insert(flags.end(), {"--api-key-file", keys});
+    }
     auto server = service_test::ServerProcess::Start(model, flags);
     ASSERT_NE(server, nullptr);
     const std::string client = mutual ? absl::StrCat(" --client-cert ", ccert, " --client-key ",
                                                      ckey, " --expect-refused-without-client-cert")
-                                      : "";
+                                      : " --api-key tls-key-1";
     const CommandResult grpc_run =
         RunCommand(absl::StrCat(py, " --server ", server->address(), client));
     EXPECT_EQ(grpc_run.exit_code, 0) << grpc_run.output;
     EXPECT_THAT(grpc_run.output, HasSubstr("TLS: served 3 tokens")) << grpc_run.output;
     EXPECT_THAT(grpc_run.output, HasSubstr("plain text: refused")) << grpc_run.output;
     if (mutual) EXPECT_THAT(grpc_run.output, HasSubstr("without a client certificate: refused"));
+    if (!mutual) {
+      EXPECT_THAT(grpc_run.output, HasSubstr("TLS without the API key: UNAUTHENTICATED"));
+      EXPECT_THAT(grpc_run.output,
+                  HasSubstr("TLS with the API key as call credentials: streamed 3 tokens"));
+      const std::string completions =
+          absl::StrCat("curl -sS --max-time 60 --cacert ", cert,
+                       " -H 'Content-Type: application/json' -d '{\"model\": \"", model,
+                       "\", \"prompt\": \"hi\", \"max_tokens\": 2}' https://127.0.0.1:", http_port,
+                       "/v1/completions");
+      const CommandResult served =
+          RunCommand(completions + " -H 'Authorization: Bearer tls-key-1'");
+      EXPECT_THAT(served.output, HasSubstr("\"completion_tokens\":2")) << served.output;
+      const CommandResult denied = RunCommand(completions + " -w ' %{http_code}'");
+      EXPECT_THAT(denied.output, HasSubstr(" 401")) << denied.output;
+    }
 
     const std::string url = absl::StrCat("https://127.0.0.1:", http_port, "/health");
     const std::string curl =
@@ -193,6 +312,116 @@ TEST(ApiSecurityTest, TlsAndMutualTlsWithGrpcioAndCurl) {
                   .output,
               "200");
   }
+}
+
+// Bytes that are not the method's message, from grpcio with identity serializers: every method
+// answers INVALID_ARGUMENT naming the message type (gRPC alone answers UNIMPLEMENTED with no
+// message), and the server serves normally after them.
+TEST(ApiSecurityTest, UnparsableRequestBytesAreInvalidArgument) {
+  auto server =
+      service_test::ServerProcess::Start(service_test::ServiceModelDir(), {"--workers", "1"});
+  ASSERT_NE(server, nullptr);
+  const CommandResult py =
+      RunCommand(absl::StrCat("timeout -k 5 120 /usr/bin/python3 ", SourceDir(),
+                              "/tests/service/raw_bytes_client_test.py "
+                              "--server ",
+                              server->address()));
+  EXPECT_EQ(py.exit_code, 0) << py.output;
+  EXPECT_THAT(py.output, HasSubstr("Generate: INVALID_ARGUMENT: the request's bytes do not parse "
+                                   "as a protobuf tpserve.v1.GenerateRequest"))
+      << py.output;
+  EXPECT_THAT(py.output, HasSubstr("GenerateStream: INVALID_ARGUMENT")) << py.output;
+  EXPECT_THAT(py.output, HasSubstr("a valid request after them: served")) << py.output;
+}
+
+// The coordinator's resident memory now and at its peak (VmRSS, VmHWM of /proc/PID/status), in
+// bytes.
+std::pair<int64_t, int64_t> ResidentBytes(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  int64_t rss = 0, peak = 0;
+  std::string key;
+  int64_t kb = 0;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    if (!(fields >> key >> kb)) continue;
+    if (key == "VmRSS:") rss = kb * 1024;
+    if (key == "VmHWM:") peak = kb * 1024;
+  }
+  return {rss, peak};
+}
+
+// Ten times what the server holds (2 running + 4 queued) at once, from 60 gRPC clients: the
+// requests beyond the queue are refused at once RESOURCE_EXHAUSTED with a message that says
+// so, every accepted one is served in full, the coordinator's memory stays within a bound, and
+// it serves normally afterwards.
+TEST(ApiSecurityTest, TenTimesCapacityIsRefusedClearlyAndServedAfter) {
+  auto server = service_test::ServerProcess::Start(
+      service_test::ServiceModelDir(),
+      {"--workers", "1", "--max-num-seqs", "2", "--max-queued-requests", "4"});
+  ASSERT_NE(server, nullptr);
+  auto channel = server->Channel();
+  auto stub = v1::Inference::NewStub(channel);
+  auto request = [](int i) {
+    v1::GenerateRequest req;
+    for (int k = 0; k < 20; ++k) req.mutable_token_ids()->add_ids(5 + (i * 7 + k) % 50);
+    // Long enough that the accepted ones hold their slots while the burst arrives.
+    req.mutable_stopping()->set_max_new_tokens(16);
+    req.mutable_stopping()->set_ignore_eos(true);
+    return req;
+  };
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::GenerateResponse resp;
+    ASSERT_TRUE(stub->Generate(&ctx, request(0), &resp).ok());
+  }
+  const int64_t rss_before = ResidentBytes(server->pid()).first;
+  ASSERT_GT(rss_before, 0);
+
+  constexpr int kClients = 60;
+  std::vector<grpc::Status> statuses(kClients);
+  std::vector<int> tokens(kClients, 0);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+      v1::GenerateResponse resp;
+      statuses[i] = stub->Generate(&ctx, request(i), &resp);
+      tokens[i] = resp.token_ids_size();
+    });
+  }
+  for (auto& t : threads) t.join();
+  int served = 0, exhausted = 0;
+  for (int i = 0; i < kClients; ++i) {
+    if (statuses[i].ok()) {
+      ++served;
+      EXPECT_EQ(tokens[i], 16) << i;
+    } else {
+      EXPECT_EQ(statuses[i].error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+          << i << ": " << statuses[i].error_message();
+      EXPECT_THAT(statuses[i].error_message(), HasSubstr("the request queue is full"));
+      ++exhausted;
+    }
+  }
+  std::printf("%d of %d served, %d refused RESOURCE_EXHAUSTED\n", served, kClients, exhausted);
+  // At least the queue's 4 (and more as running ones finish and free slots before the burst is
+  // over); most are refused.
+  EXPECT_GE(served, 4);
+  EXPECT_GE(exhausted, kClients / 2);
+  const auto [rss_after, peak] = ResidentBytes(server->pid());
+  std::printf("coordinator RSS %.1f MB before, %.1f MB after, peak %.1f MB\n", rss_before / 1e6,
+              rss_after / 1e6, peak / 1e6);
+  // The burst holds a few KB per request; 64 MB is room for gRPC's buffers and thread stacks.
+  EXPECT_LT(peak, rss_before + (64 << 20));
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::GenerateResponse resp;
+  const grpc::Status after = stub->Generate(&ctx, request(1), &resp);
+  EXPECT_TRUE(after.ok()) << after.error_message();
+  EXPECT_EQ(resp.token_ids_size(), 16);
 }
 
 // Which hosts count as loopback for the warning about an API without keys (a server in a test

@@ -2,9 +2,11 @@
 """TLS on tpserve's gRPC API from Python (Debian's python3-grpcio, ssl_channel_credentials): the
 server's certificate verifies against --ca and a request is served; with --client-cert/--client-key
 (mutual TLS) also, and --expect-refused-without-client-cert checks that a client without one is
-refused.
+refused. With --api-key the key travels as gRPC call credentials (access_token_call_credentials:
+`authorization: Bearer KEY`, sent only over TLS), unary and streaming calls are served with it
+and refused UNAUTHENTICATED without it.
 Usage: tls_client_test.py --server HOST:PORT --proto-dir proto --ca PEM [--client-cert PEM
-       --client-key PEM [--expect-refused-without-client-cert]]
+       --client-key PEM [--expect-refused-without-client-cert]] [--api-key KEY]
 """
 
 import argparse
@@ -30,6 +32,7 @@ def main():
     parser.add_argument("--client-cert")
     parser.add_argument("--client-key")
     parser.add_argument("--expect-refused-without-client-cert", action="store_true")
+    parser.add_argument("--api-key")
     args = parser.parse_args()
 
     import grpc  # Debian's python3-grpcio
@@ -47,10 +50,25 @@ def main():
     if args.client_cert:
         client = {"private_key": read(args.client_key), "certificate_chain": read(args.client_cert)}
     creds = grpc.ssl_channel_credentials(root_certificates=read(args.ca), **client)
+    if args.api_key:
+        with grpc.secure_channel(args.server, creds) as channel:
+            try:
+                pb_grpc.InferenceStub(channel).Generate(req, timeout=30)
+                raise AssertionError("a TLS call without the API key was served")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAUTHENTICATED, (e.code(), e.details())
+                print("TLS without the API key: UNAUTHENTICATED")
+        creds = grpc.composite_channel_credentials(
+            creds, grpc.access_token_call_credentials(args.api_key))
     with grpc.secure_channel(args.server, creds) as channel:
-        resp = pb_grpc.InferenceStub(channel).Generate(req, timeout=60)
+        stub = pb_grpc.InferenceStub(channel)
+        resp = stub.Generate(req, timeout=60)
         assert len(resp.token_ids) == 3, resp
         print("TLS: served %d tokens" % len(resp.token_ids))
+        if args.api_key:
+            streamed = [t for r in stub.GenerateStream(req, timeout=60) for t in r.token_ids]
+            assert streamed == list(resp.token_ids), (streamed, resp.token_ids)
+            print("TLS with the API key as call credentials: streamed %d tokens" % len(streamed))
 
     if args.expect_refused_without_client_cert:
         creds = grpc.ssl_channel_credentials(root_certificates=read(args.ca))
