@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,6 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "coordinator/block_manager.h"
+#include "coordinator/delivery.h"
 #include "coordinator/request.h"
 #include "worker.pb.h"
 
@@ -95,6 +97,14 @@ struct SchedulerStats {
   // CPU time of the scheduler thread (CLOCK_THREAD_CPUTIME_ID) spent planning and sending
   // steps and handling their results (detokenization, stop checks, streaming), over all steps.
   double cpu_seconds = 0;
+  // cpu_seconds by phase: planning (reap, admit, build plans), sending plans (the executor's
+  // Submit: copy, serialization, writes), applying results (stop checks, the detokenization of
+  // requests with stop strings, handing tokens to delivery).
+  double plan_cpu_seconds = 0;
+  double send_cpu_seconds = 0;
+  double apply_cpu_seconds = 0;
+  // CPU time of the delivery thread (detokenization, stream writes), apart from cpu_seconds.
+  double delivery_cpu_seconds = 0;
   // Sampled tokens dropped because their sequence had already finished (overlap).
   int64_t dropped_tokens = 0;
   bool overlap = false;  // two steps in flight over the same sequences (pp = 1)
@@ -138,8 +148,8 @@ class Scheduler {
   void Preempt(Seq* seq);
   bool BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
                  std::vector<std::pair<Seq*, int>>& chunks);
-  void ApplyToken(Seq& seq, int32_t id, const TokenLogprobs* logprobs,
-                  std::vector<uint64_t>& finished_ids);
+  // Appends a sampled token, decides whether it ends the sequence and queues its delivery.
+  void ApplyToken(Seq& seq, int32_t id, std::optional<TokenLogprobs> logprobs);
   void Finish(Seq& seq, absl::Status status, Finish reason);
   // Releases the blocks of a finished sequence once no step in flight holds it.
   void ReleaseIfIdle(Seq& seq);
@@ -194,10 +204,14 @@ class Scheduler {
   int64_t preemptions_ = 0;
   int64_t steps_ = 0;
   double step_seconds_ = 0, execute_seconds_ = 0, forward_seconds_ = 0, cpu_seconds_ = 0;
+  double plan_cpu_seconds_ = 0, send_cpu_seconds_ = 0, apply_cpu_seconds_ = 0;
   int64_t step_tokens_ = 0, dropped_tokens_ = 0;
   int64_t prefix_queries_ = 0, prefix_hits_ = 0;
   bool overlap_ = false;        // options_.overlap at pp = 1
   std::atomic<int> queued_{0};  // submitted, never admitted
+  // Output of the step being applied (scheduler thread), handed to delivery_ in one batch.
+  std::vector<Delivery> deliveries_;
+  DeliveryQueue delivery_;
   std::thread thread_;
 };
 

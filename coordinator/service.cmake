@@ -6,6 +6,7 @@
 add_library(tpserve_coordinator STATIC
   ${CMAKE_CURRENT_LIST_DIR}/block_manager.cc
   ${CMAKE_CURRENT_LIST_DIR}/scheduler.cc
+  ${CMAKE_CURRENT_LIST_DIR}/delivery.cc
   ${CMAKE_CURRENT_LIST_DIR}/worker_group.cc
   ${CMAKE_CURRENT_LIST_DIR}/inference_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/api_keys.cc

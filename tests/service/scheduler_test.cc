@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/block_manager.h"
 #include "coordinator/inference_service.h"
+#include "coordinator/tokenizer/tokenizer.h"
 #include "coordinator/worker_group.h"
 
 namespace tpserve {
@@ -1034,6 +1035,104 @@ TEST(SchedulerTest, WaitIdleAndWaitFinishedReturnOnCompletionOrDeadline) {
   EXPECT_TRUE(r->Take().status.ok());
   EXPECT_TRUE(s.WaitIdle(Clock::now() + std::chrono::seconds(10)));
   EXPECT_TRUE(s.Idle());
+}
+
+// Records a request's stream as a reactor sees it: every update takes the new output; nothing
+// may arrive after the update that said finished.
+class StreamRecorder final : public RequestListener {
+ public:
+  explicit StreamRecorder(std::shared_ptr<RequestState> state) : state_(std::move(state)) {}
+  void OnRequestUpdate() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    RequestState::Taken t = state_->Take();
+    if (finished_ && (!t.text.empty() || !t.ids.empty())) ++after_finish_;
+    text_ += t.text;
+    ids_.insert(ids_.end(), t.ids.begin(), t.ids.end());
+    if (t.finished) finished_ = true;
+  }
+  std::mutex mu_;
+  std::shared_ptr<RequestState> state_;
+  std::string text_;
+  std::vector<int32_t> ids_;
+  bool finished_ = false;
+  int after_finish_ = 0;
+};
+
+// Tokens reach each stream through the delivery thread in order, text detokenized on either
+// side (the scheduler for requests with stop strings, delivery for the others); nothing follows
+// a stop id or a stop string, and what a stream received is the request's whole output.
+TEST(SchedulerTest, DeliveryKeepsStreamsInOrderAndNothingFollowsAStop) {
+  auto tokenizer = Tokenizer::Load(
+      std::string(std::getenv("TPSERVE_SOURCE_DIR") ? std::getenv("TPSERVE_SOURCE_DIR") : ".") +
+      "/models/tiny-coder");
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  constexpr int kRequests = 12;
+  auto run = [&](const std::vector<RequestParams>& params) {
+    FakeExecutor ex(256, 4);
+    Scheduler s(Options(256, 8, 64), tokenizer->get(), &ex);
+    s.Start();
+    std::vector<std::shared_ptr<RequestState>> reqs;
+    std::vector<std::shared_ptr<StreamRecorder>> recs;
+    for (const RequestParams& p : params) {
+      reqs.push_back(std::make_shared<RequestState>(p));
+      recs.push_back(std::make_shared<StreamRecorder>(reqs.back()));
+      reqs.back()->SetListener(recs.back());
+      EXPECT_TRUE(s.Submit(reqs.back()).ok());
+    }
+    EXPECT_TRUE(WaitFinished(reqs, 20));
+    EXPECT_TRUE(s.WaitIdle(Clock::now() + std::chrono::seconds(5)));
+    EXPECT_TRUE(WaitIdleBlocks(s, 256, 5));
+    return recs;
+  };
+  std::vector<RequestParams> plain;
+  for (int i = 0; i < kRequests; ++i) plain.push_back(MakeRequest(5 + i, 30, i)->params());
+  const auto reference = run(plain);
+  std::vector<RequestParams> stopping = plain;
+  std::vector<std::string> expected_text(kRequests);
+  std::vector<size_t> max_ids(kRequests);
+  int with_stop_strings = 0;
+  for (int i = 0; i < kRequests; ++i) {
+    const StreamRecorder& ref = *reference[i];
+    ASSERT_EQ(ref.ids_.size(), 30u);
+    ASSERT_EQ(ref.text_, (*tokenizer)->Decode(ref.ids_, /*skip_special_tokens=*/true))
+        << "request " << i << ": the streamed text is the ids' text";
+    expected_text[i] = ref.text_;
+    max_ids[i] = ref.ids_.size();
+    if (i % 3 == 1) {
+      const int32_t stop = ref.ids_[10];
+      stopping[i].stop_token_ids = {stop};
+      const size_t n = std::find(ref.ids_.begin(), ref.ids_.end(), stop) - ref.ids_.begin() + 1;
+      max_ids[i] = n;
+      expected_text[i] =
+          (*tokenizer)->Decode(std::vector<int32_t>(ref.ids_.begin(), ref.ids_.begin() + n), true);
+    } else if (i % 3 == 2 && ref.text_.size() > 8) {
+      const std::string stop = ref.text_.substr(ref.text_.size() / 2, 2);
+      stopping[i].stop = {stop};
+      ++with_stop_strings;
+      expected_text[i] = ref.text_.substr(0, ref.text_.find(stop));
+    }
+  }
+  EXPECT_EQ(with_stop_strings, kRequests / 3) << "the plain outputs are too short to cut";
+  const auto got = run(stopping);
+  for (int i = 0; i < kRequests; ++i) {
+    StreamRecorder& r = *got[i];
+    std::lock_guard<std::mutex> lock(r.mu_);
+    std::string whole_text;
+    std::vector<int32_t> whole_ids;
+    r.state_->Whole(&whole_text, &whole_ids);
+    EXPECT_TRUE(r.finished_) << "request " << i;
+    EXPECT_EQ(r.after_finish_, 0) << "request " << i << ": output after the end of the stream";
+    EXPECT_EQ(r.ids_, whole_ids) << "request " << i;
+    EXPECT_EQ(r.text_, whole_text) << "request " << i;
+    EXPECT_EQ(r.text_, expected_text[i]) << "request " << i;
+    EXPECT_LE(r.ids_.size(), max_ids[i]) << "request " << i;
+    EXPECT_EQ(r.ids_, std::vector<int32_t>(reference[i]->ids_.begin(),
+                                           reference[i]->ids_.begin() + r.ids_.size()))
+        << "request " << i << ": the streamed ids are a prefix of the plain run's";
+    if (i % 3 == 1) {
+      EXPECT_EQ(r.ids_.size(), max_ids[i]) << "request " << i << " ends at its stop id";
+    }
+  }
 }
 
 TEST(ValidateTest, DefaultsAndLimits) {
