@@ -236,9 +236,11 @@ void Scheduler::RunDrops() {
 
 SchedulerStats Scheduler::stats() {
   const double delivery_cpu = delivery_.cpu_seconds();
+  const double sender_cpu = executor_->sender_cpu_seconds();
   std::lock_guard<std::mutex> lock(mu_);
   SchedulerStats s = stats_;
   s.delivery_cpu_seconds = delivery_cpu;
+  s.sender_cpu_seconds = sender_cpu;
   return s;
 }
 

@@ -49,6 +49,8 @@ class StepExecutor {
   virtual absl::StatusOr<worker::StepResult> Collect(uint64_t step_id);
   // Seconds the sampling worker spent in the last collected step (forward + sampling).
   virtual double last_forward_seconds() const { return 0; }
+  // CPU time of a thread of the executor's own that sends the plans (0: Submit sends them).
+  virtual double sender_cpu_seconds() const { return 0; }
 
  private:
   std::map<uint64_t, worker::StepPlan> submitted_;
@@ -105,6 +107,8 @@ struct SchedulerStats {
   double apply_cpu_seconds = 0;
   // CPU time of the delivery thread (detokenization, stream writes), apart from cpu_seconds.
   double delivery_cpu_seconds = 0;
+  // CPU time of the executor's sender thread (serializing and writing plans to the workers).
+  double sender_cpu_seconds = 0;
   // Sampled tokens dropped because their sequence had already finished (overlap).
   int64_t dropped_tokens = 0;
   bool overlap = false;  // two steps in flight over the same sequences (pp = 1)
