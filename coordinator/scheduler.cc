@@ -19,6 +19,7 @@ struct Scheduler::Seq {
   int prompt_len = 0;
   size_t computed = 0;          // tokens whose K/V are in the workers' cache
   std::vector<int32_t> blocks;  // block table
+  SentBlockTable sent_table;    // what the workers hold of it (block-table deltas)
   // Prefix cache: the chain hashes of the full blocks of `tokens` (as far as computed so far),
   // how many leading blocks of the table are registered, whether this sequence may use and
   // fill the cache, and whether the next step must tell the workers the skipped prefix.
@@ -232,6 +233,13 @@ void Scheduler::RunDrops() {
   for (const DropRequest& d : drops) dropped.push_back(blocks_.DropCached(d.salt, d.all));
   PublishStats();
   for (size_t i = 0; i < drops.size(); ++i) drops[i].done(dropped[i]);
+}
+
+std::vector<int32_t> Scheduler::BlockTableForTest(uint64_t seq_id) const {
+  for (const auto& s : running_) {
+    if (s->id == seq_id) return s->blocks;
+  }
+  return {};
 }
 
 SchedulerStats Scheduler::stats() {
@@ -507,7 +515,7 @@ bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
       step->mutable_token_ids()->Add(s->tokens.begin() + s->computed,
                                      s->tokens.begin() + s->computed + chunk);
     }
-    step->mutable_block_table()->Add(s->blocks.begin(), s->blocks.end());
+    EncodeBlockTable(s->blocks, s->sent_table, *step);  // only what changed since its last step
     const bool sample = chunk == remaining;
     step->set_sample(sample);
     const RequestParams& p = s->req->params();

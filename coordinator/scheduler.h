@@ -28,6 +28,7 @@
 #include "coordinator/block_manager.h"
 #include "coordinator/delivery.h"
 #include "coordinator/request.h"
+#include "proto/block_tables.h"
 #include "worker.pb.h"
 
 namespace tpserve {
@@ -142,6 +143,9 @@ class Scheduler {
   // not block.
   void DropPrefixCache(std::string cache_salt, bool all,
                        std::function<void(absl::StatusOr<int>)> done);
+  // The block table of a running sequence as the coordinator holds it (empty when it is not
+  // running). Only on the scheduler thread: tests call it from the executor's Submit.
+  std::vector<int32_t> BlockTableForTest(uint64_t seq_id) const;
 
  private:
   struct Seq;

@@ -7,8 +7,7 @@
 
 namespace tpserve {
 
-void EncodeBlockTable(std::span<const int32_t> table, SentBlockTable& sent,
-                      worker::SeqStep& step) {
+void EncodeBlockTable(std::span<const int32_t> table, SentBlockTable& sent, worker::SeqStep& step) {
   if (!sent.sent) {
     step.mutable_block_table()->Add(table.begin(), table.end());
     sent.sent = true;

@@ -21,8 +21,7 @@ struct SentBlockTable {
 
 // Writes `table` into `step` (block_table and kept_blocks): whole the first time, afterwards
 // as the number of leading entries the workers keep and the entries after them. Updates `sent`.
-void EncodeBlockTable(std::span<const int32_t> table, SentBlockTable& sent,
-                      worker::SeqStep& step);
+void EncodeBlockTable(std::span<const int32_t> table, SentBlockTable& sent, worker::SeqStep& step);
 
 // A worker's tables: Resolve turns every step's delta into the whole table, in place, for the
 // shard runner. Plans must be resolved in the order the coordinator sent them.
