@@ -2,7 +2,8 @@
 // requests under --max-num-seqs, packs decode tokens then prefill chunks under
 // --max-num-batched-tokens, owns every block table (BlockManager), preempts the newest sequence
 // when blocks run out (it is recomputed later), sends each step to the executor (the worker
-// group), and turns sampled ids into text, stop decisions and answers. With prefix caching, a
+// group), and turns sampled ids into stop decisions and answers, which a delivery thread
+// detokenizes and writes to the requests' streams (coordinator/delivery.h). With prefix caching, a
 // sequence starts from the longest cached run of full blocks of its tokens (prefill skips them)
 // and registers its own full blocks as they are computed. With overlap (pp = 1) step n + 1 is
 // planned and sent while step n runs: a decoding sequence of step n continues in step n + 1 with
@@ -98,7 +99,7 @@ struct SchedulerStats {
   int cached_blocks = 0;
   int evictable_blocks = 0;
   // CPU time of the scheduler thread (CLOCK_THREAD_CPUTIME_ID) spent planning and sending
-  // steps and handling their results (detokenization, stop checks, streaming), over all steps.
+  // steps and handling their results (stop checks, handing tokens to delivery), over all steps.
   double cpu_seconds = 0;
   // cpu_seconds by phase: planning (reap, admit, build plans), sending plans (the executor's
   // Submit: copy, serialization, writes), applying results (stop checks, the detokenization of
