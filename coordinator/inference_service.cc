@@ -794,6 +794,11 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   pc->set_evictable_blocks(s.evictable_blocks);
   pc->set_evictions(s.prefix_cache_evictions);
   steps->set_scheduler_cpu_seconds(s.cpu_seconds);
+  steps->set_scheduler_plan_cpu_seconds(s.plan_cpu_seconds);
+  steps->set_scheduler_send_cpu_seconds(s.send_cpu_seconds);
+  steps->set_scheduler_apply_cpu_seconds(s.apply_cpu_seconds);
+  steps->set_delivery_cpu_seconds(s.delivery_cpu_seconds);
+  steps->set_sender_cpu_seconds(s.sender_cpu_seconds);
   steps->set_dropped_tokens(s.dropped_tokens);
   steps->set_overlap_scheduling(s.overlap);
   reactor->Finish(grpc::Status::OK);

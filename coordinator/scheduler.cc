@@ -19,6 +19,7 @@ struct Scheduler::Seq {
   int prompt_len = 0;
   size_t computed = 0;          // tokens whose K/V are in the workers' cache
   std::vector<int32_t> blocks;  // block table
+  SentBlockTable sent_table;    // what the workers hold of it (block-table deltas)
   // Prefix cache: the chain hashes of the full blocks of `tokens` (as far as computed so far),
   // how many leading blocks of the table are registered, whether this sequence may use and
   // fill the cache, and whether the next step must tell the workers the skipped prefix.
@@ -29,7 +30,11 @@ struct Scheduler::Seq {
   uint64_t admit_order = 0;
   bool ever_admitted = false;
   int outputs = 0;
-  std::unique_ptr<IncrementalDecoder> decoder;
+  // Null without a tokenizer. A request with stop strings is detokenized here (its stop
+  // decisions need the text): `text` and `sent` then track it. Any other is detokenized by the
+  // delivery thread, which alone uses the decoder.
+  std::shared_ptr<IncrementalDecoder> decoder;
+  bool decode_here = false;
   std::string text;  // output text so far (may run ahead of what was sent)
   size_t sent = 0;   // bytes of `text` already emitted
   size_t max_stop_len = 0;
@@ -105,6 +110,7 @@ Scheduler::~Scheduler() {
   if (thread_.joinable()) thread_.join();
   // The thread (if any) failed what it held; whatever arrived after is failed here.
   FailAll(absl::UnavailableError("the server is shutting down"));
+  delivery_.Stop();  // after every request's completion is delivered
   std::deque<DropRequest> drops;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -127,7 +133,8 @@ absl::Status Scheduler::Submit(std::shared_ptr<RequestState> request) {
   seq->tokens = p.prompt;
   seq->prompt_len = static_cast<int>(p.prompt.size());
   if (tokenizer_ != nullptr) {
-    seq->decoder = std::make_unique<IncrementalDecoder>(tokenizer_, /*skip_special_tokens=*/true);
+    seq->decoder = std::make_shared<IncrementalDecoder>(tokenizer_, /*skip_special_tokens=*/true);
+    seq->decode_here = !p.stop.empty();
   }
   for (const std::string& s : p.stop) seq->max_stop_len = std::max(seq->max_stop_len, s.size());
   {
@@ -162,15 +169,24 @@ void Scheduler::StopAccepting(absl::Status reason) {
 }
 
 bool Scheduler::Idle() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return incoming_.empty() && stats_.running == 0 && stats_.waiting == 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!incoming_.empty() || stats_.running != 0 || stats_.waiting != 0) return false;
+  }
+  // Every completion was handed to delivery before the stats said idle.
+  return delivery_.Idle();
 }
 
 bool Scheduler::WaitIdle(std::chrono::steady_clock::time_point deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return idle_cv_.wait_until(lock, deadline, [&] {
-    return incoming_.empty() && stats_.running == 0 && stats_.waiting == 0;
-  });
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!idle_cv_.wait_until(lock, deadline, [&] {
+          return incoming_.empty() && stats_.running == 0 && stats_.waiting == 0;
+        })) {
+      return false;
+    }
+  }
+  return delivery_.WaitIdle(deadline);
 }
 
 void Scheduler::Fail(absl::Status status) {
@@ -275,9 +291,21 @@ void Scheduler::RunDrops() {
   for (size_t i = 0; i < drops.size(); ++i) drops[i].done(dropped[i]);
 }
 
+std::vector<int32_t> Scheduler::BlockTableForTest(uint64_t seq_id) const {
+  for (const auto& s : running_) {
+    if (s->id == seq_id) return s->blocks;
+  }
+  return {};
+}
+
 SchedulerStats Scheduler::stats() {
+  const double delivery_cpu = delivery_.cpu_seconds();
+  const double sender_cpu = executor_->sender_cpu_seconds();
   std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  SchedulerStats s = stats_;
+  s.delivery_cpu_seconds = delivery_cpu;
+  s.sender_cpu_seconds = sender_cpu;
+  return s;
 }
 
 void Scheduler::PublishStats() {
@@ -300,6 +328,9 @@ void Scheduler::PublishStats() {
   stats_.evictable_blocks = blocks_.evictable_blocks();
   idle_cv_.notify_all();
   stats_.cpu_seconds = cpu_seconds_;
+  stats_.plan_cpu_seconds = plan_cpu_seconds_;
+  stats_.send_cpu_seconds = send_cpu_seconds_;
+  stats_.apply_cpu_seconds = apply_cpu_seconds_;
   stats_.dropped_tokens = dropped_tokens_;
   stats_.overlap = overlap_;
 }
@@ -318,7 +349,20 @@ void Scheduler::Finish(Seq& seq, absl::Status status, tpserve::Finish reason) {
   info.ttft_s = seq.got_token ? Seconds(seq.first_token - arrival) : 0.0;
   info.total_s = Seconds(now - arrival);
   if (options_.on_request_finished) options_.on_request_finished(status, info);
-  seq.req->Complete(std::move(status), info);
+  // The completion follows the request's last token through delivery (in the same item when
+  // this token ended it).
+  if (status.ok() && !deliveries_.empty() && deliveries_.back().request == seq.req &&
+      !deliveries_.back().complete) {
+    Delivery& d = deliveries_.back();
+    d.complete = true;
+    d.info = info;
+  } else {
+    Delivery& d = deliveries_.emplace_back();
+    d.request = seq.req;
+    d.complete = true;
+    d.status = std::move(status);
+    d.info = info;
+  }
   ReleaseIfIdle(seq);
 }
 
@@ -350,6 +394,7 @@ void Scheduler::FailAll(const absl::Status& status) {
   running_.clear();
   // The workers' KV contents cannot be trusted after a failure (a restarted group starts empty).
   blocks_.DropCached("", /*all=*/true);
+  delivery_.Push(deliveries_);
   PublishStats();
 }
 
@@ -370,6 +415,7 @@ void Scheduler::Reap(std::vector<uint64_t>& finished_ids) {
   std::erase_if(running_,
                 [](const std::unique_ptr<Seq>& s) { return s->done && s->pending_steps == 0; });
   std::erase_if(waiting_, [](const std::unique_ptr<Seq>& s) { return s->done; });
+  delivery_.Push(deliveries_);
 }
 
 void Scheduler::Admit() {
@@ -525,7 +571,7 @@ bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
       step->mutable_token_ids()->Add(s->tokens.begin() + s->computed,
                                      s->tokens.begin() + s->computed + chunk);
     }
-    step->mutable_block_table()->Add(s->blocks.begin(), s->blocks.end());
+    EncodeBlockTable(s->blocks, s->sent_table, *step);  // only what changed since its last step
     const bool sample = chunk == remaining;
     step->set_sample(sample);
     const RequestParams& p = s->req->params();
@@ -563,8 +609,7 @@ bool Scheduler::BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
   return true;
 }
 
-void Scheduler::ApplyToken(Seq& seq, int32_t id, const TokenLogprobs* logprobs,
-                           std::vector<uint64_t>& finished_ids) {
+void Scheduler::ApplyToken(Seq& seq, int32_t id, std::optional<TokenLogprobs> logprobs) {
   const RequestParams& p = seq.req->params();
   seq.tokens.push_back(id);
   ++seq.outputs;
@@ -572,7 +617,6 @@ void Scheduler::ApplyToken(Seq& seq, int32_t id, const TokenLogprobs* logprobs,
     seq.got_token = true;
     seq.first_token = Clock::now();
   }
-  if (seq.decoder) seq.text += seq.decoder->Add(id);
   tpserve::Finish reason = Finish::kNone;
   const auto& eos = options_.eos_token_ids;
   if ((!p.ignore_eos && std::find(eos.begin(), eos.end(), id) != eos.end()) ||
@@ -582,22 +626,28 @@ void Scheduler::ApplyToken(Seq& seq, int32_t id, const TokenLogprobs* logprobs,
              static_cast<int64_t>(seq.tokens.size()) >= options_.context_length) {
     reason = Finish::kLength;
   }
-  if (reason != Finish::kNone && seq.decoder) seq.text += seq.decoder->Finish();
-  if (!p.stop.empty()) {
+  Delivery& d = deliveries_.emplace_back();
+  d.request = seq.req;
+  d.id = id;
+  d.logprobs = std::move(logprobs);
+  if (!seq.decode_here) {
+    d.decoder = seq.decoder;  // the delivery thread detokenizes (and flushes at the end)
+  } else {
+    seq.text += seq.decoder->Add(id);
+    if (reason != Finish::kNone) seq.text += seq.decoder->Finish();
     size_t cut = std::string::npos;
     for (const std::string& s : p.stop) cut = std::min(cut, seq.text.find(s, seq.sent));
     if (cut != std::string::npos) {
       seq.text.resize(cut);
       reason = Finish::kStop;
     }
+    // The longest suffix that might start a stop string is held back until the next token.
+    const size_t end = reason != Finish::kNone ? seq.text.size() : SafeEnd(seq.text, p.stop);
+    if (end > seq.sent) {
+      d.text = seq.text.substr(seq.sent, end - seq.sent);
+      seq.sent = end;
+    }
   }
-  const size_t end = reason != Finish::kNone ? seq.text.size() : SafeEnd(seq.text, p.stop);
-  std::string delta;
-  if (end > seq.sent) {
-    delta = seq.text.substr(seq.sent, end - seq.sent);
-    seq.sent = end;
-  }
-  seq.req->Emit(delta, id, logprobs);
   if (reason != Finish::kNone) Finish(seq, absl::OkStatus(), reason);
 }
 
@@ -628,11 +678,12 @@ void Scheduler::ApplyResult(const Pending& p, const worker::StepResult& result) 
       lp->logprob = w.logprob();
       for (const worker::TokenLogprob& t : w.top()) lp->top.push_back({t.token_id(), t.logprob()});
     }
-    ApplyToken(seq, result.token_ids(static_cast<int>(i)), lp ? &*lp : nullptr, finished_ids_);
+    ApplyToken(seq, result.token_ids(static_cast<int>(i)), std::move(lp));
   }
   for (auto& [seq, n] : p.chunks) ReleaseIfIdle(*seq);
   std::erase_if(running_,
                 [](const std::unique_ptr<Seq>& s) { return s->done && s->pending_steps == 0; });
+  delivery_.Push(deliveries_);
 }
 
 void Scheduler::Loop() {
@@ -690,6 +741,13 @@ void Scheduler::Loop() {
     RunDrops();
     const Clock::time_point step_start = Clock::now();
     double cpu_start = ThreadCpuSeconds();
+    double phase_start = cpu_start;
+    // Charges the CPU time since the last call to `phase`.
+    auto charge = [&phase_start](double& phase) {
+      const double now = ThreadCpuSeconds();
+      phase += now - phase_start;
+      phase_start = now;
+    };
     Reap(finished_ids_);
     Admit();
     // Fill the pipeline: up to max_in_flight steps over disjoint sequences; with overlap (pp = 1)
@@ -701,12 +759,15 @@ void Scheduler::Loop() {
       // One message, reused: its repeated fields keep their memory from step to step.
       worker::StepPlan& plan = plan_;
       plan.Clear();
-      if (!BuildStep(plan, p.sampled, p.chunks)) break;
+      const bool built = BuildStep(plan, p.sampled, p.chunks);
+      charge(plan_cpu_seconds_);
+      if (!built) break;
       p.step_id = plan.step_id();
       p.submitted = Clock::now();
       for (auto& [seq, n] : p.chunks) ++seq->pending_steps;
       for (Seq* seq : p.sampled) ++seq->pending_samples;
       absl::Status st = executor_->Submit(plan);
+      charge(send_cpu_seconds_);
       if (!st.ok()) {
         TP_LOG(ERROR) << "step " << plan.step_id() << " could not be submitted: " << st;
         pending_.clear();
@@ -717,7 +778,8 @@ void Scheduler::Loop() {
       pending_.push_back(std::move(p));
     }
     PublishStats();
-    cpu_seconds_ += ThreadCpuSeconds() - cpu_start;
+    charge(plan_cpu_seconds_);
+    cpu_seconds_ += phase_start - cpu_start;
     if (failed) continue;
     if (pending_.empty()) {
       // Nothing runnable (everything waits for blocks): should not happen; avoid spinning.
@@ -751,9 +813,11 @@ void Scheduler::Loop() {
     forward_seconds_ += executor_->last_forward_seconds();
     const double step_s = Seconds(Clock::now() - step_start);
     step_seconds_ += step_s;
-    cpu_seconds_ += ThreadCpuSeconds() - cpu_start;
     if (options_.on_step) options_.on_step(step_s);
     PublishStats();
+    const double cpu_end = ThreadCpuSeconds();
+    apply_cpu_seconds_ += cpu_end - cpu_start;
+    cpu_seconds_ += cpu_end - cpu_start;
   }
   FailAll(absl::UnavailableError("the server is shutting down"));
 }

@@ -2,7 +2,8 @@
 // requests under --max-num-seqs, packs decode tokens then prefill chunks under
 // --max-num-batched-tokens, owns every block table (BlockManager), preempts the newest sequence
 // when blocks run out (it is recomputed later), sends each step to the executor (the worker
-// group), and turns sampled ids into text, stop decisions and answers. With prefix caching, a
+// group), and turns sampled ids into stop decisions and answers, which a delivery thread
+// detokenizes and writes to the requests' streams (coordinator/delivery.h). With prefix caching, a
 // sequence starts from the longest cached run of full blocks of its tokens (prefill skips them)
 // and registers its own full blocks as they are computed. With overlap (pp = 1) step n + 1 is
 // planned and sent while step n runs: a decoding sequence of step n continues in step n + 1 with
@@ -17,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,7 +27,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "coordinator/block_manager.h"
+#include "coordinator/delivery.h"
 #include "coordinator/request.h"
+#include "proto/block_tables.h"
 #include "worker.pb.h"
 
 namespace tpserve {
@@ -47,6 +51,8 @@ class StepExecutor {
   virtual absl::StatusOr<worker::StepResult> Collect(uint64_t step_id);
   // Seconds the sampling worker spent in the last collected step (forward + sampling).
   virtual double last_forward_seconds() const { return 0; }
+  // CPU time of a thread of the executor's own that sends the plans (0: Submit sends them).
+  virtual double sender_cpu_seconds() const { return 0; }
 
  private:
   std::map<uint64_t, worker::StepPlan> submitted_;
@@ -93,8 +99,18 @@ struct SchedulerStats {
   int cached_blocks = 0;
   int evictable_blocks = 0;
   // CPU time of the scheduler thread (CLOCK_THREAD_CPUTIME_ID) spent planning and sending
-  // steps and handling their results (detokenization, stop checks, streaming), over all steps.
+  // steps and handling their results (stop checks, handing tokens to delivery), over all steps.
   double cpu_seconds = 0;
+  // cpu_seconds by phase: planning (reap, admit, build plans), sending plans (the executor's
+  // Submit: copy, serialization, writes), applying results (stop checks, the detokenization of
+  // requests with stop strings, handing tokens to delivery).
+  double plan_cpu_seconds = 0;
+  double send_cpu_seconds = 0;
+  double apply_cpu_seconds = 0;
+  // CPU time of the delivery thread (detokenization, stream writes), apart from cpu_seconds.
+  double delivery_cpu_seconds = 0;
+  // CPU time of the executor's sender thread (serializing and writing plans to the workers).
+  double sender_cpu_seconds = 0;
   // Sampled tokens dropped because their sequence had already finished (overlap).
   int64_t dropped_tokens = 0;
   bool overlap = false;  // two steps in flight over the same sequences (pp = 1)
@@ -136,6 +152,9 @@ class Scheduler {
   // not block.
   void DropPrefixCache(std::string cache_salt, bool all,
                        std::function<void(absl::StatusOr<int>)> done);
+  // The block table of a running sequence as the coordinator holds it (empty when it is not
+  // running). Only on the scheduler thread: tests call it from the executor's Submit.
+  std::vector<int32_t> BlockTableForTest(uint64_t seq_id) const;
 
  private:
   struct Seq;
@@ -146,8 +165,8 @@ class Scheduler {
   void Preempt(Seq* seq);
   bool BuildStep(worker::StepPlan& plan, std::vector<Seq*>& sampled,
                  std::vector<std::pair<Seq*, int>>& chunks);
-  void ApplyToken(Seq& seq, int32_t id, const TokenLogprobs* logprobs,
-                  std::vector<uint64_t>& finished_ids);
+  // Appends a sampled token, decides whether it ends the sequence and queues its delivery.
+  void ApplyToken(Seq& seq, int32_t id, std::optional<TokenLogprobs> logprobs);
   void Finish(Seq& seq, absl::Status status, Finish reason);
   // Releases the blocks of a finished sequence once no step in flight holds it.
   void ReleaseIfIdle(Seq& seq);
@@ -214,10 +233,14 @@ class Scheduler {
   int64_t preemptions_ = 0;
   int64_t steps_ = 0;
   double step_seconds_ = 0, execute_seconds_ = 0, forward_seconds_ = 0, cpu_seconds_ = 0;
+  double plan_cpu_seconds_ = 0, send_cpu_seconds_ = 0, apply_cpu_seconds_ = 0;
   int64_t step_tokens_ = 0, dropped_tokens_ = 0;
   int64_t prefix_queries_ = 0, prefix_hits_ = 0;
   bool overlap_ = false;        // options_.overlap at pp = 1
   std::atomic<int> queued_{0};  // submitted, never admitted
+  // Output of the step being applied (scheduler thread), handed to delivery_ in one batch.
+  std::vector<Delivery> deliveries_;
+  DeliveryQueue delivery_;
   std::thread thread_;
 };
 

@@ -6,6 +6,7 @@
 add_library(tpserve_coordinator STATIC
   ${CMAKE_CURRENT_LIST_DIR}/block_manager.cc
   ${CMAKE_CURRENT_LIST_DIR}/scheduler.cc
+  ${CMAKE_CURRENT_LIST_DIR}/delivery.cc
   ${CMAKE_CURRENT_LIST_DIR}/worker_group.cc
   ${CMAKE_CURRENT_LIST_DIR}/inference_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/intake_pool.cc
@@ -19,7 +20,7 @@ add_library(tpserve_coordinator STATIC
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_flags.cc
 )
 target_link_libraries(tpserve_coordinator
-  PUBLIC tpserve_proto tpserve_planner tpserve_tokenizer tpserve_chat_template tpserve_common
+  PUBLIC tpserve_proto tpserve_block_tables tpserve_planner tpserve_tokenizer tpserve_chat_template tpserve_common
          gRPC::grpc++ absl::status absl::statusor
          nlohmann_json::nlohmann_json absl::synchronization
   PRIVATE tpserve_grpc_reflection absl::strings absl::str_format absl::time Threads::Threads

@@ -1,6 +1,8 @@
 // The coordinator's control plane (see worker_group.h).
 #include "coordinator/worker_group.h"
 
+#include <time.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -13,6 +15,16 @@
 namespace tpserve {
 
 using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
+}
+
+}  // namespace
 
 struct WorkerGroup::Slot {
   bool registered = false;
@@ -30,11 +42,37 @@ struct WorkerGroup::Slot {
 WorkerGroup::WorkerGroup(const WorkerGroupOptions& options, const ModelConfig& config)
     : options_(options), config_(config) {
   for (int r = 0; r < options.world_size; ++r) slots_.push_back(std::make_unique<Slot>());
+  sender_ = std::thread([this] { SendLoop(); });
 }
 
 WorkerGroup::~WorkerGroup() {
   Shutdown("the coordinator is exiting");
   if (monitor_.joinable()) monitor_.join();
+  {
+    std::lock_guard<std::mutex> lock(send_mu_);
+    send_stop_ = true;
+  }
+  send_cv_.notify_all();
+  sender_.join();
+}
+
+void WorkerGroup::SendLoop() {
+  std::unique_ptr<worker::CoordinatorMessage> msg;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(send_mu_);
+      if (msg != nullptr) send_free_.push_back(std::move(msg));
+      send_cv_.wait(lock, [&] { return send_stop_ || !send_queue_.empty(); });
+      if (send_stop_) return;  // the streams are closed: what is left cannot be sent
+      msg = std::move(send_queue_.front());
+      send_queue_.pop_front();
+    }
+    const double start = ThreadCpuSeconds();
+    for (int r = 0; r < options_.world_size; ++r) {
+      if (!Send(r, *msg)) Fail(r, "could not send a step plan (stream closed)");
+    }
+    sender_cpu_seconds_.store(sender_cpu_seconds_.load() + ThreadCpuSeconds() - start);
+  }
 }
 
 void WorkerGroup::SetFailureCallback(std::function<void(const absl::Status&)> callback) {
@@ -481,13 +519,23 @@ absl::Status WorkerGroup::Submit(const worker::StepPlan& plan) {
     std::lock_guard<std::mutex> lock(mu_);
     expected_[plan.step_id()] = {sampled, with_logprobs};
   }
-  worker::CoordinatorMessage msg;
-  *msg.mutable_step() = plan;
-  for (int r = 0; r < options_.world_size; ++r) {
-    if (!Send(r, msg)) Fail(r, "could not send a step plan (stream closed)");
+  std::unique_ptr<worker::CoordinatorMessage> msg;
+  {
+    std::lock_guard<std::mutex> lock(send_mu_);
+    if (!send_free_.empty()) {
+      msg = std::move(send_free_.back());
+      send_free_.pop_back();
+    }
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  return failure_;
+  if (msg == nullptr) msg = std::make_unique<worker::CoordinatorMessage>();
+  msg->mutable_step()->CopyFrom(plan);  // into a used message: no allocation
+  {
+    std::lock_guard<std::mutex> lock(send_mu_);
+    send_queue_.push_back(std::move(msg));
+  }
+  send_cv_.notify_one();
+  // A failed write fails the group (Fail): Collect returns that failure.
+  return absl::OkStatus();
 }
 
 absl::StatusOr<worker::StepResult> WorkerGroup::Collect(uint64_t id) {

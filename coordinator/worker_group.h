@@ -6,8 +6,10 @@
 // Heartbeats go both ways; a closed stream or a silent worker fails the group naming the rank.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -16,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/model_config.h"
@@ -65,6 +68,7 @@ class WorkerGroup final : public worker::WorkerControl::Service, public StepExec
   absl::Status Submit(const worker::StepPlan& plan) override;
   absl::StatusOr<worker::StepResult> Collect(uint64_t step_id) override;
   double last_forward_seconds() const override { return last_forward_seconds_; }
+  double sender_cpu_seconds() const override { return sender_cpu_seconds_.load(); }
   // Tells every worker to exit and closes the streams.
   void Shutdown(const std::string& reason);
   // After a failure (or a start that did not complete: then its streams are closed now): waits
@@ -100,6 +104,8 @@ class WorkerGroup final : public worker::WorkerControl::Service, public StepExec
   void Fail(int rank, const std::string& reason);
   bool Send(int rank, const worker::CoordinatorMessage& msg);
   void Monitor();
+  // Writes queued plans to every worker, in submission order.
+  void SendLoop();
 
   const WorkerGroupOptions options_;
   const ModelConfig config_;
@@ -123,6 +129,17 @@ class WorkerGroup final : public worker::WorkerControl::Service, public StepExec
   std::map<uint64_t, double> forward_seconds_;  // step id -> the sampler's time
   double last_forward_seconds_ = 0;             // scheduler thread only
   std::thread monitor_;
+
+  // Plans go to the workers from a thread of their own: serializing a plan and writing it to
+  // every control stream (a synchronous gRPC write each) stays off the scheduler thread. Sent
+  // messages are kept for reuse (their repeated fields keep their memory).
+  std::mutex send_mu_;
+  std::condition_variable send_cv_;
+  std::deque<std::unique_ptr<worker::CoordinatorMessage>> send_queue_ ABSL_GUARDED_BY(send_mu_);
+  std::vector<std::unique_ptr<worker::CoordinatorMessage>> send_free_ ABSL_GUARDED_BY(send_mu_);
+  bool send_stop_ ABSL_GUARDED_BY(send_mu_) = false;
+  std::atomic<double> sender_cpu_seconds_{0};
+  std::thread sender_;
 };
 
 }  // namespace tpserve

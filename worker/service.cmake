@@ -3,7 +3,8 @@
 add_library(tpserve_worker_client STATIC
   ${CMAKE_CURRENT_LIST_DIR}/control_client.cc
 )
-target_link_libraries(tpserve_worker_client PUBLIC tpserve_worker tpserve_proto gRPC::grpc++)
+target_link_libraries(tpserve_worker_client PUBLIC tpserve_worker tpserve_proto
+                                                   tpserve_block_tables gRPC::grpc++)
 
 add_executable(tpserve-worker ${CMAKE_CURRENT_LIST_DIR}/worker_main.cc)
 target_link_libraries(tpserve-worker PRIVATE tpserve_worker_client MPI::MPI_CXX)

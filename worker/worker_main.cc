@@ -29,6 +29,7 @@
 #include "parallel/bootstrap.h"
 #include "parallel/process_groups.h"
 #include "parallel/shard_plan.h"
+#include "proto/block_tables.h"
 #include "worker/control_client.h"
 #include "worker/engine.h"
 #include "worker/shard_runner.h"
@@ -195,6 +196,7 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
                << " KV blocks = " << static_cast<int64_t>(runner->num_blocks()) * so.block_size
                << " tokens";
 
+  BlockTables tables;  // every sequence's KV block table, rebuilt from the plans' deltas
   while (client.Read(&msg)) {
     if (msg.has_shutdown()) {
       TP_LOG(INFO) << "shutdown: " << msg.shutdown().reason();
@@ -202,7 +204,9 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
     }
     if (!msg.has_step()) continue;
     const auto s0 = std::chrono::steady_clock::now();
-    absl::StatusOr<worker::StepResult> result = runner->Run(msg.step());
+    const absl::Status resolved = tables.Resolve(*msg.mutable_step());
+    absl::StatusOr<worker::StepResult> result =
+        resolved.ok() ? runner->Run(msg.step()) : absl::StatusOr<worker::StepResult>(resolved);
     worker::WorkerMessage out;
     worker::StepResult* r = out.mutable_step_result();
     if (result.ok()) *r = std::move(*result);  // the sampled ids and logprobs

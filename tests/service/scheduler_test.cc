@@ -17,7 +17,9 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/block_manager.h"
 #include "coordinator/inference_service.h"
+#include "coordinator/tokenizer/tokenizer.h"
 #include "coordinator/worker_group.h"
+#include "proto/block_tables.h"
 
 namespace tpserve {
 namespace {
@@ -40,9 +42,28 @@ class FakeExecutor : public StepExecutor {
         block_size_(block_size),
         kv_(static_cast<size_t>(num_blocks) * block_size, -1) {}
 
-  // Steps in flight (overlap, pipelines): no block a plan writes may be held by another
-  // sequence in another step in flight (shared cached blocks are only read).
-  absl::Status Submit(const worker::StepPlan& plan) override {
+  // The plan as the workers see it: block-table deltas resolved against the plans before (as
+  // every worker does), each table equal to the coordinator's. Steps in flight (overlap,
+  // pipelines): no block a plan writes may be held by another sequence in another step in
+  // flight (shared cached blocks are only read).
+  absl::Status Submit(const worker::StepPlan& sent) override {
+    worker::StepPlan plan = sent;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const worker::SeqStep& s : sent.seqs()) deltas_ += s.has_kept_blocks();
+      const absl::Status resolved = tables_.Resolve(plan);
+      EXPECT_TRUE(resolved.ok()) << resolved;
+      if (!resolved.ok()) return resolved;
+      for (const worker::SeqStep& s : plan.seqs()) {
+        if (scheduler_ == nullptr) break;
+        ++tables_checked_;
+        EXPECT_EQ(std::vector<int32_t>(s.block_table().begin(), s.block_table().end()),
+                  scheduler_->BlockTableForTest(s.seq_id()))
+            << "step " << plan.step_id() << ": the workers' table of sequence " << s.seq_id()
+            << " differs from the coordinator's";
+      }
+    }
+    OnResolved(plan);
     {
       std::lock_guard<std::mutex> lock(mu_);
       std::map<int32_t, uint64_t>& mine = in_flight_blocks_[plan.step_id()];
@@ -66,6 +87,8 @@ class FakeExecutor : public StepExecutor {
     }
     return StepExecutor::Submit(plan);
   }
+  // Called with each resolved plan before it is run (pipelines check it).
+  virtual void OnResolved(const worker::StepPlan& plan) {}
   absl::StatusOr<worker::StepResult> Collect(uint64_t step_id) override {
     auto out = StepExecutor::Collect(step_id);
     std::lock_guard<std::mutex> lock(mu_);
@@ -176,6 +199,10 @@ class FakeExecutor : public StepExecutor {
   int max_tokens_ = 0, max_seqs_ = 0, steps_ = 0;
   int delay_ms_ = 0;
   bool fail_ = false;
+  BlockTables tables_;                    // the workers' tables (deltas resolved)
+  const Scheduler* scheduler_ = nullptr;  // set: every resolved table is checked against it
+  int64_t tables_checked_ = 0;
+  int64_t deltas_ = 0;  // sequence steps sent as a block-table delta
 };
 
 // A pipeline of `depth` stages: up to `depth` plans in flight, collected in order. Checks that
@@ -186,7 +213,7 @@ class PipelinedFakeExecutor : public FakeExecutor {
   PipelinedFakeExecutor(int num_blocks, int block_size, int depth)
       : FakeExecutor(num_blocks, block_size), depth_(depth) {}
   int max_in_flight() const override { return depth_; }
-  absl::Status Submit(const worker::StepPlan& plan) override {
+  void OnResolved(const worker::StepPlan& plan) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto& mine = in_flight_[plan.step_id()];
@@ -211,7 +238,6 @@ class PipelinedFakeExecutor : public FakeExecutor {
         }
       }
     }
-    return FakeExecutor::Submit(plan);
   }
   absl::StatusOr<worker::StepResult> Collect(uint64_t step_id) override {
     {
@@ -357,12 +383,15 @@ TEST(SchedulerTest, ContinuousBatchingWithPreemptionMatchesSoloRuns) {
   // 40 blocks of 4 tokens: far less than the 24 requests need together -> preemption.
   FakeExecutor ex(40, 4);
   Scheduler s(Options(40, 8, 16), nullptr, &ex);
+  ex.scheduler_ = &s;
   ASSERT_NO_FATAL_FAILURE(ExpectSoloResults(s, kRequests));
   EXPECT_LE(ex.max_tokens_, 16);
   EXPECT_LE(ex.max_seqs_, 8);
   const SchedulerStats st = s.stats();
   EXPECT_GT(st.preemptions, 0) << "the test should exercise preemption";
   EXPECT_EQ(st.free_blocks, 40);
+  EXPECT_GT(ex.tables_checked_, 0);
+  EXPECT_GT(ex.deltas_, 0) << "block tables should travel as deltas";
 }
 
 // Pipeline parallelism: three steps in flight over disjoint sequences (and blocks), with
@@ -371,6 +400,7 @@ TEST(SchedulerTest, StepsInFlightThroughAPipelineMatchSoloRuns) {
   constexpr int kRequests = 16;
   PipelinedFakeExecutor ex(48, 4, 3);
   Scheduler s(Options(48, 9, 24), nullptr, &ex);
+  ex.scheduler_ = &s;
   ASSERT_NO_FATAL_FAILURE(ExpectSoloResults(s, kRequests));
   EXPECT_EQ(ex.max_in_flight_seen_, 3) << "the pipeline never held three steps";
   EXPECT_LE(ex.max_seqs_, 3) << "a step took more than a third of the 9 running sequences";
@@ -385,6 +415,7 @@ TEST(SchedulerTest, WithoutOverlapTheSerialLoopMatchesSoloRuns) {
   SchedulerOptions o = Options(40, 8, 16);
   o.overlap = false;
   Scheduler s(o, nullptr, &ex);
+  ex.scheduler_ = &s;
   ASSERT_NO_FATAL_FAILURE(ExpectSoloResults(s, 24));
   EXPECT_EQ(ex.max_in_flight_seen_, 1);
   EXPECT_EQ(ex.feeds_, 0);
@@ -397,6 +428,7 @@ TEST(SchedulerTest, WithoutOverlapTheSerialLoopMatchesSoloRuns) {
 TEST(SchedulerTest, OverlapKeepsTwoStepsInFlightAndMatchesSoloRuns) {
   FakeExecutor ex(40, 4);
   Scheduler s(Options(40, 8, 16), nullptr, &ex);
+  ex.scheduler_ = &s;
   ASSERT_NO_FATAL_FAILURE(ExpectSoloResults(s, 24));
   EXPECT_EQ(ex.max_in_flight_seen_, 2);
   EXPECT_GT(ex.feeds_, 100) << "decodes should continue with feed_last_sampled";
@@ -427,6 +459,7 @@ TEST(SchedulerTest, TheTokenAfterAStopIsComputedButNeverEmitted) {
   {
     FakeExecutor ex(64, 4);
     Scheduler s(Options(64, 4, 64), nullptr, &ex);
+    ex.scheduler_ = &s;
     s.Start();
     auto r = MakeRequest(7, 24, 3);
     ASSERT_TRUE(s.Submit(r).ok());
@@ -442,6 +475,7 @@ TEST(SchedulerTest, TheTokenAfterAStopIsComputedButNeverEmitted) {
     SchedulerOptions o = Options(64, 4, 64);
     if (as_eos) o.eos_token_ids = {stop};
     Scheduler s(o, nullptr, &ex);
+    ex.scheduler_ = &s;
     s.Start();
     RequestParams p = MakeRequest(7, 24, 3)->params();
     if (as_eos) {
@@ -476,6 +510,7 @@ TEST(SchedulerTest, TheTokenAfterAStopIsComputedButNeverEmitted) {
 TEST(SchedulerTest, OverlapNeverSamplesPastTheLengthLimit) {
   FakeExecutor ex(64, 4);
   Scheduler s(Options(64, 4, 64), nullptr, &ex);
+  ex.scheduler_ = &s;
   s.Start();
   std::vector<std::shared_ptr<RequestState>> reqs;
   for (int i = 0; i < 4; ++i) {
@@ -513,6 +548,7 @@ TEST(SchedulerTest, CancelsAndDeadlinesInFlightReturnEveryBlock) {
     SchedulerOptions o = Options(48, 8, 24);
     o.overlap = overlap;
     Scheduler s(o, nullptr, &ex);
+    ex.scheduler_ = &s;
     s.Start();
     std::vector<std::shared_ptr<RequestState>> reqs;
     std::mt19937 rng(overlap ? 7 : 8);
@@ -567,6 +603,7 @@ TEST(SchedulerTest, CancelFreesBlocksAndQueueOverflowIsResourceExhausted) {
   SchedulerOptions o = Options(64, 2, 64);
   o.max_queued_requests = 2;
   Scheduler s(o, nullptr, &ex);
+  ex.scheduler_ = &s;
   s.Start();
   std::vector<std::shared_ptr<RequestState>> reqs;
   for (int i = 0; i < 2; ++i) {
@@ -602,6 +639,7 @@ TEST(SchedulerTest, WorkerFailureEndsEverythingUnavailable) {
   FakeExecutor ex(64, 4);
   ex.delay_ms_ = 1;
   Scheduler s(Options(64, 4, 64), nullptr, &ex);
+  ex.scheduler_ = &s;
   s.Start();
   auto r = MakeRequest(10, 400, 1);
   ASSERT_TRUE(s.Submit(r).ok());
@@ -885,6 +923,7 @@ TEST(PrefixCacheTest, CachedRunsGiveTheUncachedTokens) {
     SchedulerOptions o = Options(200, 8, 32);
     o.enable_prefix_caching = caching;
     Scheduler s(o, nullptr, &ex);
+    ex.scheduler_ = &s;
     s.Start();
     std::vector<std::vector<float>> out;
     auto add = [&](const std::vector<std::vector<float>>& r) {
@@ -984,6 +1023,7 @@ void RandomizedWorkload(FakeExecutor& ex, int depth_label) {
     for (int& x : d) x = static_cast<int>(rng() % 12);  // 0: cancel, 1: deadline, else none
   SchedulerOptions o = Options(28, 8, 16);  // 28 blocks of 4 tokens for 8 running sequences
   Scheduler s(o, nullptr, &ex);
+  ex.scheduler_ = &s;
   s.Start();
   std::atomic<int> completed{0}, disrupted{0};
   std::vector<std::thread> threads;
@@ -1034,6 +1074,9 @@ void RandomizedWorkload(FakeExecutor& ex, int depth_label) {
   EXPECT_GT(st.prefix_cache_evictions, 0) << "the test should exercise eviction";
   EXPECT_GT(completed.load(), kConversations * kTurns / 2);
   EXPECT_GT(disrupted.load(), 0) << "the test should exercise cancels and deadlines";
+  std::lock_guard<std::mutex> lock(ex.mu_);
+  EXPECT_GT(ex.tables_checked_, 0) << "the workers' tables were checked against the scheduler's";
+  EXPECT_GT(ex.deltas_, 0) << "block tables should travel as deltas";
 }
 
 TEST(PrefixCacheTest, RandomizedConversationsUnderPressureMatchUncached) {
@@ -1052,6 +1095,7 @@ TEST(PrefixCacheTest, RandomizedConversationsThroughAPipelineMatchUncached) {
 TEST(PrefixCacheTest, SaltsIsolateAndDropForgets) {
   FakeExecutor ex(100, 4);
   Scheduler s(Options(100, 8, 64), nullptr, &ex);
+  ex.scheduler_ = &s;
   s.Start();
   const std::vector<int32_t> prompt = Tokens(13, 5);
   auto run = [&](const std::string& salt) {
@@ -1094,6 +1138,7 @@ TEST(SchedulerTest, WaitIdleAndWaitFinishedReturnOnCompletionOrDeadline) {
   FakeExecutor ex(64, 4);
   ex.delay_ms_ = 2;
   Scheduler s(Options(64, 4, 64), nullptr, &ex);
+  ex.scheduler_ = &s;
   s.Start();
   EXPECT_TRUE(s.WaitIdle(Clock::now()));  // nothing submitted yet
   auto r = MakeRequest(4, 20, 1);
@@ -1105,6 +1150,193 @@ TEST(SchedulerTest, WaitIdleAndWaitFinishedReturnOnCompletionOrDeadline) {
   EXPECT_TRUE(r->Take().status.ok());
   EXPECT_TRUE(s.WaitIdle(Clock::now() + std::chrono::seconds(10)));
   EXPECT_TRUE(s.Idle());
+}
+
+// Records a request's stream as a reactor sees it: every update takes the new output; nothing
+// may arrive after the update that said finished.
+class StreamRecorder final : public RequestListener {
+ public:
+  explicit StreamRecorder(std::shared_ptr<RequestState> state) : state_(std::move(state)) {}
+  void OnRequestUpdate() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    RequestState::Taken t = state_->Take();
+    if (finished_ && (!t.text.empty() || !t.ids.empty())) ++after_finish_;
+    text_ += t.text;
+    ids_.insert(ids_.end(), t.ids.begin(), t.ids.end());
+    if (t.finished) finished_ = true;
+  }
+  std::mutex mu_;
+  std::shared_ptr<RequestState> state_;
+  std::string text_;
+  std::vector<int32_t> ids_;
+  bool finished_ = false;
+  int after_finish_ = 0;
+};
+
+// Tokens reach each stream through the delivery thread in order, text detokenized on either
+// side (the scheduler for requests with stop strings, delivery for the others); nothing follows
+// a stop id or a stop string, and what a stream received is the request's whole output.
+TEST(SchedulerTest, DeliveryKeepsStreamsInOrderAndNothingFollowsAStop) {
+  auto tokenizer = Tokenizer::Load(
+      std::string(std::getenv("TPSERVE_SOURCE_DIR") ? std::getenv("TPSERVE_SOURCE_DIR") : ".") +
+      "/models/tiny-coder");
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  constexpr int kRequests = 12;
+  auto run = [&](const std::vector<RequestParams>& params) {
+    FakeExecutor ex(256, 4);
+    Scheduler s(Options(256, 8, 64), tokenizer->get(), &ex);
+    ex.scheduler_ = &s;
+    s.Start();
+    std::vector<std::shared_ptr<RequestState>> reqs;
+    std::vector<std::shared_ptr<StreamRecorder>> recs;
+    for (const RequestParams& p : params) {
+      reqs.push_back(std::make_shared<RequestState>(p));
+      recs.push_back(std::make_shared<StreamRecorder>(reqs.back()));
+      reqs.back()->SetListener(recs.back());
+      EXPECT_TRUE(s.Submit(reqs.back()).ok());
+    }
+    EXPECT_TRUE(WaitFinished(reqs, 20));
+    EXPECT_TRUE(s.WaitIdle(Clock::now() + std::chrono::seconds(5)));
+    EXPECT_TRUE(WaitIdleBlocks(s, 256, 5));
+    return recs;
+  };
+  std::vector<RequestParams> plain;
+  for (int i = 0; i < kRequests; ++i) plain.push_back(MakeRequest(5 + i, 30, i)->params());
+  const auto reference = run(plain);
+  std::vector<RequestParams> stopping = plain;
+  std::vector<std::string> expected_text(kRequests);
+  std::vector<size_t> max_ids(kRequests);
+  int with_stop_strings = 0;
+  for (int i = 0; i < kRequests; ++i) {
+    const StreamRecorder& ref = *reference[i];
+    ASSERT_EQ(ref.ids_.size(), 30u);
+    ASSERT_EQ(ref.text_, (*tokenizer)->Decode(ref.ids_, /*skip_special_tokens=*/true))
+        << "request " << i << ": the streamed text is the ids' text";
+    expected_text[i] = ref.text_;
+    max_ids[i] = ref.ids_.size();
+    if (i % 3 == 1) {
+      const int32_t stop = ref.ids_[10];
+      stopping[i].stop_token_ids = {stop};
+      const size_t n = std::find(ref.ids_.begin(), ref.ids_.end(), stop) - ref.ids_.begin() + 1;
+      max_ids[i] = n;
+      expected_text[i] =
+          (*tokenizer)->Decode(std::vector<int32_t>(ref.ids_.begin(), ref.ids_.begin() + n), true);
+    } else if (i % 3 == 2 && ref.text_.size() > 8) {
+      const std::string stop = ref.text_.substr(ref.text_.size() / 2, 2);
+      stopping[i].stop = {stop};
+      ++with_stop_strings;
+      expected_text[i] = ref.text_.substr(0, ref.text_.find(stop));
+    }
+  }
+  EXPECT_EQ(with_stop_strings, kRequests / 3) << "the plain outputs are too short to cut";
+  const auto got = run(stopping);
+  for (int i = 0; i < kRequests; ++i) {
+    StreamRecorder& r = *got[i];
+    std::lock_guard<std::mutex> lock(r.mu_);
+    std::string whole_text;
+    std::vector<int32_t> whole_ids;
+    r.state_->Whole(&whole_text, &whole_ids);
+    EXPECT_TRUE(r.finished_) << "request " << i;
+    EXPECT_EQ(r.after_finish_, 0) << "request " << i << ": output after the end of the stream";
+    EXPECT_EQ(r.ids_, whole_ids) << "request " << i;
+    EXPECT_EQ(r.text_, whole_text) << "request " << i;
+    EXPECT_EQ(r.text_, expected_text[i]) << "request " << i;
+    EXPECT_LE(r.ids_.size(), max_ids[i]) << "request " << i;
+    EXPECT_EQ(r.ids_, std::vector<int32_t>(reference[i]->ids_.begin(),
+                                           reference[i]->ids_.begin() + r.ids_.size()))
+        << "request " << i << ": the streamed ids are a prefix of the plain run's";
+    if (i % 3 == 1) {
+      EXPECT_EQ(r.ids_.size(), max_ids[i]) << "request " << i << " ends at its stop id";
+    }
+  }
+}
+
+// Random table histories (growth, a block swapped by the prefix cache, truncation, a table
+// rebuilt after preemption, sequences ending) encoded by the coordinator and resolved by a
+// worker after a trip through the wire give the coordinator's tables; most steps travel as
+// deltas, and a delta the worker cannot apply is an error naming the sequence.
+TEST(BlockTableDeltaTest, RandomHistoriesResolveToTheCoordinatorsTables) {
+  std::mt19937 rng(5);
+  std::map<uint64_t, std::pair<std::vector<int32_t>, SentBlockTable>> seqs;
+  BlockTables worker_tables;
+  uint64_t next_id = 1;
+  int64_t deltas = 0, seq_steps = 0, sent_entries = 0, table_entries = 0;
+  for (int step = 1; step <= 2000; ++step) {
+    worker::StepPlan plan;
+    plan.set_step_id(step);
+    std::vector<uint64_t> ended;
+    for (const auto& [id, st] : seqs) {
+      if (rng() % 60 == 0) ended.push_back(id);
+    }
+    for (uint64_t id : ended) {
+      seqs.erase(id);
+      plan.add_finished_seq_ids(id);
+    }
+    while (seqs.size() < 8) seqs[next_id++];
+    for (auto& [id, st] : seqs) {
+      auto& [table, sent] = st;
+      switch (rng() % 10) {
+        case 0:  // preempted and readmitted: a new table
+          table.clear();
+          for (int k = static_cast<int>(rng() % 6); k > 0; --k) table.push_back(rng() % 1000);
+          break;
+        case 1:  // the prefix cache swapped a block for an identical cached one
+          if (!table.empty()) table[rng() % table.size()] = static_cast<int32_t>(rng() % 1000);
+          break;
+        case 2:
+          table.resize(table.size() * 3 / 4);
+          break;
+        default:  // decode growth
+          table.push_back(static_cast<int32_t>(rng() % 1000));
+          break;
+      }
+      if (rng() % 3 == 0) continue;  // not in this step
+      worker::SeqStep* s = plan.add_seqs();
+      s->set_seq_id(id);
+      EncodeBlockTable(table, sent, *s);
+      deltas += s->has_kept_blocks();
+      sent_entries += s->block_table_size();
+      table_entries += static_cast<int64_t>(table.size());
+      ++seq_steps;
+    }
+    worker::StepPlan received;
+    ASSERT_TRUE(received.ParseFromString(plan.SerializeAsString()));
+    const absl::Status resolved = worker_tables.Resolve(received);
+    ASSERT_TRUE(resolved.ok()) << resolved;
+    for (const worker::SeqStep& s : received.seqs()) {
+      EXPECT_FALSE(s.has_kept_blocks());
+      ASSERT_EQ(std::vector<int32_t>(s.block_table().begin(), s.block_table().end()),
+                seqs[s.seq_id()].first)
+          << "step " << step << ", sequence " << s.seq_id();
+    }
+  }
+  EXPECT_LE(worker_tables.size(), seqs.size()) << "ended sequences are forgotten";
+  EXPECT_GT(deltas, seq_steps * 9 / 10);
+  // Even with this many swaps and rebuilds, deltas carry a fraction of the tables.
+  EXPECT_LT(sent_entries * 2, table_entries);
+  // Decode growth: an unchanged table sends nothing, a new block sends only that block.
+  SentBlockTable sent;
+  std::vector<int32_t> table = {4, 8, 15};
+  worker::SeqStep first, same, grown;
+  EncodeBlockTable(table, sent, first);
+  EXPECT_FALSE(first.has_kept_blocks());
+  EXPECT_EQ(first.block_table_size(), 3);
+  EncodeBlockTable(table, sent, same);
+  EXPECT_EQ(same.kept_blocks(), 3);
+  EXPECT_EQ(same.block_table_size(), 0);
+  table.push_back(16);
+  EncodeBlockTable(table, sent, grown);
+  EXPECT_EQ(grown.kept_blocks(), 3);
+  ASSERT_EQ(grown.block_table_size(), 1);
+  EXPECT_EQ(grown.block_table(0), 16);
+  worker::StepPlan bad;
+  bad.set_step_id(7);
+  worker::SeqStep* s = bad.add_seqs();
+  s->set_seq_id(123456);
+  s->set_kept_blocks(3);
+  const absl::Status st = worker_tables.Resolve(bad);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(st.message().find("sequence 123456 keeps 3 blocks"), std::string::npos) << st;
 }
 
 TEST(ValidateTest, DefaultsAndLimits) {

@@ -548,6 +548,14 @@ absl::Status RunBenchCommand(const std::vector<std::string>& args) {
         {"step_ms", (a.step_seconds() - b.step_seconds()) * 1e3 / n},
         {"forward_ms", (a.forward_seconds() - b.forward_seconds()) * 1e3 / n},
         {"scheduler_cpu_ms", (a.scheduler_cpu_seconds() - b.scheduler_cpu_seconds()) * 1e3 / n},
+        {"scheduler_plan_cpu_ms",
+         (a.scheduler_plan_cpu_seconds() - b.scheduler_plan_cpu_seconds()) * 1e3 / n},
+        {"scheduler_send_cpu_ms",
+         (a.scheduler_send_cpu_seconds() - b.scheduler_send_cpu_seconds()) * 1e3 / n},
+        {"scheduler_apply_cpu_ms",
+         (a.scheduler_apply_cpu_seconds() - b.scheduler_apply_cpu_seconds()) * 1e3 / n},
+        {"delivery_cpu_ms", (a.delivery_cpu_seconds() - b.delivery_cpu_seconds()) * 1e3 / n},
+        {"sender_cpu_ms", (a.sender_cpu_seconds() - b.sender_cpu_seconds()) * 1e3 / n},
         {"dropped_tokens", a.dropped_tokens() - b.dropped_tokens()}};
   }
   std::optional<EngineComparison> engine;
@@ -574,6 +582,12 @@ absl::Status RunBenchCommand(const std::vector<std::string>& args) {
           st["overlap_scheduling"].get<bool>() ? "on" : "off", st["step_ms"].get<double>(),
           st["forward_ms"].get<double>(), st["scheduler_cpu_ms"].get<double>(),
           static_cast<long long>(st["dropped_tokens"].get<int64_t>()));
+      std::printf(
+          "%-30s plan %.3f ms, send %.3f ms, apply %.3f ms; delivery thread %.3f ms, sender "
+          "thread %.3f ms\n",
+          "scheduler CPU per step", st["scheduler_plan_cpu_ms"].get<double>(),
+          st["scheduler_send_cpu_ms"].get<double>(), st["scheduler_apply_cpu_ms"].get<double>(),
+          st["delivery_cpu_ms"].get<double>(), st["sender_cpu_ms"].get<double>());
     }
     if (engine) {
       std::printf("%-30s %.3f ms per decode step (batch of %d, in-process)\n", "engine",
