@@ -400,10 +400,9 @@ bool Scheduler::AwaitsProducer(const Seq& s, size_t block,
   if (found == producing.end()) return false;
   const Seq& p = *found->second;
   const size_t end = (block + 1) * static_cast<size_t>(blocks_.block_size());
-  // The map is built before this call's admissions and preemptions cannot happen in between,
-  // but check what the wait relies on: the producer still runs, will register, has not computed
-  // the block yet, and holds exactly these tokens under the same salt (a hash collision is no
-  // reason to wait).
+  // What the wait relies on: the producer still runs, will register the block, has not computed
+  // it yet, and holds exactly these tokens under the same salt (a hash collision is no reason
+  // to wait).
   return !p.done && !p.preempted && p.cacheable && p.computed < end && p.tokens.size() >= end &&
          p.req->params().cache_salt == s.req->params().cache_salt &&
          std::equal(s.tokens.begin(), s.tokens.begin() + static_cast<ptrdiff_t>(end),
