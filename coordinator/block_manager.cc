@@ -139,6 +139,12 @@ bool BlockManager::Register(std::vector<int32_t>& table, int i, uint64_t hash,
   return true;
 }
 
+bool BlockManager::WouldReplace(std::span<const int32_t> table, int i, uint64_t hash) const {
+  if (!caching_ || meta_[table[i]].cached) return false;
+  auto it = cached_.find(hash);
+  return it != cached_.end() && it->second != table[i];
+}
+
 void BlockManager::Uncache(int32_t block) {
   Meta& m = meta_[block];
   if (!m.cached) return;

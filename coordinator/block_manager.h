@@ -63,6 +63,9 @@ class BlockManager {
   // caching is off): later blocks of the table cannot be cached either.
   bool Register(std::vector<int32_t>& table, int i, uint64_t hash,
                 std::span<const int32_t> block_tokens, std::string_view salt);
+  // True when Register(table, i, hash, ...) would replace table[i] with another block already
+  // cached under `hash` (or find a collision there): the caller's copy would be freed.
+  bool WouldReplace(std::span<const int32_t> table, int i, uint64_t hash) const;
   // True when `block` is registered in the cache (shared or shareable: never written again).
   bool IsCached(int32_t block) const { return meta_[block].cached; }
   // Forgets every cached block of requests with salt `salt` (all salts when `all`): evictable

@@ -793,6 +793,7 @@ grpc::ServerUnaryReactor* InferenceService::GetModelInfo(grpc::CallbackServerCon
   pc->set_cached_blocks(s.cached_blocks);
   pc->set_evictable_blocks(s.evictable_blocks);
   pc->set_evictions(s.prefix_cache_evictions);
+  pc->set_computed_prompt_tokens(s.prompt_tokens_computed);
   steps->set_scheduler_cpu_seconds(s.cpu_seconds);
   steps->set_scheduler_plan_cpu_seconds(s.plan_cpu_seconds);
   steps->set_scheduler_send_cpu_seconds(s.send_cpu_seconds);

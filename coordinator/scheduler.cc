@@ -27,6 +27,7 @@ struct Scheduler::Seq {
   size_t registered = 0;
   bool cacheable = true;
   bool send_prefix = false;
+  bool awaited_prefix = false;  // waited at admission for a running sequence to compute a block
   uint64_t admit_order = 0;
   bool ever_admitted = false;
   int outputs = 0;
@@ -324,6 +325,8 @@ void Scheduler::PublishStats() {
   stats_.prefix_cache_queries = prefix_queries_;
   stats_.prefix_cache_hits = prefix_hits_;
   stats_.prefix_cache_evictions = blocks_.evictions();
+  stats_.prefix_cache_waits = prefix_waits_;
+  stats_.prompt_tokens_computed = prompt_tokens_computed_;
   stats_.cached_blocks = blocks_.cached_blocks();
   stats_.evictable_blocks = blocks_.evictable_blocks();
   idle_cv_.notify_all();
@@ -419,8 +422,12 @@ void Scheduler::Reap(std::vector<uint64_t>& finished_ids) {
 }
 
 void Scheduler::Admit() {
-  while (!waiting_.empty() && static_cast<int>(running_.size()) < options_.max_num_seqs) {
-    Seq& s = *waiting_.front();
+  // Blocks that running sequences will compute (their prefill is not done), by chain hash: built
+  // at most once per call, when a candidate's next block is not cached.
+  std::optional<absl::flat_hash_map<uint64_t, const Seq*>> producing;
+  for (auto it = waiting_.begin();
+       it != waiting_.end() && static_cast<int>(running_.size()) < options_.max_num_seqs;) {
+    Seq& s = **it;
     const int64_t len = static_cast<int64_t>(s.tokens.size());
     // The longest cached run of full blocks, short of the last token (its logits are needed):
     // a fully cached prompt recomputes its last block into a block of its own, so that no step
@@ -430,6 +437,21 @@ void Scheduler::Admit() {
       const int max_blocks = static_cast<int>((len - 1) / blocks_.block_size());
       ExtendHashes(s, static_cast<size_t>(max_blocks));
       matched = blocks_.Match(s.hashes, s.tokens, s.req->params().cache_salt, max_blocks);
+      // The next block is being computed by a running sequence (requests with a shared prefix
+      // that arrive together): wait for it instead of computing it again; the others behind
+      // this one may go first. The wait ends when the producer has computed it (it is then
+      // cached) or stops producing (done, preempted, uncacheable): then this one computes it.
+      if (matched.size() < static_cast<size_t>(max_blocks)) {
+        if (!producing) producing = ProducingBlocks();
+        if (AwaitsProducer(s, matched.size(), *producing)) {
+          if (!s.awaited_prefix) {
+            s.awaited_prefix = true;
+            ++prefix_waits_;
+          }
+          ++it;
+          continue;
+        }
+      }
     }
     blocks_.Acquire(s.blocks, matched);
     // The whole known sequence gets its blocks now, so prefill chunks never wait for blocks;
@@ -450,9 +472,43 @@ void Scheduler::Admit() {
       queued_.fetch_sub(1);
     }
     s.admit_order = ++admit_counter_;
-    running_.push_back(std::move(waiting_.front()));
-    waiting_.pop_front();
+    // It may produce blocks the next candidates wait for.
+    if (producing && s.cacheable) AddProducing(s, *producing);
+    running_.push_back(std::move(*it));
+    it = waiting_.erase(it);
   }
+}
+
+absl::flat_hash_map<uint64_t, const Scheduler::Seq*> Scheduler::ProducingBlocks() {
+  absl::flat_hash_map<uint64_t, const Seq*> producing;
+  for (auto& p : running_) {
+    if (!p->done && !p->preempted && p->cacheable) AddProducing(*p, producing);
+  }
+  return producing;
+}
+
+void Scheduler::AddProducing(Seq& p, absl::flat_hash_map<uint64_t, const Seq*>& producing) {
+  // The full blocks of its known tokens that are not computed yet (a block a chunk ended
+  // inside included): its prefill computes them, and registers each once computed.
+  const size_t bs = static_cast<size_t>(blocks_.block_size());
+  const size_t full = p.tokens.size() / bs;
+  ExtendHashes(p, full);
+  for (size_t i = p.computed / bs; i < full; ++i) producing.emplace(p.hashes[i], &p);
+}
+
+bool Scheduler::AwaitsProducer(const Seq& s, size_t block,
+                               const absl::flat_hash_map<uint64_t, const Seq*>& producing) const {
+  auto found = producing.find(s.hashes[block]);
+  if (found == producing.end()) return false;
+  const Seq& p = *found->second;
+  const size_t end = (block + 1) * static_cast<size_t>(blocks_.block_size());
+  // What the wait relies on: the producer still runs, will register the block, has not computed
+  // it yet, and holds exactly these tokens under the same salt (a hash collision is no reason
+  // to wait).
+  return !p.done && !p.preempted && p.cacheable && p.computed < end && p.tokens.size() >= end &&
+         p.req->params().cache_salt == s.req->params().cache_salt &&
+         std::equal(s.tokens.begin(), s.tokens.begin() + static_cast<ptrdiff_t>(end),
+                    p.tokens.begin());
 }
 
 void Scheduler::ExtendHashes(Seq& seq, size_t full_blocks) {
@@ -467,16 +523,23 @@ void Scheduler::ExtendHashes(Seq& seq, size_t full_blocks) {
 }
 
 void Scheduler::RegisterComputed(Seq& seq) {
-  // Only while no step in flight holds the sequence: registering may swap one of its blocks for
-  // an identical cached one and free its own copy, which a step in flight still lists (workers
-  // run steps in order, but the accounting stays simple and checkable this way). A sequence that
-  // decodes with overlap registers its blocks when it ends (ReleaseIfIdle).
-  if (!blocks_.prefix_caching() || !seq.cacheable || seq.pending_steps > 0) return;
+  // A computed block is never written again (steps in flight write only at or after
+  // `computed`), so it is registered as soon as its step is applied, even while a later step
+  // holds the sequence (overlap: a decode that continues; its prompt's blocks become shareable
+  // at once, not when it ends). Except when the same block is cached already: registering swaps
+  // the table's entry for the cached one and frees this copy, which a step in flight still
+  // lists; that waits until no step holds the sequence (at the latest when it ends,
+  // ReleaseIfIdle), and so do the blocks after it (their parent is not registered).
+  if (!blocks_.prefix_caching() || !seq.cacheable) return;
   const size_t bs = static_cast<size_t>(blocks_.block_size());
   const size_t full = seq.computed / bs;
   ExtendHashes(seq, full);
   while (seq.registered < full) {
     const size_t i = seq.registered;
+    if (seq.pending_steps > 0 &&
+        blocks_.WouldReplace(seq.blocks, static_cast<int>(i), seq.hashes[i])) {
+      return;
+    }
     if (!blocks_.Register(seq.blocks, static_cast<int>(i), seq.hashes[i],
                           std::span<const int32_t>(seq.tokens).subspan(i * bs, bs),
                           seq.req->params().cache_salt)) {
@@ -654,6 +717,10 @@ void Scheduler::ApplyToken(Seq& seq, int32_t id, std::optional<TokenLogprobs> lo
 void Scheduler::ApplyResult(const Pending& p, const worker::StepResult& result) {
   ++steps_;
   for (auto& [seq, n] : p.chunks) {
+    // A sequence's chunks are applied in order: `computed` is where this one starts.
+    const int64_t start = static_cast<int64_t>(seq->computed);
+    prompt_tokens_computed_ +=
+        std::max<int64_t>(0, std::min<int64_t>(seq->prompt_len, start + n) - start);
     seq->computed += n;
     --seq->pending_steps;
     step_tokens_ += n;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "coordinator/block_manager.h"
@@ -98,6 +99,12 @@ struct SchedulerStats {
   int64_t prefix_cache_evictions = 0;
   int cached_blocks = 0;
   int evictable_blocks = 0;
+  // Requests that waited at admission for blocks a running sequence was computing (a shared
+  // prefix arriving together) instead of computing them again.
+  int64_t prefix_cache_waits = 0;
+  // Prompt tokens the workers computed (prefill; a preempted request's again), cache or not:
+  // with a shared prefix computed once, the prompt tokens less the hits.
+  int64_t prompt_tokens_computed = 0;
   // CPU time of the scheduler thread (CLOCK_THREAD_CPUTIME_ID) spent planning and sending
   // steps and handling their results (stop checks, handing tokens to delivery), over all steps.
   double cpu_seconds = 0;
@@ -181,6 +188,12 @@ class Scheduler {
   void PublishStats();
   void ExtendHashes(Seq& seq, size_t full_blocks);
   void RegisterComputed(Seq& seq);
+  // Blocks running sequences are about to compute (chain hash -> producer), for Admit.
+  absl::flat_hash_map<uint64_t, const Seq*> ProducingBlocks();
+  void AddProducing(Seq& p, absl::flat_hash_map<uint64_t, const Seq*>& producing);
+  // True when `s`'s full block `block` is being computed by a running sequence.
+  bool AwaitsProducer(const Seq& s, size_t block,
+                      const absl::flat_hash_map<uint64_t, const Seq*>& producing) const;
   void RunDrops();
 
   struct DropRequest {
@@ -235,7 +248,7 @@ class Scheduler {
   double step_seconds_ = 0, execute_seconds_ = 0, forward_seconds_ = 0, cpu_seconds_ = 0;
   double plan_cpu_seconds_ = 0, send_cpu_seconds_ = 0, apply_cpu_seconds_ = 0;
   int64_t step_tokens_ = 0, dropped_tokens_ = 0;
-  int64_t prefix_queries_ = 0, prefix_hits_ = 0;
+  int64_t prefix_queries_ = 0, prefix_hits_ = 0, prefix_waits_ = 0, prompt_tokens_computed_ = 0;
   bool overlap_ = false;        // options_.overlap at pp = 1
   std::atomic<int> queued_{0};  // submitted, never admitted
   // Output of the step being applied (scheduler thread), handed to delivery_ in one batch.

@@ -1,6 +1,7 @@
 // Prefix caching end to end: a coordinator with 2 CPU workers (tp = 2, then pp = 2) and the same
 // layout with --no-enable-prefix-caching answer the same script (multi-turn conversations, greedy
-// and seeded, a shared system prompt, exact prefixes of cached prompts and one token longer, a
+// and seeded, a shared system prompt (also one nobody sent before, in requests that arrive
+// together: computed once), exact prefixes of cached prompts and one token longer, a
 // repetition penalty over a cached prefix, logprobs) with the same tokens; the cache is used,
 // salts isolate, DropPrefixCache forgets, and the KV pool returns to idle.
 #include <chrono>
@@ -105,9 +106,35 @@ bool WaitIdle(v1::Inference::Stub& stub, double seconds) {
   return false;
 }
 
+// Five prompts behind one prefix nobody sent before, sent together (greedy and seeded); adds
+// their outputs to `outs` and returns the prompt tokens the server computed for them.
+int64_t RunTogether(ServerProcess& server, const std::vector<int32_t>& prefix,
+                    std::vector<Out>& outs) {
+  auto stub = v1::Inference::NewStub(server.Channel());
+  const int64_t before = Info(*stub).prefix_cache().computed_prompt_tokens();
+  std::vector<Out> together(5);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 5; ++i) {
+    threads.emplace_back([&, i] {
+      auto s = v1::Inference::NewStub(server.Channel());
+      Req r{Concat(prefix, PromptIds(3 + i, 40 + i)), 8};
+      if (i % 2 == 1) {
+        r.temperature = 0.7f;
+        r.seed = 200 + i;
+      }
+      together[i] = Generate(*s, r);
+    });
+  }
+  for (auto& t : threads) t.join();
+  outs.insert(outs.end(), together.begin(), together.end());
+  return Info(*stub).prefix_cache().computed_prompt_tokens() - before;
+}
+
 // The script: every output in order. Later requests' prompts are built from earlier outputs
 // (the conversations), so both servers must agree turn by turn for the prompts to agree.
-std::vector<Out> RunScript(ServerProcess& server) {
+// `together_computed`: the prompt tokens computed for five requests that share a fresh 64-token
+// prefix and arrive together.
+std::vector<Out> RunScript(ServerProcess& server, int64_t* together_computed) {
   auto stub = v1::Inference::NewStub(server.Channel());
   std::vector<Out> outs;
   // Two conversations of 3 turns, greedy and seeded: each turn resends history + answer.
@@ -125,6 +152,8 @@ std::vector<Out> RunScript(ServerProcess& server) {
       r.seed += 1;
     }
   }
+  // A fresh 64-token prefix (4 blocks of 16) in front of five prompts sent together.
+  *together_computed = RunTogether(server, PromptIds(64, 6), outs);
   // A shared 48-token system prompt (3 blocks of 16): one request, then five at once.
   const std::vector<int32_t> sys = PromptIds(48, 5);
   outs.push_back(Generate(*stub, {Concat(sys, PromptIds(5, 20)), 8}));
@@ -193,7 +222,9 @@ TEST(PrefixCacheServiceTest, CachedEqualsUncachedAtTp2AndPp2) {
       args.push_back("--no-enable-prefix-caching");
       auto off = ServerProcess::Start(model, args);
       ASSERT_NE(off, nullptr);
-      off_outs = RunScript(*off);
+      int64_t together = 0;
+      off_outs = RunScript(*off, &together);
+      EXPECT_EQ(together, 5 * 64 + (3 + 4 + 5 + 6 + 7)) << name;
       auto stub = v1::Inference::NewStub(off->Channel());
       const v1::ModelInfo info = Info(*stub);
       EXPECT_FALSE(info.prefix_cache().enabled());
@@ -204,7 +235,11 @@ TEST(PrefixCacheServiceTest, CachedEqualsUncachedAtTp2AndPp2) {
     }
     auto on = ServerProcess::Start(model, base);
     ASSERT_NE(on, nullptr);
-    const std::vector<Out> on_outs = RunScript(*on);
+    int64_t together = 0;
+    const std::vector<Out> on_outs = RunScript(*on, &together);
+    // The shared prefix is computed once: the first request computes it, the others wait for
+    // its blocks (or find them cached).
+    EXPECT_EQ(together, 64 + (3 + 4 + 5 + 6 + 7)) << name;
     ExpectSame(on_outs, off_outs, name);
     auto stub = v1::Inference::NewStub(on->Channel());
     const v1::ModelInfo info = Info(*stub);

@@ -113,6 +113,12 @@ class FakeExecutor : public StepExecutor {
     for (const worker::SeqStep& s : plan.seqs()) {
       EXPECT_EQ(finished_.count(s.seq_id()), 0u) << "sequence " << s.seq_id() << " ended";
       std::vector<int32_t>& h = history_[s.seq_id()];
+      // Started again (from scratch or from a cached prefix) before it ever sampled: it was
+      // preempted in its prefill.
+      if (!h.empty() && samples_[s.seq_id()] == 0 &&
+          (s.prefix_token_ids_size() > 0 || s.start_pos() < static_cast<int>(h.size()))) {
+        restarted_in_prefill_.insert(s.seq_id());
+      }
       if (s.prefix_token_ids_size() > 0) {
         EXPECT_EQ(s.prefix_token_ids_size(), s.start_pos());
         h.assign(s.prefix_token_ids().begin(), s.prefix_token_ids().end());
@@ -180,6 +186,7 @@ class FakeExecutor : public StepExecutor {
     max_tokens_ = std::max(max_tokens_, tokens);
     max_seqs_ = std::max(max_seqs_, plan.seqs_size());
     ++steps_;
+    if (after_step_) after_step_(steps_);
     if (delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_));
     return out;
   }
@@ -192,6 +199,7 @@ class FakeExecutor : public StepExecutor {
   int64_t computed_tokens_ = 0;
   std::map<uint64_t, int32_t> last_sampled_;
   std::map<uint64_t, int> samples_;  // tokens sampled per sequence, dropped ones included
+  std::set<uint64_t> restarted_in_prefill_;
   std::set<uint64_t> finished_;
   std::map<uint64_t, std::map<int32_t, uint64_t>> in_flight_blocks_;  // step -> block -> seq
   int max_in_flight_seen_ = 0;
@@ -203,6 +211,9 @@ class FakeExecutor : public StepExecutor {
   const Scheduler* scheduler_ = nullptr;  // set: every resolved table is checked against it
   int64_t tables_checked_ = 0;
   int64_t deltas_ = 0;  // sequence steps sent as a block-table delta
+  // Called after each step (its number, from 1) is computed, with mu_ held: a test disrupts a
+  // request at a known point of the run.
+  std::function<void(int)> after_step_;
 };
 
 // A pipeline of `depth` stages: up to `depth` plans in flight, collected in order. Checks that
@@ -1088,6 +1099,180 @@ TEST(PrefixCacheTest, RandomizedConversationsThroughAPipelineMatchUncached) {
   PipelinedFakeExecutor ex(28, 4, 3);
   ASSERT_NO_FATAL_FAILURE(RandomizedWorkload(ex, 3));
   EXPECT_GE(ex.max_in_flight_seen_, 2);
+}
+
+// Requests that share a prefix, all queued before the scheduler starts (so that they arrive in
+// one admission): the results, the stats, and the prompt tokens the fake computed.
+struct SharedRun {
+  std::vector<std::vector<float>> out;
+  std::vector<absl::Status> status;
+  SchedulerStats stats;
+  int64_t fake_computed = 0;
+  std::set<uint64_t> restarted_in_prefill;  // sequence ids (in submission order, from 1)
+};
+
+SharedRun RunTogether(FakeExecutor& ex, const SchedulerOptions& o,
+                      const std::vector<std::shared_ptr<RequestState>>& reqs) {
+  SharedRun run;
+  Scheduler s(o, nullptr, &ex);
+  for (auto& r : reqs) EXPECT_TRUE(s.Submit(r).ok());
+  s.Start();
+  EXPECT_TRUE(WaitFinished(reqs, 20)) << "a request hangs";
+  for (auto& r : reqs) {
+    run.status.push_back(r->Take().status);
+    std::vector<float> v;
+    for (int32_t id : Output(*r)) v.push_back(static_cast<float>(id));
+    for (float f : OutputLogprobs(*r)) v.push_back(f);
+    run.out.push_back(std::move(v));
+  }
+  EXPECT_TRUE(WaitIdle(s, 5)) << "the KV pool did not return to idle";
+  run.stats = s.stats();
+  EXPECT_EQ(run.stats.free_blocks, run.stats.total_blocks);
+  EXPECT_EQ(run.stats.evictable_blocks, run.stats.cached_blocks) << "idle: all evictable";
+  std::lock_guard<std::mutex> lock(ex.mu_);
+  run.fake_computed = ex.computed_tokens_;
+  run.restarted_in_prefill = ex.restarted_in_prefill_;
+  return run;
+}
+
+// A 32-token shared prefix (8 blocks of 4) + 1..6 unique tokens, 6 requests at once: the prefix
+// is computed once (the first request computes it, the others wait for its blocks and find them
+// cached), the tokens and logprobs are the uncached ones. Chunked (8 tokens a step: the
+// producer's prompt takes 5 steps), in one step (64: the producer's blocks must become
+// shareable while it decodes on with overlap), without overlap, and through a 3-stage pipeline.
+TEST(PrefixCacheTest, APrefixSharedByRequestsArrivingTogetherIsComputedOnce) {
+  const std::vector<int32_t> shared = Tokens(32, 40);
+  struct Layout {
+    std::string name;
+    int budget;
+    bool overlap;
+    int depth;  // pipeline stages (0: the plain fake)
+  };
+  for (const Layout& l : {Layout{"chunked", 8, true, 0}, Layout{"one step", 64, true, 0},
+                          Layout{"no overlap", 8, false, 0}, Layout{"pipeline", 8, true, 3}}) {
+    SCOPED_TRACE(l.name);
+    int unique_total = 0;
+    auto requests = [&] {
+      std::vector<std::shared_ptr<RequestState>> reqs;
+      unique_total = 0;
+      for (int i = 0; i < 6; ++i) {
+        reqs.push_back(RequestFor(Concat(shared, Tokens(1 + i, 50 + i)), 6, "", i % 2 ? 2 : -1));
+        unique_total += 1 + i;
+      }
+      return reqs;
+    };
+    auto run = [&](bool caching) {
+      std::unique_ptr<FakeExecutor> ex =
+          l.depth > 0 ? std::make_unique<PipelinedFakeExecutor>(100, 4, l.depth)
+                      : std::make_unique<FakeExecutor>(100, 4);
+      SchedulerOptions o = Options(100, 8, l.budget);
+      o.enable_prefix_caching = caching;
+      o.overlap = l.overlap;
+      return RunTogether(*ex, o, requests());
+    };
+    const SharedRun off = run(false);
+    const SharedRun on = run(true);
+    ASSERT_EQ(on.out.size(), off.out.size());
+    for (size_t i = 0; i < on.out.size(); ++i) {
+      EXPECT_TRUE(on.status[i].ok()) << on.status[i];
+      EXPECT_EQ(on.out[i], off.out[i]) << "request " << i;
+    }
+    EXPECT_EQ(off.stats.prompt_tokens_computed, 6 * 32 + unique_total);
+    EXPECT_EQ(on.stats.prompt_tokens_computed, 32 + unique_total) << "the prefix, once";
+    EXPECT_EQ(on.stats.prefix_cache_hits, 5 * 32);
+    EXPECT_EQ(on.stats.prefix_cache_waits, 5);
+    EXPECT_EQ(off.stats.prefix_cache_waits, 0);
+    EXPECT_EQ(off.fake_computed - on.fake_computed, 5 * 32) << "the workers' count agrees";
+  }
+}
+
+// The producer of a shared prefix is disrupted in the middle of its prefill (cancelled, its
+// deadline expires, or it is preempted for a decoding request's block): the requests waiting for
+// its blocks do not hang, take over what it had not computed yet (computed once still), and get
+// the uncached tokens; the pool returns to idle.
+TEST(PrefixCacheTest, WaitersTakeOverWhenTheProducerIsDisruptedMidPrefill) {
+  const std::vector<int32_t> shared = Tokens(48, 41);  // 12 blocks of 4
+  auto waiters = [&] {
+    std::vector<std::shared_ptr<RequestState>> w;
+    for (int i = 0; i < 4; ++i) w.push_back(RequestFor(Concat(shared, Tokens(2, 60 + i)), 5));
+    return w;
+  };
+  const int waiters_unique = 4 * 2;
+  // The reference: no caching.
+  SharedRun ref;
+  {
+    FakeExecutor ex(200, 4);
+    SchedulerOptions o = Options(200, 8, 4);
+    o.enable_prefix_caching = false;
+    ref = RunTogether(ex, o, waiters());
+  }
+  for (const std::string what : {"cancel", "deadline"}) {
+    for (bool overlap : {true, false}) {
+      SCOPED_TRACE(what + (overlap ? " with overlap" : " without overlap"));
+      FakeExecutor ex(200, 4);
+      SchedulerOptions o = Options(200, 8, 4);  // 4 tokens a step: the prefix takes 12 steps
+      o.overlap = overlap;
+      RequestParams p;
+      p.prompt = Concat(shared, Tokens(3, 70));
+      p.max_new_tokens = 5;
+      p.ignore_eos = true;
+      if (what == "deadline") p.deadline = Clock::now() + std::chrono::milliseconds(50);
+      auto producer = std::make_shared<RequestState>(p);
+      std::vector<std::shared_ptr<RequestState>> reqs = {producer};
+      for (auto& w : waiters()) reqs.push_back(w);
+      // After its third step the producer has computed 2 or 3 of the 12 shared blocks.
+      ex.after_step_ = [&](int step) {
+        if (step != 3) return;
+        if (what == "cancel") {
+          producer->Cancel();
+        } else {
+          std::this_thread::sleep_until(p.deadline + std::chrono::milliseconds(1));
+        }
+      };
+      const SharedRun on = RunTogether(ex, o, reqs);
+      EXPECT_EQ(on.status[0].code(), what == "cancel" ? absl::StatusCode::kCancelled
+                                                      : absl::StatusCode::kDeadlineExceeded);
+      for (size_t i = 1; i < reqs.size(); ++i) {
+        EXPECT_TRUE(on.status[i].ok()) << on.status[i];
+        EXPECT_EQ(on.out[i], ref.out[i - 1]) << "waiter " << i;
+      }
+      // The producer's blocks are reused by the waiter that takes over; its other tokens and
+      // the rest of the prefix are computed once.
+      EXPECT_EQ(on.stats.prompt_tokens_computed, 48 + waiters_unique);
+      EXPECT_GT(on.stats.prefix_cache_hits, 3 * 48) << "the producer computed part of it";
+      EXPECT_GE(on.stats.prefix_cache_waits, 4);
+    }
+  }
+  // Preemption: a decoding request (admitted first) needs blocks while the producer is in its
+  // prefill; the producer is the newest sequence, so it is the one preempted (the waiters hold
+  // no blocks). 17 blocks: 1 + 13 at admission, the decoder grows to 11.
+  for (bool overlap : {true, false}) {
+    SCOPED_TRACE(overlap ? "preempt with overlap" : "preempt without overlap");
+    std::vector<std::shared_ptr<RequestState>> reqs = {RequestFor(Tokens(3, 80), 40),
+                                                       RequestFor(Concat(shared, {7}), 5)};
+    for (auto& w : waiters()) reqs.push_back(w);
+    auto run = [&](bool caching, bool big) {
+      FakeExecutor ex(big ? 200 : 17, 4);
+      SchedulerOptions o = Options(big ? 200 : 17, 8, 4);
+      o.enable_prefix_caching = caching;
+      o.overlap = overlap;
+      std::vector<std::shared_ptr<RequestState>> fresh;
+      for (auto& r : reqs) fresh.push_back(std::make_shared<RequestState>(r->params()));
+      return RunTogether(ex, o, fresh);
+    };
+    const SharedRun expected = run(false, true);
+    const SharedRun on = run(true, false);
+    EXPECT_EQ(expected.stats.preemptions, 0);
+    EXPECT_EQ(on.restarted_in_prefill.count(2), 1u) << "the producer is preempted in its prefill";
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_TRUE(on.status[i].ok()) << on.status[i];
+      EXPECT_EQ(on.out[i], expected.out[i]) << "request " << i;
+    }
+    EXPECT_LT(on.stats.prompt_tokens_computed, expected.stats.prompt_tokens_computed - 3 * 48)
+        << "the waiters still share the prefix";
+    EXPECT_GE(on.stats.prefix_cache_hits, 4 * 48) << "each waiter finds the whole prefix";
+    EXPECT_EQ(on.stats.prefix_cache_waits, 4);
+  }
 }
 
 // Two salts never share a block; the same salt does; DropPrefixCache forgets one salt's blocks

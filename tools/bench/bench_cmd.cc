@@ -269,6 +269,7 @@ struct PrefixCacheReport {
   bool known = false;  // both readings of GetModelInfo succeeded
   bool enabled = false;
   int64_t queries = 0, hits = 0, evictions = 0;
+  int64_t computed_prompt_tokens = 0;  // prefill work of the run, caching on or off
   double hit_rate = 0;
 };
 
@@ -279,6 +280,8 @@ PrefixCacheReport PrefixCacheDelta(const v1::ModelInfo& before, const v1::ModelI
   r.queries = after.prefix_cache().queries() - before.prefix_cache().queries();
   r.hits = after.prefix_cache().hits() - before.prefix_cache().hits();
   r.evictions = after.prefix_cache().evictions() - before.prefix_cache().evictions();
+  r.computed_prompt_tokens = after.prefix_cache().computed_prompt_tokens() -
+                             before.prefix_cache().computed_prompt_tokens();
   r.hit_rate = r.queries > 0 ? static_cast<double>(r.hits) / static_cast<double>(r.queries) : 0;
   return r;
 }
@@ -348,12 +351,14 @@ nlohmann::json ReportJson(const BenchFlags& f, const v1::ModelInfo& info, const 
   j["e2e_ms"] = SummaryJson(r.e2e_ms);
   j["server_ttft_ms"] = SummaryJson(r.server_ttft_ms);
   // Prompt tokens the server looked up in its prefix cache during the run and found there.
-  j["prefix_cache"] = pc.known ? nlohmann::json{{"enabled", pc.enabled},
-                                                {"queries", pc.queries},
-                                                {"hits", pc.hits},
-                                                {"hit_rate", pc.hit_rate},
-                                                {"evictions", pc.evictions}}
-                               : nlohmann::json(nullptr);
+  j["prefix_cache"] = pc.known
+                          ? nlohmann::json{{"enabled", pc.enabled},
+                                           {"queries", pc.queries},
+                                           {"hits", pc.hits},
+                                           {"hit_rate", pc.hit_rate},
+                                           {"evictions", pc.evictions},
+                                           {"computed_prompt_tokens", pc.computed_prompt_tokens}}
+                          : nlohmann::json(nullptr);
   if (f.per_request) {
     nlohmann::json reqs = nlohmann::json::array();
     for (const bench::RequestRecord& q : result.records) {
@@ -427,6 +432,10 @@ void PrintTable(const BenchFlags& f, const v1::ModelInfo& info, const bench::Rep
                 static_cast<long long>(pc.queries), static_cast<long long>(pc.evictions));
   } else if (pc.known) {
     std::printf("%-30s off\n", "prefix cache");
+  }
+  if (pc.known) {
+    std::printf("%-30s %lld\n", "prompt tokens computed",
+                static_cast<long long>(pc.computed_prompt_tokens));
   }
   std::printf("%-30s %10s %10s %10s %10s %8s\n", "latency (ms)", "mean", "median", "p90", "p99",
               "n");
