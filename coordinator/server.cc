@@ -385,6 +385,7 @@ WorkerGroupOptions GroupOptions(const Layout& layout) {
   g.device_map = o.device_map;
   g.kv_cache_bytes = o.kv_cache_mb << 20;
   g.gpu_memory_utilization = o.gpu_memory_utilization;
+  g.deterministic = o.deterministic;
   g.block_size = o.block_size;
   g.max_num_batched_tokens = o.max_num_batched_tokens;
   g.max_num_seqs = o.max_num_seqs;
