@@ -81,8 +81,8 @@ absl::StatusOr<LoadedShard> LoadShard(const ModelFiles& files, const ShardPlan& 
       out.kv.capacity_tokens / static_cast<double>(config.max_position_embeddings),
       config.max_position_embeddings, BytesString(out.kv.kv_bytes), out.kv.source,
       BytesString(in.weight_bytes), BytesString(in.workspace_bytes),
-      measured ? absl::StrCat(", device memory in use before loading ", BytesString(in_use_before),
-                              " of ", BytesString(in.total_bytes))
+      measured ? absl::StrCat(", device memory in use before loading ",
+                              BytesString(in_use_before), " of ", BytesString(in.total_bytes))
                : "");
   TP_LOG(INFO) << absl::StrFormat(
       "shard load phases: memory check %.3f s, weights and activations %.3f s, fixed buffers "
