@@ -104,30 +104,55 @@ const cublasLtMatmulAlgo_t& LtGemm::FixedAlgo(int64_t n, int64_t k, bool bias, i
   MakeDescriptors(ref, ref_m, n, k, bias);
   constexpr int kCandidates = 16;
   std::vector<cublasLtMatmulHeuristicResult_t> results = Heuristic(ref, alignment, kCandidates);
-  // The heuristic's best without split-K: split-K cuts K into parts whose sums are added
-  // afterwards, and other M would not pick the same parts. None: its best, made unsplit.
-  const cublasLtMatmulHeuristicResult_t* pick = nullptr;
+  DestroyDescriptors(ref);
+  TP_CHECK(!results.empty()) << "deterministic GEMM: cuBLASLt has no algorithm for N=" << n
+                             << " K=" << k << " at M=" << ref_m;
+  // Split-K cuts K into parts whose sums are added afterwards, and other M would not pick the
+  // same parts: the heuristic's best without it, then the others made unsplit, the first that
+  // runs at every M from a decode row to a long prefill (an M it would refuse later aborts).
+  std::stable_sort(results.begin(), results.end(), [](const auto& a, const auto& b) {
+    auto split = [](const cublasLtMatmulAlgo_t& algo) {
+      int32_t splits = 1;
+      size_t written = 0;
+      TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                           &splits, sizeof(splits), &written));
+      return splits > 1;
+    };
+    return !split(a.algo) && split(b.algo);
+  });
+  const cublasLtMatmulAlgo_t* chosen = nullptr;
+  cublasLtMatmulAlgo_t algo;
   for (const auto& r : results) {
     if (r.state != CUBLAS_STATUS_SUCCESS) continue;
-    int32_t splits = 1;
-    size_t written = 0;
-    TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
-                                                         &splits, sizeof(splits), &written));
-    if (splits <= 1) {
-      pick = &r;
+    algo = r.algo;
+    int32_t one = 1;
+    uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
+    TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                         &one, sizeof(one)));
+    TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(
+        &algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &none, sizeof(none)));
+    bool runs_everywhere = true;
+    for (int64_t m : {int64_t{1}, int64_t{7}, ref_m, int64_t{4096}, int64_t{32768}}) {
+      Plan probe;
+      MakeDescriptors(probe, m, n, k, bias);
+      cublasLtMatmulHeuristicResult_t check{};
+      const cublasStatus_t st = cublasLtMatmulAlgoCheck(handle_, probe.desc, probe.a, probe.b,
+                                                        probe.c, probe.c, &algo, &check);
+      DestroyDescriptors(probe);
+      if (st != CUBLAS_STATUS_SUCCESS || check.workspaceSize > workspace_bytes_) {
+        runs_everywhere = false;
+        break;
+      }
+    }
+    if (runs_everywhere) {
+      chosen = &algo;
       break;
     }
   }
-  TP_CHECK(!results.empty()) << "deterministic GEMM: cuBLASLt has no algorithm for N=" << n
-                             << " K=" << k << " at M=" << ref_m;
-  cublasLtMatmulAlgo_t algo = pick != nullptr ? pick->algo : results[0].algo;
-  int32_t one = 1;
-  uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
-  TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one,
-                                                       sizeof(one)));
-  TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
-                                                       &none, sizeof(none)));
-  DestroyDescriptors(ref);
+  TP_CHECK(chosen != nullptr) << "deterministic GEMM: none of cuBLASLt's " << results.size()
+                              << " algorithms for N=" << n << " K=" << k
+                              << " runs unsplit at every M; set TPSERVE_DETERMINISTIC_GEMM_M to "
+                                 "another batch size or serve without --deterministic";
   return fixed_algos_.emplace(key, algo).first->second;
 }
 
