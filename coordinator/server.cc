@@ -621,6 +621,7 @@ void Activate(const Layout& layout, WorkerGroup* group, Scheduler* scheduler,
   info.set_has_tokenizer(layout.tokenizer != nullptr);
   info.set_max_num_seqs(o.max_num_seqs);
   info.set_max_num_batched_tokens(o.max_num_batched_tokens);
+  info.set_deterministic(o.deterministic);
   service->Activate(scheduler, limits, info);
   metrics->SetScheduler(scheduler);
   const std::vector<worker::KvReport> reports = group->kv_reports();
