@@ -246,6 +246,7 @@ void CudaOps::GrowDecodeWorkspace(const cuda::DeviceBatch& b, int num_heads, int
 }
 
 void CudaOps::SetDeterministic(bool on) {
+  if (on == deterministic_) return;
   Ops::SetDeterministic(on);
   lt_->set_fixed_algorithm(on);
   det_partition_ = on ? static_cast<int>(std::stoi(EnvString(env::kDeterministicPartition))) : 0;
