@@ -38,7 +38,7 @@ void CheckModel(const std::string& dir, int prompt_len, int other_max_prompt, in
   options.device = "cuda";
   options.deterministic = true;
   options.block_size = 16;
-  options.num_kv_blocks = 4096;
+  options.num_kv_blocks = 8192;
   options.model.max_batch_tokens = 4096;
   options.model.max_batch_seqs = 256;
   auto engine = Engine::Create(dir, options);
@@ -70,10 +70,11 @@ void CheckModel(const std::string& dir, int prompt_len, int other_max_prompt, in
        .chunk = chunk / 3 + 1,
        .other_max_prompt = other_max_prompt,
        .seed = 4},
-      {.name = "200 others, 3000 tokens a step",
+      // Every other request in every step: 200 x 16 tokens.
+      {.name = "200 others, chunks of 16",
        .others = 200,
-       .chunk = chunk,
-       .max_step_tokens = 3000,
+       .chunk = 16,
+       .max_step_tokens = 4000,
        .other_max_prompt = other_max_prompt,
        .seed = 5},
       {.name = "prefix hit, 7 others",
