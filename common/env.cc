@@ -77,6 +77,22 @@ const EnvVar kCublasLtAutotune = {"TPSERVE_CUBLASLT_AUTOTUNE", EnvType::kBool, "
                                   "time cuBLASLt's candidate algorithms for M <= 256 instead of "
                                   "taking its heuristic (faster, not bitwise reproducible across "
                                   "processes)"};
+const EnvVar kDeterministicGemmM = {
+    "TPSERVE_DETERMINISTIC_GEMM_M",
+    EnvType::kInt,
+    "64",
+    "--deterministic on CUDA: the batch size whose cuBLASLt algorithm (without split-K) every "
+    "GEMM of that shape uses, whatever its M",
+    1,
+    8192};
+const EnvVar kDeterministicPartition = {
+    "TPSERVE_DETERMINISTIC_PARTITION",
+    EnvType::kChoice,
+    "128",
+    "--deterministic on CUDA: keys per split of the attention kernel, for every batch",
+    0,
+    0,
+    "128|64|256"};
 const EnvVar kLoadThreads = {"TPSERVE_LOAD_THREADS",
                              EnvType::kInt,
                              "0",
@@ -255,6 +271,8 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kPdl,
       &env::kPrefillTile,
       &env::kCublasLtAutotune,
+      &env::kDeterministicGemmM,
+      &env::kDeterministicPartition,
       &env::kLoadThreads,
       &env::kOpProfile,
       &env::kFusedSkinny,

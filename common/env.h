@@ -42,6 +42,8 @@ extern const EnvVar kClusterSecret;
 extern const EnvVar kPdl;
 extern const EnvVar kPrefillTile;
 extern const EnvVar kCublasLtAutotune;
+extern const EnvVar kDeterministicGemmM;
+extern const EnvVar kDeterministicPartition;
 extern const EnvVar kLoadThreads;
 // Benchmarks only (kernels/cuda/bench_knobs.h, applied by tpserve-engine-bench).
 extern const EnvVar kOpProfile;

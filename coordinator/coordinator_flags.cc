@@ -76,6 +76,9 @@ CommandSpec MakeSpec(bool serve_command) {
       BoolFlag("enable-prefix-caching",
                "reuse the KV blocks of cached prompt prefixes (on by default; "
                "--no-enable-prefix-caching turns it off)"),
+      BoolFlag("deterministic",
+               "a request gets the same tokens and logprobs whatever else is in the batch "
+               "(batch-invariant kernels; see the README for what it covers and costs)"),
       StringFlag("device", "cpu|cuda|auto", "device of spawned workers (default auto)"),
       StringFlag("worker-binary", "B",
                  "tpserve-worker to spawn (default: TPSERVE_WORKER, next to this binary, PATH)"),
@@ -165,6 +168,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   o.ready_file = a.GetOr("ready-file", "");
   o.spawn_workers = serve_command || a.Flag("spawn-workers");
   o.enable_prefix_caching = a.GetBool("enable-prefix-caching", true);
+  o.deterministic = a.Flag("deterministic");
   o.overlap_scheduling = a.GetBool("overlap-scheduling", true);
   o.rejoin = a.Flag("rejoin");
   o.kv_cache_mb = a.GetInt("kv-cache-mb", 0);

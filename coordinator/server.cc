@@ -426,6 +426,7 @@ WorkerGroupOptions GroupOptions(const Layout& layout) {
   g.device_map = o.device_map;
   g.kv_cache_bytes = o.kv_cache_mb << 20;
   g.gpu_memory_utilization = o.gpu_memory_utilization;
+  g.deterministic = o.deterministic;
   g.block_size = o.block_size;
   g.max_num_batched_tokens = o.max_num_batched_tokens;
   g.max_num_seqs = o.max_num_seqs;
@@ -689,6 +690,7 @@ void Activate(const Layout& layout, WorkerGroup* group, Scheduler* scheduler,
   info.set_has_tokenizer(layout.tokenizer != nullptr);
   info.set_max_num_seqs(o.max_num_seqs);
   info.set_max_num_batched_tokens(o.max_num_batched_tokens);
+  info.set_deterministic(o.deterministic);
   service->Activate(scheduler, limits, info);
   metrics->SetScheduler(scheduler);
   const std::vector<worker::KvReport> reports = group->kv_reports();

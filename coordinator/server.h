@@ -64,6 +64,8 @@ struct CoordinatorOptions {
   std::string ready_file;  // written with "HOST:PORT" once the server is SERVING
   // --enable-prefix-caching[=false], --no-enable-prefix-caching
   bool enable_prefix_caching = true;
+  // --deterministic: the workers' kernels give a request the same tokens whatever the batch.
+  bool deterministic = false;
   bool help = false;               // --help was given: print the usage, run nothing
   bool overlap_scheduling = true;  // --no-overlap-scheduling: one step at a time at pp = 1
 };

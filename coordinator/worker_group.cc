@@ -427,6 +427,7 @@ absl::Status WorkerGroup::Start(std::chrono::seconds register_timeout,
     a->set_wait_for_nccl_ids(relay);
     a->set_make_nccl_ids(relay && r == 0);
     a->set_comm_timeout_seconds(options_.comm_timeout_seconds);
+    a->set_deterministic(options_.deterministic);
     if (!Send(r, msg)) Fail(r, "could not send its assignment");
   }
   TP_LOG(INFO) << "assignments sent: tp=" << plan_.tp << " pp=" << plan_.pp << " layers "

@@ -18,8 +18,9 @@
 namespace tpserve {
 
 // Sampling parameters (common/sampling.h). The random draw uses a counter-based RNG keyed by
-// (seed, position), so it does not depend on the batch; the logits it draws from may (see
-// Sample below).
+// (seed, position), so it does not depend on the batch; the logits it draws from do only in
+// deterministic mode (Ops::SetDeterministic); otherwise another batch shape may round them
+// differently and flip a near-tie.
 
 // The layout of one step's batch, in host memory. Tokens of all sequences are packed along
 // one axis; sequence s owns query rows [query_start[s], query_start[s+1]).
@@ -101,6 +102,17 @@ class Ops {
 
   // Makes `meta` the current batch for the ops below.
   virtual void SetBatch(const BatchMeta& meta) = 0;
+
+  // Deterministic mode (--deterministic): every op computes a token row with the same
+  // arithmetic, in the same order, whatever else is in the batch: its size, the row's position
+  // in it, the other sequences and their lengths, and whether the row's sequence is in prefill
+  // (any chunking) or decode. So one token's row (hidden states, KV, logits) has the same bits
+  // alone or in any batch on one build, device type and layout. GEMMs use one fixed path for
+  // every M, attention one kernel with key partitions fixed per context length, norms and
+  // sampling work per row. Without it a backend may pick kernels by batch shape (faster;
+  // another shape may round differently). Set before the first SetBatch; the default is off.
+  virtual void SetDeterministic(bool on) { deterministic_ = on; }
+  bool deterministic() const { return deterministic_; }
 
   // out[t] = table[token_ids[t] - row_offset] when in [0, table rows), else zeros
   // (vocab-parallel embedding: each rank holds rows [row_offset, row_offset + rows)).
@@ -194,6 +206,9 @@ class Ops {
                               const std::vector<SamplingParams>& params) {
     return Sample(logits, vocab_size, params, nullptr);
   }
+
+ protected:
+  bool deterministic_ = false;  // SetDeterministic
 };
 
 // A buffer owned through an Ops allocator, freed on destruction.

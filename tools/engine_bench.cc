@@ -5,6 +5,7 @@
 //
 //   tpserve-engine-bench --model DIR [--device cuda] [--prompt-len 512] [--new-tokens 512]
 //       [--prefill-len 2048] [--batches 8,32,64] [--context 1024] [--repeats 3] [--json FILE]
+//       [--deterministic]
 //       [--gpu-memory-utilization F | --kv-cache-mb MB] [--profile]
 // The KV cache holds just what the scenarios need unless one of the last two flags sizes it as
 // the server does.
@@ -67,7 +68,9 @@ const CommandSpec& BenchSpec() {
                  "size the KV cache as the server does (default: just what the scenarios need)",
                  "F", /*min_exclusive=*/true),
        IntFlag("kv-cache-mb", 0, int64_t{1} << 30, "KV cache in MiB (as the server's flag)", "MB"),
-       BoolFlag("profile", "per-op CUDA event times of eager steps")},
+       BoolFlag("profile", "per-op CUDA event times of eager steps"),
+       BoolFlag("deterministic",
+                "batch-invariant kernels (as serve --deterministic), to compare with the default")},
       "Benchmark-only environment switches (TPSERVE_ABLATE_OPS, TPSERVE_FUSED_SKINNY,\n"
       "TPSERVE_FUSED_NORM, TPSERVE_OP_PROFILE): see `tpserve env`."};
   return *spec;
@@ -93,6 +96,7 @@ absl::Status Main(const std::vector<std::string>& args) {
   const std::string device = ResolveDevice(a.GetOr("device", "auto"));
   nlohmann::json out;
   out["device"] = device;
+  out["deterministic"] = a.Flag("deterministic");
   out["model"] = model_dir;
 
   HwLimits hw;
@@ -111,6 +115,7 @@ absl::Status Main(const std::vector<std::string>& args) {
   int max_batch = *std::max_element(batches.begin(), batches.end());
   EngineOptions options;
   options.device = device;
+  options.deterministic = a.Flag("deterministic");
   options.model.max_batch_tokens =
       static_cast<int>(std::max<int64_t>(max_batch_tokens, prefill_len));
   options.model.max_batch_seqs = std::max(max_batch, 1);

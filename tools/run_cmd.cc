@@ -86,6 +86,9 @@ const CommandSpec& RunFlagSpec() {
                  "fraction of the GPU for weights, workspace and KV cache (default 0.9)", "F",
                  /*min_exclusive=*/true),
        IntFlag("kv-cache-mb", 0, int64_t{1} << 30, "KV cache in MiB; 0: sized automatically", "MB"),
+       BoolFlag("deterministic",
+                "batch-invariant kernels, as tpserve serve --deterministic (same tokens as a "
+                "server in that mode)"),
        IntFlag("logprobs", 0, kMaxLogprobs,
                "each token's log-probability and the N most likely alternatives (raw "
                "distribution, before temperature / top-k / top-p)"),
@@ -131,6 +134,7 @@ absl::Status RunRunCommand(const std::vector<std::string>& args) {
   options.device = a.GetOr("device", "auto");
   options.kv_cache_bytes = kv_mb * (int64_t{1} << 20);
   options.gpu_memory_utilization = utilization;
+  options.deterministic = a.Flag("deterministic");
   if (ResolveDevice(options.device) == "cpu") {
     // The CPU has no device memory budget: a cache for this one request.
     const int64_t need = static_cast<int64_t>(req.prompt.size()) + req.max_new_tokens;

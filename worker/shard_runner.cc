@@ -53,6 +53,8 @@ absl::StatusOr<std::unique_ptr<ShardRunner>> ShardRunner::Create(
     const ShardRunnerOptions& options) {
   std::unique_ptr<ShardRunner> r(new ShardRunner());
   r->ops_ = ops;
+  // Before the batch buffers and the workspace are reserved: the mode sizes them.
+  ops->SetDeterministic(options.deterministic);
   r->options_ = options;
   ShardLoadOptions load;
   load.model = options.model;

@@ -36,6 +36,9 @@ struct ShardRunnerOptions {
   // every tp rank of the last stage (the in-process engine, whose ranks all need the ids to
   // go on in lockstep; they sample the same all-gathered logits, so they agree).
   bool sample_on_every_tp_rank = false;
+  // Deterministic mode (--deterministic, Ops::SetDeterministic): a token's result does not
+  // depend on the rest of the batch. Set on the ops before anything is sized.
+  bool deterministic = false;
 };
 
 class ShardRunner {

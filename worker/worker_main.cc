@@ -170,6 +170,7 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   if (a.gpu_memory_utilization() > 0) so.gpu_memory_utilization = a.gpu_memory_utilization();
   so.model.max_batch_tokens = a.max_num_batched_tokens();
   so.model.max_batch_seqs = a.max_num_seqs();
+  so.deterministic = a.deterministic();
   if (EnvIsSet(env::kWorkerCudaGraphs)) so.cuda_graphs = EnvBool(env::kWorkerCudaGraphs);
   ParallelContext comms{groups.tp_comm.get(), groups.pp_comm.get()};
   TP_ASSIGN_OR_RETURN(auto runner, ShardRunner::Create(files, plan, rank, ops, comms, so));

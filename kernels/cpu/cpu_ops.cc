@@ -95,8 +95,18 @@ class CpuOps final : public Ops {
     TP_CHECK(w.dim(1) == k) << "gemm: x " << x.ShapeString() << " w " << w.ShapeString();
     TP_CHECK(y.dim(-1) == n && Rows(y) == m) << "gemm: y " << y.ShapeString();
     if (m == 0) return;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x.ptr<float>(), k,
-                w.ptr<float>(), k, 0.0f, y.ptr<float>(), n);
+    if (deterministic_) {
+      // OpenBLAS sgemm picks its kernels and edge handling by M, so a row's bits depend on how
+      // many rows are beside it (measured: row 0 differs between M = 1 and M = 4..300). One
+      // GEMV per row has the same shape whatever M is.
+      for (int64_t r = 0; r < m; ++r) {
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w.ptr<float>(), k,
+                    x.ptr<float>() + r * k, 1, 0.0f, y.ptr<float>() + r * n, 1);
+      }
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x.ptr<float>(), k,
+                  w.ptr<float>(), k, 0.0f, y.ptr<float>(), n);
+    }
     if (bias != nullptr) {
       TP_CHECK(bias->numel() == n);
       for (int64_t r = 0; r < m; ++r)

@@ -6,6 +6,8 @@
 // K and V are each read once with 16-byte loads; fp32 math. The grid depends only on
 // (num_seqs, max_blocks_per_seq), so a decode step can be captured in a CUDA graph and
 // replayed for any context lengths up to that capacity.
+#include <algorithm>
+
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/head_dims.h"
@@ -172,16 +174,13 @@ __device__ void FinishSplit(const float (&o_s)[kG][kD], const float* m_s, const 
 // Large batches: one block per split of up to 256 keys, three phases (all scores, softmax, PV)
 // with few registers, so that many blocks stay resident and their loads overlap.
 template <int kD, int kG>
-__global__ void __launch_bounds__(kThreads)
-    DecodeTwoPhaseKernel(const __nv_bfloat16* __restrict__ q,
-                         const __nv_bfloat16* __restrict__ k_cache,
-                         const __nv_bfloat16* __restrict__ v_cache,
-                         const int32_t* __restrict__ query_start,
-                         const int32_t* __restrict__ context_lens,
-                         const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
-                         int block_size, int num_heads, int num_kv_heads, int partition,
-                         float scale_log2, unsigned* __restrict__ counters,
-                         float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+    const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ query_start,
+    const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
+    const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
+    int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
+    float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
   constexpr int kLanesPerToken = kD / 8;                     // 16-byte chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // tokens read per block step
   constexpr int kUnroll = 4;
@@ -208,7 +207,9 @@ __global__ void __launch_bounds__(kThreads)
   const int used = (ctx + partition - 1) / partition;
   const int kv_head = head0 / (num_heads / num_kv_heads);
   const int tid = threadIdx.x;
-  const int32_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks_per_seq;
+  const int32_t* table =
+      block_tables +
+      static_cast<int64_t>(table_rows != nullptr ? table_rows[seq] : seq) * max_blocks_per_seq;
 
   PdlWait();  // q and this step's K/V rows come from the previous kernels
   for (int i = tid; i < kG * kD; i += kThreads) {
@@ -317,16 +318,13 @@ __global__ void __launch_bounds__(kThreads)
 // sub-tile before using any (32 KB in flight per block at head_dim 128), scores go to shared
 // memory, and the softmax is online across sub-tiles.
 template <int kD, int kG>
-__global__ void __launch_bounds__(kThreads)
-    DecodePartitionKernel(const __nv_bfloat16* __restrict__ q,
-                          const __nv_bfloat16* __restrict__ k_cache,
-                          const __nv_bfloat16* __restrict__ v_cache,
-                          const int32_t* __restrict__ query_start,
-                          const int32_t* __restrict__ context_lens,
-                          const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
-                          int block_size, int num_heads, int num_kv_heads, int partition,
-                          float scale_log2, unsigned* __restrict__ counters,
-                          float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+    const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ query_start,
+    const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
+    const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
+    int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
+    float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
   constexpr int kLanesPerToken = kD / 8;                     // 16-byte chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // rows read per block step
   constexpr int kUnroll = kSub / kTokensPerStep;
@@ -353,7 +351,9 @@ __global__ void __launch_bounds__(kThreads)
   const int used = (ctx + partition - 1) / partition;
   const int kv_head = head0 / (num_heads / num_kv_heads);
   const int tid = threadIdx.x;
-  const int32_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks_per_seq;
+  const int32_t* table =
+      block_tables +
+      static_cast<int64_t>(table_rows != nullptr ? table_rows[seq] : seq) * max_blocks_per_seq;
   const int chunk = tid % kLanesPerToken, tok_lane = tid / kLanesPerToken;
   const int warp = tid / 32, lane = tid % 32;
 
@@ -489,15 +489,34 @@ template <int kD, int kG>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                  int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
                  unsigned* counters, Tensor out, cudaStream_t stream) {
-  int splits = DecodeNumSplits(b, num_heads, num_kv_heads);
-  int partition = DecodePartition(b.num_seqs, num_heads, num_kv_heads);
-  dim3 grid(splits, num_heads / kG, b.num_seqs);
+  int partition = DecodeBatchPartition(b, num_heads, num_kv_heads);
   auto kernel = partition == kSub ? DecodePartitionKernel<kD, kG> : DecodeTwoPhaseKernel<kD, kG>;
-  LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(),
-            k_cache.ptr<const __nv_bfloat16>(), v_cache.ptr<const __nv_bfloat16>(), b.query_start,
-            b.context_lens, b.block_tables, b.max_blocks_per_seq, b.block_size, num_heads,
-            num_kv_heads, partition, scale * kLog2e, counters, workspace, out.ptr<__nv_bfloat16>());
-  TP_CUDA_CHECK_LAUNCH();
+  if (b.num_tokens == b.num_seqs) {
+    dim3 grid(DecodeNumSplits(b, num_heads, num_kv_heads), num_heads / kG, b.num_seqs);
+    LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(),
+              k_cache.ptr<const __nv_bfloat16>(), v_cache.ptr<const __nv_bfloat16>(), b.query_start,
+              b.context_lens, b.block_tables, static_cast<const int32_t*>(nullptr),
+              b.max_blocks_per_seq, b.block_size, num_heads, num_kv_heads, partition,
+              scale * kLog2e, counters, workspace, out.ptr<__nv_bfloat16>());
+    TP_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  // Every query token as a decode query of its own (deterministic mode): token t reads the
+  // cache of its sequence up to its own position, in launches of kDecodeQueryChunk tokens
+  // that share the workspace (stream order keeps them apart). SetBatch turned programmatic
+  // launch off for the step: a token reads K/V rows that the previous kernel writes.
+  for (int t0 = 0; t0 < b.num_tokens; t0 += kDecodeQueryChunk) {
+    const int n = std::min(kDecodeQueryChunk, b.num_tokens - t0);
+    DeviceBatch chunk = b;
+    chunk.num_seqs = chunk.num_tokens = n;
+    dim3 grid(DecodeNumSplits(chunk, num_heads, num_kv_heads), num_heads / kG, n);
+    LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(),
+              k_cache.ptr<const __nv_bfloat16>(), v_cache.ptr<const __nv_bfloat16>(),
+              b.token_query_start + t0, b.token_context_lens + t0, b.block_tables,
+              b.token_table_rows + t0, b.max_blocks_per_seq, b.block_size, num_heads, num_kv_heads,
+              partition, scale * kLog2e, counters, workspace, out.ptr<__nv_bfloat16>());
+    TP_CUDA_CHECK_LAUNCH();
+  }
 }
 
 template <int kD>
@@ -522,7 +541,7 @@ void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor&
   TP_CHECK_CUDA_TENSOR(k_cache, DType::kBF16);
   TP_CHECK_CUDA_TENSOR(v_cache, DType::kBF16);
   TP_CHECK_CUDA_TENSOR(out, DType::kBF16);
-  TP_CHECK(b.num_tokens == b.num_seqs)
+  TP_CHECK(b.num_tokens == b.num_seqs || b.token_context_lens != nullptr)
       << "AttentionDecode needs one query per sequence (tokens " << b.num_tokens << ", seqs "
       << b.num_seqs << "); use AttentionPrefill";
   TP_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && CudaSupportsHeadDim(head_dim) &&
@@ -534,7 +553,7 @@ void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor&
       << ", head_dim " << head_dim << " (" << kCudaHeadDims << "), block_size " << b.block_size;
   TP_CHECK(workspace != nullptr && counters != nullptr)
       << "AttentionDecode: no workspace or counters";
-  if (b.num_seqs == 0) return;
+  if (b.num_tokens == 0) return;
   if (head_dim == 32) {
     LaunchForDim<32>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, counters,
                      out, stream);

@@ -245,6 +245,14 @@ void CudaOps::GrowDecodeWorkspace(const cuda::DeviceBatch& b, int num_heads, int
   ++generation_;
 }
 
+void CudaOps::SetDeterministic(bool on) {
+  if (on == deterministic_) return;
+  Ops::SetDeterministic(on);
+  lt_->set_fixed_algorithm(on);
+  det_partition_ = on ? static_cast<int>(std::stoi(EnvString(env::kDeterministicPartition))) : 0;
+  ++generation_;  // graphs captured before bake in the other kernels
+}
+
 void CudaOps::Reserve(const CudaReserve& r) {
   GrowSection(sections_[kTokenIds], r.max_tokens * sizeof(int32_t));
   GrowSection(sections_[kPositions], r.max_tokens * sizeof(int32_t));
@@ -257,12 +265,21 @@ void CudaOps::Reserve(const CudaReserve& r) {
   // Prefill tiles: at most one per sequence plus one per kPrefillTileMinM tokens.
   GrowSection(sections_[kPrefillWork],
               (r.max_seqs + r.max_tokens / cuda::kPrefillTileMinM + 1) * sizeof(int2));
+  if (deterministic_) {
+    for (int i : {kTokenQueryStart, kTokenContextLens, kTokenTableRows}) {
+      GrowSection(sections_[i], r.max_tokens * sizeof(int32_t));
+    }
+  }
   if (r.num_heads > 0) {
     reserve_heads_ = r.num_heads;
     reserve_kv_heads_ = r.num_kv_heads > 0 ? r.num_kv_heads : r.num_heads;
     reserve_head_dim_ = r.head_dim;
     cuda::DeviceBatch b;
-    b.num_seqs = r.max_seqs;
+    b.decode_partition = det_partition_;
+    // Deterministic mode runs prefill tokens as decode queries, kDecodeQueryChunk at a time.
+    b.num_seqs = deterministic_
+                     ? std::max(r.max_seqs, std::min(r.max_tokens, cuda::kDecodeQueryChunk))
+                     : r.max_seqs;
     b.max_blocks_per_seq = r.max_blocks_per_seq;
     b.block_size = r.block_size;
     GrowDecodeWorkspace(b, reserve_heads_, reserve_kv_heads_, reserve_head_dim_);
@@ -307,6 +324,23 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   };
   std::stable_sort(work.begin(), work.end(),
                    [&](const int2& a, const int2& b) { return keys_of(a) > keys_of(b); });
+  // Deterministic mode, a batch with prefill tokens: each token as a decode query of its own.
+  const bool token_queries = deterministic_ && T != S;
+  std::vector<int32_t> token_query_start, token_context_lens, token_table_rows;
+  if (token_queries) {
+    token_query_start.resize(T);
+    token_context_lens.resize(T);
+    token_table_rows.resize(T);
+    for (int s = 0; s < S; ++s) {
+      const int q0 = m.query_start[s], qlen = m.query_start[s + 1] - q0;
+      for (int i = 0; i < qlen; ++i) {
+        token_query_start[q0 + i] = q0 + i;
+        // Padding (context 0) stays 0: its rows are zeros.
+        token_context_lens[q0 + i] = m.context_lens[s] == 0 ? 0 : m.context_lens[s] - qlen + i + 1;
+        token_table_rows[q0 + i] = s;
+      }
+    }
+  }
 
   struct Part {
     const void* src;
@@ -321,6 +355,9 @@ void CudaOps::SetBatch(const BatchMeta& m) {
       {m.block_tables.data(), m.block_tables.size() * sizeof(int32_t)},
       {m.logits_rows.data(), m.logits_rows.size() * sizeof(int32_t)},
       {work.data(), work.size() * sizeof(int2)},
+      {token_query_start.data(), token_query_start.size() * sizeof(int32_t)},
+      {token_context_lens.data(), token_context_lens.size() * sizeof(int32_t)},
+      {token_table_rows.data(), token_table_rows.size() * sizeof(int32_t)},
   };
   size_t total = 0;
   for (int i = 0; i < kNumSections; ++i) {
@@ -329,7 +366,8 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   }
   if (reserve_heads_ > 0) {
     cuda::DeviceBatch b;
-    b.num_seqs = S;
+    b.decode_partition = det_partition_;
+    b.num_seqs = token_queries ? std::min(T, cuda::kDecodeQueryChunk) : S;
     b.max_blocks_per_seq = m.max_blocks_per_seq;
     b.block_size = m.block_size;
     GrowDecodeWorkspace(b, reserve_heads_, reserve_kv_heads_, reserve_head_dim_);
@@ -356,7 +394,8 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   }
   TP_CUDA_CHECK(cudaEventRecord(staging_done_[p], stream_));
 
-  cuda::t_pdl_batch = T <= cuda::kPdlMaxTokens;
+  // Token queries read K/V rows the kernel before them writes: no programmatic launch.
+  cuda::t_pdl_batch = T <= cuda::kPdlMaxTokens && !token_queries;
   cuda::DeviceBatch& b = *batch_;
   b.num_seqs = S;
   b.num_tokens = T;
@@ -375,6 +414,10 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   b.block_tables = ptr(kBlockTables);
   b.logits_rows = ptr(kLogitsRows);
   b.prefill_work = static_cast<const int2*>(sections_[kPrefillWork].dev);
+  b.decode_partition = det_partition_;
+  b.token_query_start = token_queries ? ptr(kTokenQueryStart) : nullptr;
+  b.token_context_lens = token_queries ? ptr(kTokenContextLens) : nullptr;
+  b.token_table_rows = token_queries ? ptr(kTokenTableRows) : nullptr;
 }
 
 void CudaOps::Embedding(const Tensor& table, int64_t row_offset, Tensor out) {
@@ -408,8 +451,10 @@ void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor 
   if (w.dim(0) == w.dim(1) && Ablated("Gemm.square")) return;
   int64_t k = x.dim(-1);
   int64_t m = k == 0 ? 0 : x.numel() / k;
-  const bool skinny =
-      m > 0 && m <= skinny_max_m_ && k % 8 == 0 && Aligned16(x.data) && Aligned16(w.data);
+  // Deterministic mode: cuBLASLt's fixed algorithm for every M (the skinny kernel sums in
+  // another order).
+  const bool skinny = !deterministic_ && m > 0 && m <= skinny_max_m_ && k % 8 == 0 &&
+                      Aligned16(x.data) && Aligned16(w.data);
   OpScope scope(
       this, skinny ? "Gemm.skinny" : "Gemm.cublasLt", [&] { return GemmShape(m, w.dim(0), k); },
       double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
@@ -444,8 +489,8 @@ void CudaOps::SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Te
 }
 
 bool CudaOps::SkinnyFusedFits(int64_t m, int64_t k, const void* x, const void* w) const {
-  return m > 0 && m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) && k % 8 == 0 &&
-         Aligned16(x) && Aligned16(w);
+  return !deterministic_ && m > 0 && m <= std::min(skinny_max_m_, cuda::kSkinnyFusedMaxM) &&
+         k % 8 == 0 && Aligned16(x) && Aligned16(w);
 }
 
 unsigned long long* CudaOps::NextNormRecord() {
@@ -577,6 +622,20 @@ void CudaOps::AttentionPrefill(const Tensor& q, const Tensor& k_cache, const Ten
            " h=" + std::to_string(num_heads) + "/" + std::to_string(num_kv_heads) +
            " ctx<=" + std::to_string(batch_->max_context_len);
   });
+  if (deterministic_) {
+    // One kernel for prefill and decode tokens, so that a token's attention does not depend
+    // on whether it was computed in a prefill chunk (of any size) or as a decode step.
+    if (batch_->token_context_lens == nullptr) {
+      AttentionDecode(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, out);
+      return;
+    }
+    cuda::DeviceBatch chunk = *batch_;
+    chunk.num_seqs = std::min(batch_->num_tokens, cuda::kDecodeQueryChunk);
+    GrowDecodeWorkspace(chunk, num_heads, num_kv_heads, head_dim);
+    cuda::LaunchAttentionDecode(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
+                                *batch_, decode_ws_, decode_counters_, out, stream_);
+    return;
+  }
   cuda::LaunchAttentionPrefill(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
                                *batch_, out, stream_);
 }
@@ -595,7 +654,7 @@ void CudaOps::AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tens
         return "seqs=" + std::to_string(batch_->num_seqs) + " h=" + std::to_string(num_heads) +
                "/" + std::to_string(num_kv_heads) +
                " ctx<=" + std::to_string(batch_->max_context_len) + " part=" +
-               std::to_string(cuda::DecodePartition(batch_->num_seqs, num_heads, num_kv_heads));
+               std::to_string(cuda::DecodeBatchPartition(*batch_, num_heads, num_kv_heads));
       },
       kv_bytes);
   cuda::LaunchAttentionDecode(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,

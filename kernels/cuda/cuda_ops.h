@@ -65,6 +65,12 @@ class CudaOps final : public Ops {
   std::unique_ptr<DeviceUploader> MakeUploader() override;
 
   void SetBatch(const BatchMeta& meta) override;
+  // Deterministic mode (Ops::SetDeterministic): every GEMM through cuBLASLt with one algorithm
+  // per weight shape and no split-K (no skinny kernel, no small-M fusions), the attention of
+  // prefill and decode tokens alike through the decode kernel with a fixed key partition
+  // (TPSERVE_DETERMINISTIC_PARTITION), each query token reading its own context. Call before
+  // Reserve.
+  void SetDeterministic(bool on) override;
 
   void Embedding(const Tensor& table, int64_t row_offset, Tensor out) override;
   void RmsNorm(const Tensor& x, const Tensor& weight, float eps, Tensor out) override;
@@ -202,6 +208,9 @@ class CudaOps final : public Ops {
     kBlockTables,
     kLogitsRows,
     kPrefillWork,
+    kTokenQueryStart,  // deterministic mode: DeviceBatch::token_* (prefill as decode queries)
+    kTokenContextLens,
+    kTokenTableRows,
     kNumSections
   };
   Section sections_[kNumSections];
@@ -213,6 +222,7 @@ class CudaOps final : public Ops {
   size_t decode_ws_floats_ = 0;
   unsigned* decode_counters_ = nullptr;  // their arrival counters (zero between launches)
   size_t decode_counters_cap_ = 0;
+  int det_partition_ = 0;  // deterministic mode: keys per decode-attention split (else 0)
   int reserve_heads_ = 0;
   int reserve_kv_heads_ = 0;
   int reserve_head_dim_ = 0;

@@ -4,7 +4,10 @@
 
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "common/env.h"
 #include "kernels/cuda/cuda_util.cuh"
@@ -28,21 +31,19 @@ LtGemm::LtGemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
 }
 
 LtGemm::~LtGemm() {
-  for (auto& [key, plan] : plans_) {
-    cublasLtMatrixLayoutDestroy(plan.a);
-    cublasLtMatrixLayoutDestroy(plan.b);
-    cublasLtMatrixLayoutDestroy(plan.c);
-    cublasLtMatmulDescDestroy(plan.desc);
-  }
+  for (auto& [key, plan] : plans_) DestroyDescriptors(plan);
   if (workspace_ != nullptr) cudaFree(workspace_);
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 
-LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int alignment) {
-  Key key{m, n, k, bias, alignment};
-  auto it = plans_.find(key);
-  if (it != plans_.end()) return it->second;
-  Plan plan;
+void LtGemm::set_fixed_algorithm(bool on) {
+  if (on == fixed_) return;
+  for (auto& [key, plan] : plans_) DestroyDescriptors(plan);
+  plans_.clear();
+  fixed_ = on;
+}
+
+void LtGemm::MakeDescriptors(Plan& plan, int64_t m, int64_t n, int64_t k, bool bias) const {
   TP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
   TP_CUBLAS_CHECK(
@@ -61,7 +62,19 @@ LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int al
   TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, k, n, k));
   TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, k, m, k));
   TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, n, m, n));
+}
 
+void LtGemm::DestroyDescriptors(Plan& plan) {
+  if (plan.a != nullptr) cublasLtMatrixLayoutDestroy(plan.a);
+  if (plan.b != nullptr) cublasLtMatrixLayoutDestroy(plan.b);
+  if (plan.c != nullptr) cublasLtMatrixLayoutDestroy(plan.c);
+  if (plan.desc != nullptr) cublasLtMatmulDescDestroy(plan.desc);
+  plan.a = plan.b = plan.c = nullptr;
+  plan.desc = nullptr;
+}
+
+std::vector<cublasLtMatmulHeuristicResult_t> LtGemm::Heuristic(const Plan& plan, int alignment,
+                                                               int max_results) const {
   cublasLtMatmulPreference_t pref;
   TP_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   uint64_t ws = workspace_bytes_;
@@ -73,18 +86,103 @@ LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int al
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
     TP_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
   }
-  constexpr int kCandidates = 8;
-  cublasLtMatmulHeuristicResult_t results[kCandidates];
+  std::vector<cublasLtMatmulHeuristicResult_t> results(max_results);
   int found = 0;
   TP_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c,
-                                                 pref, m <= 256 ? kCandidates : 1, results,
-                                                 &found));
+                                                 pref, max_results, results.data(), &found));
   cublasLtMatmulPreferenceDestroy(pref);
-  TP_CHECK(found > 0) << "cuBLASLt has no algorithm for GEMM M=" << m << " N=" << n << " K=" << k
-                      << (bias ? " with bias" : "") << " alignment " << alignment;
+  results.resize(found);
+  return results;
+}
+
+const cublasLtMatmulAlgo_t& LtGemm::FixedAlgo(int64_t n, int64_t k, bool bias, int alignment) {
+  auto key = std::make_tuple(n, k, bias, alignment);
+  auto it = fixed_algos_.find(key);
+  if (it != fixed_algos_.end()) return it->second;
+  const int64_t ref_m = EnvInt(env::kDeterministicGemmM);
+  Plan ref;
+  MakeDescriptors(ref, ref_m, n, k, bias);
+  constexpr int kCandidates = 16;
+  std::vector<cublasLtMatmulHeuristicResult_t> results = Heuristic(ref, alignment, kCandidates);
+  DestroyDescriptors(ref);
+  TP_CHECK(!results.empty()) << "deterministic GEMM: cuBLASLt has no algorithm for N=" << n
+                             << " K=" << k << " at M=" << ref_m;
+  // Split-K cuts K into parts whose sums are added afterwards, and other M would not pick the
+  // same parts: the heuristic's best without it, then the others made unsplit, the first that
+  // runs at every M from a decode row to a long prefill (an M it would refuse later aborts).
+  std::stable_sort(results.begin(), results.end(), [](const auto& a, const auto& b) {
+    auto split = [](const cublasLtMatmulAlgo_t& algo) {
+      int32_t splits = 1;
+      size_t written = 0;
+      TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                           &splits, sizeof(splits), &written));
+      return splits > 1;
+    };
+    return !split(a.algo) && split(b.algo);
+  });
+  const cublasLtMatmulAlgo_t* chosen = nullptr;
+  cublasLtMatmulAlgo_t algo;
+  for (const auto& r : results) {
+    if (r.state != CUBLAS_STATUS_SUCCESS) continue;
+    algo = r.algo;
+    int32_t one = 1;
+    uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
+    TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                         &one, sizeof(one)));
+    TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(
+        &algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &none, sizeof(none)));
+    bool runs_everywhere = true;
+    for (int64_t m : {int64_t{1}, int64_t{7}, ref_m, int64_t{4096}, int64_t{32768}}) {
+      Plan probe;
+      MakeDescriptors(probe, m, n, k, bias);
+      cublasLtMatmulHeuristicResult_t check{};
+      const cublasStatus_t st = cublasLtMatmulAlgoCheck(handle_, probe.desc, probe.a, probe.b,
+                                                        probe.c, probe.c, &algo, &check);
+      DestroyDescriptors(probe);
+      if (st != CUBLAS_STATUS_SUCCESS || check.workspaceSize > workspace_bytes_) {
+        runs_everywhere = false;
+        break;
+      }
+    }
+    if (runs_everywhere) {
+      chosen = &algo;
+      break;
+    }
+  }
+  TP_CHECK(chosen != nullptr) << "deterministic GEMM: none of cuBLASLt's " << results.size()
+                              << " algorithms for N=" << n << " K=" << k
+                              << " runs unsplit at every M; set TPSERVE_DETERMINISTIC_GEMM_M to "
+                                 "another batch size or serve without --deterministic";
+  return fixed_algos_.emplace(key, algo).first->second;
+}
+
+LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int alignment) {
+  Key key{m, n, k, bias, alignment};
+  auto it = plans_.find(key);
+  if (it != plans_.end()) return it->second;
+  Plan plan;
+  MakeDescriptors(plan, m, n, k, bias);
+  if (fixed_) {
+    plan.algo = FixedAlgo(n, k, bias, alignment);
+    cublasLtMatmulHeuristicResult_t check{};
+    const cublasStatus_t st = cublasLtMatmulAlgoCheck(handle_, plan.desc, plan.a, plan.b, plan.c,
+                                                      plan.c, &plan.algo, &check);
+    TP_CHECK(st == CUBLAS_STATUS_SUCCESS && check.workspaceSize <= workspace_bytes_)
+        << "deterministic GEMM: the fixed cuBLASLt algorithm of N=" << n << " K=" << k
+        << " does not run at M=" << m << " (status " << static_cast<int>(st)
+        << "); set TPSERVE_DETERMINISTIC_GEMM_M to another batch size or serve without "
+           "--deterministic";
+    plan.tuned = true;
+    return plans_.emplace(key, plan).first->second;
+  }
+  std::vector<cublasLtMatmulHeuristicResult_t> results =
+      Heuristic(plan, alignment, m <= 256 ? 8 : 1);
+  TP_CHECK(!results.empty()) << "cuBLASLt has no algorithm for GEMM M=" << m << " N=" << n
+                             << " K=" << k << (bias ? " with bias" : "") << " alignment "
+                             << alignment;
   plan.algo = results[0].algo;
-  for (int i = 0; i < found; ++i) {
-    if (results[i].state == CUBLAS_STATUS_SUCCESS) plan.candidates.push_back(results[i].algo);
+  for (const auto& r : results) {
+    if (r.state == CUBLAS_STATUS_SUCCESS) plan.candidates.push_back(r.algo);
   }
   plan.tuned = !autotune_ || plan.candidates.size() <= 1;
   return plans_.emplace(key, plan).first->second;
@@ -142,6 +240,8 @@ void LtGemm::Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
   if (m == 0 || n == 0) return;
   int alignment = std::min({PointerAlignment(x.data), PointerAlignment(w.data),
                             PointerAlignment(y.data), bias ? PointerAlignment(bias->data) : 256});
+  // Fixed-algorithm mode: every alignment of 16 bytes or more gets the same algorithm.
+  if (fixed_) alignment = std::min(alignment, 16);
   Plan& plan = GetPlan(m, n, k, bias != nullptr, alignment);
   if (bias != nullptr) {
     const void* bp = bias->data;

@@ -5,6 +5,9 @@
 // where the first choice is often not the fastest) the heuristic's best 8 are timed on the
 // first call made outside stream capture instead; two processes may then pick differently
 // (measured gain on the 6.7B shape: batch-64 decode 14.37 -> 14.29 ms/step, batch 1 none).
+// Fixed-algorithm mode (deterministic serving): one algorithm per (N, K, bias), the heuristic's
+// choice at M = TPSERVE_DETERMINISTIC_GEMM_M without split-K, for every M, so that a row's
+// result does not depend on how many rows are beside it (one kernel, one tile, one K order).
 #pragma once
 
 #include <cublasLt.h>
@@ -28,6 +31,9 @@ class LtGemm {
 
   void Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, cudaStream_t stream);
   size_t num_plans() const { return plans_.size(); }
+  // Fixed-algorithm mode (see above); plans made before the switch are dropped.
+  void set_fixed_algorithm(bool on);
+  bool fixed_algorithm() const { return fixed_; }
 
  private:
   struct Plan {
@@ -39,6 +45,14 @@ class LtGemm {
   };
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, int>;
   Plan& GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int alignment);
+  // The descriptor and layouts of one problem (plan.algo untouched).
+  void MakeDescriptors(Plan& plan, int64_t m, int64_t n, int64_t k, bool bias) const;
+  static void DestroyDescriptors(Plan& plan);
+  // The heuristic's best `max_results` algorithms for `plan`'s problem at this alignment.
+  std::vector<cublasLtMatmulHeuristicResult_t> Heuristic(const Plan& plan, int alignment,
+                                                         int max_results) const;
+  // Fixed-algorithm mode: the algorithm of every plan of (n, k, bias, alignment).
+  const cublasLtMatmulAlgo_t& FixedAlgo(int64_t n, int64_t k, bool bias, int alignment);
   // Times the candidates on these operands and keeps the fastest in plan.algo.
   void Tune(Plan& plan, const Tensor& x, const Tensor& w, Tensor y, cudaStream_t stream);
   void Launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const Tensor& x, const Tensor& w,
@@ -49,6 +63,8 @@ class LtGemm {
   size_t workspace_bytes_ = 0;
   std::map<Key, Plan> plans_;
   bool autotune_ = false;
+  bool fixed_ = false;
+  std::map<std::tuple<int64_t, int64_t, bool, int>, cublasLtMatmulAlgo_t> fixed_algos_;
 };
 
 }  // namespace tpserve::cuda

@@ -35,6 +35,14 @@ struct DeviceBatch {
   const int32_t* block_tables = nullptr;  // [num_seqs * max_blocks_per_seq]
   const int32_t* logits_rows = nullptr;   // [num_logits_rows]
   const int2* prefill_work = nullptr;     // [num_prefill_work] (seq, first query row of tile)
+  // Deterministic mode (CudaOps::SetDeterministic): keys per decode-attention split for every
+  // batch (0: chosen by the batch, DecodePartition). When the batch is not all decode, every
+  // query token is also described as a decode query of its own, [num_tokens] each: its row
+  // (t), its context (position + 1) and the row of block_tables of its sequence; else null.
+  int decode_partition = 0;
+  const int32_t* token_query_start = nullptr;
+  const int32_t* token_context_lens = nullptr;
+  const int32_t* token_table_rows = nullptr;
 };
 
 // Decode attention: query heads handled by one block (the largest of 8, 4, 2, 1 dividing the
@@ -53,9 +61,17 @@ inline int DecodePartition(int num_seqs, int num_heads, int num_kv_heads) {
   int pairs = num_seqs * (num_heads / DecodeHeadsPerBlock(num_heads, num_kv_heads));
   return pairs >= 512 ? 256 : pairs >= 128 ? 128 : 64;
 }
+// The partition of this batch: fixed in deterministic mode, else by its size.
+inline int DecodeBatchPartition(const DeviceBatch& b, int num_heads, int num_kv_heads) {
+  return b.decode_partition > 0 ? b.decode_partition
+                                : DecodePartition(b.num_seqs, num_heads, num_kv_heads);
+}
+// Deterministic mode: query tokens per launch when every token of a prefill is run as a decode
+// query (bounds the workspace: the launches reuse it).
+inline constexpr int kDecodeQueryChunk = 256;
 inline int DecodeNumSplits(const DeviceBatch& b, int num_heads, int num_kv_heads) {
   int cap = b.max_blocks_per_seq * b.block_size;
-  int p = DecodePartition(b.num_seqs, num_heads, num_kv_heads);
+  int p = DecodeBatchPartition(b, num_heads, num_kv_heads);
   return cap <= 0 ? 1 : (cap + p - 1) / p;
 }
 
@@ -97,7 +113,9 @@ void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor
                             const DeviceBatch& b, Tensor out, cudaStream_t stream);
 // workspace: DecodeWorkspaceFloats(b, num_heads, num_kv_heads, head_dim) floats; counters:
 // DecodeNumCounters(b, num_heads, num_kv_heads), zero.
-// One kernel (the last block of each sequence and head group merges the splits). It may read
+// One kernel (the last block of each sequence and head group merges the splits). A batch that
+// is not all decode is accepted in deterministic mode (b.token_context_lens set): one decode
+// query per token, in launches of kDecodeQueryChunk tokens. A decode step may read
 // the cache rows of positions < context_len - 1 before the previous kernel in the stream has
 // finished (programmatic dependent launch): only the current token's row may be written by it.
 void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,

@@ -178,6 +178,23 @@ TEST(CoordinatorFlagsTest, PrefixCachingIsOnByDefaultAndCanBeTurnedOff) {
   EXPECT_THAT(Usage(CoordinatorFlagSpec(true)), HasSubstr("--enable-prefix-caching"));
 }
 
+TEST(CoordinatorFlagsTest, DeterministicIsOffByDefaultAndParses) {
+  auto o = ParseCoordinatorFlags({"--model", "m"}, true);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_FALSE(o->deterministic);
+  for (bool serve : {true, false}) {
+    o = ParseCoordinatorFlags({"--model", "m", "--deterministic"}, serve);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_TRUE(o->deterministic);
+  }
+  o = ParseCoordinatorFlags({"--model", "m", "--deterministic=false"}, true);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_FALSE(o->deterministic);
+  o = ParseCoordinatorFlags({"--model", "m", "--deterministic=sometimes"}, true);
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Usage(CoordinatorFlagSpec(false)), HasSubstr("--deterministic"));
+}
+
 TEST(CoordinatorFlagsTest, HttpPortDefaultsTo8000AndZeroTurnsItOff) {
   auto o = ParseCoordinatorFlags({"--model", "m"}, true);
   ASSERT_TRUE(o.ok()) << o.status();

@@ -1,0 +1,241 @@
+// Deterministic mode of the CUDA ops (Ops::SetDeterministic): a GEMM row has the same bits for
+// every M from 1 to 256 (and a 2048-row prefill) at any position of the batch, and a token's
+// attention has the same bits in a prefill chunk of any size as in a decode step of any batch.
+// Without a CUDA device every test prints "no CUDA device, test skipped" and is skipped.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <numeric>
+#include <random>
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include "common/bf16.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/ops.h"
+
+namespace tpserve {
+namespace {
+
+std::vector<uint16_t> RandomBf16Bits(std::mt19937& rng, size_t n, float scale) {
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<uint16_t> v(n);
+  for (uint16_t& x : v) x = F32ToBf16(dist(rng));
+  return v;
+}
+
+class DeterministicOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() == 0) {
+      std::cout << "no CUDA device, test skipped" << std::endl;
+      GTEST_SKIP() << "no CUDA device";
+    }
+    const uint32_t seed = std::random_device{}();
+    rng_.seed(seed);
+    RecordProperty("seed", std::to_string(seed));
+    std::cout << "seed " << seed << std::endl;
+    ops_ = MakeCudaOps(0);
+    ops_->SetDeterministic(true);
+  }
+  Tensor Upload(const std::vector<uint16_t>& h, std::initializer_list<int64_t> shape) {
+    bufs_.emplace_back(ops_.get(), h.size() * 2);
+    ops_->CopyToDevice(bufs_.back().get(), h.data(), h.size() * 2);
+    return Tensor(bufs_.back().get(), shape, DType::kBF16, Device::kCuda);
+  }
+  Tensor Out(std::initializer_list<int64_t> shape) {
+    Tensor t(nullptr, shape, DType::kBF16, Device::kCuda);
+    bufs_.emplace_back(ops_.get(), t.bytes());
+    t.data = bufs_.back().get();
+    EXPECT_EQ(cudaMemset(t.data, 0xFF, t.bytes()), cudaSuccess);  // NaN: unwritten rows show
+    return t;
+  }
+  std::vector<uint16_t> Bits(const Tensor& t, int64_t offset_elems, int64_t n) {
+    ops_->Synchronize();
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    std::vector<uint16_t> h(n);
+    ops_->CopyToHost(h.data(), static_cast<const uint16_t*>(t.data) + offset_elems, n * 2);
+    return h;
+  }
+
+  std::mt19937 rng_;
+  std::unique_ptr<Ops> ops_;
+  std::vector<DeviceBuffer> bufs_;
+};
+
+// The GEMMs of the 6.7B shape and of tiny-coder (with a bias, as Qwen2's q/k/v), M = 1..256 at
+// a random first row, and M = 2048: every row equals the same row of one 256-row GEMM.
+TEST_F(DeterministicOpsTest, GemmRowsDoNotDependOnM) {
+  struct Shape {
+    int64_t n, k;
+    bool bias;
+  };
+  const Shape shapes[] = {// 6.7B: q/k/v, o, gate/up, down, lm_head.
+                          {12288, 4096, false},
+                          {4096, 4096, false},
+                          {22016, 4096, false},
+                          {4096, 11008, false},
+                          {32256, 4096, false},
+                          // tiny-coder: q/k/v (with and without a bias), o, gate/up, down, lm_head.
+                          {384, 256, false},
+                          {384, 256, true},
+                          {256, 256, false},
+                          {1280, 256, false},
+                          {256, 640, false},
+                          {4096, 256, false}};
+  constexpr int64_t kRows = 256, kPrefill = 2048;
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE("N=" + std::to_string(s.n) + " K=" + std::to_string(s.k));
+    auto xh = RandomBf16Bits(rng_, size_t{kPrefill} * s.k, 1.0f);
+    Tensor x = Upload(xh, {kPrefill, s.k});
+    Tensor w = Upload(RandomBf16Bits(rng_, size_t{1} * s.n * s.k, 0.05f), {s.n, s.k});
+    Tensor bias_t = Upload(RandomBf16Bits(rng_, s.n, 0.5f), {s.n});
+    const Tensor* bias = s.bias ? &bias_t : nullptr;
+    Tensor full = Out({kRows, s.n});
+    ops_->Gemm(Tensor(x.data, {kRows, s.k}, DType::kBF16, Device::kCuda), w, bias, full);
+    const std::vector<uint16_t> want = Bits(full, 0, kRows * s.n);
+    Tensor y = Out({kPrefill, s.n});
+    int mismatched_m = 0;
+    for (int64_t m = 1; m <= kRows; ++m) {
+      const int64_t r0 = static_cast<int64_t>(rng_() % (kRows - m + 1));
+      Tensor xm(static_cast<uint16_t*>(x.data) + r0 * s.k, {m, s.k}, DType::kBF16, Device::kCuda);
+      Tensor ym(static_cast<uint16_t*>(y.data) + r0 * s.n, {m, s.n}, DType::kBF16, Device::kCuda);
+      ops_->Gemm(xm, w, bias, ym);
+      const std::vector<uint16_t> got = Bits(y, r0 * s.n, m * s.n);
+      if (std::memcmp(got.data(), want.data() + r0 * s.n, got.size() * 2) != 0) {
+        if (mismatched_m++ < 3) ADD_FAILURE() << "M=" << m << " rows from " << r0 << " differ";
+      }
+    }
+    EXPECT_EQ(mismatched_m, 0);
+    ops_->Gemm(x, w, bias, y);  // a prefill of 2048 rows
+    const std::vector<uint16_t> got = Bits(y, 0, kRows * s.n);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 2), 0) << "M=2048";
+    bufs_.clear();
+  }
+}
+
+// One sequence's cache: `ctx` tokens in shuffled blocks of `pool`.
+std::vector<int32_t> RandomTable(int ctx, int bs, std::vector<int32_t>& free_blocks) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < (ctx + bs - 1) / bs; ++i) {
+    t.push_back(free_blocks.back());
+    free_blocks.pop_back();
+  }
+  return t;
+}
+
+struct SeqSpec {
+  int qlen, ctx;
+  std::vector<int32_t> table;
+};
+
+BatchMeta MetaOf(const std::vector<SeqSpec>& seqs, int bs, int width) {
+  BatchMeta m;
+  m.block_size = bs;
+  m.max_blocks_per_seq = width;
+  m.query_start.push_back(0);
+  for (const SeqSpec& s : seqs) {
+    for (int b = 0; b < width; ++b) {
+      m.block_tables.push_back(b < static_cast<int>(s.table.size()) ? s.table[b] : -1);
+    }
+    for (int i = 0; i < s.qlen; ++i) {
+      const int pos = s.ctx == 0 ? 0 : s.ctx - s.qlen + i;
+      m.positions.push_back(pos);
+      m.slot_mapping.push_back(s.ctx == 0 ? -1 : s.table[pos / bs] * bs + pos % bs);
+      m.token_ids.push_back(0);
+    }
+    m.query_start.push_back(m.query_start.back() + s.qlen);
+    m.context_lens.push_back(s.ctx);
+    m.logits_rows.push_back(m.query_start.back() - 1);
+  }
+  m.num_seqs = static_cast<int>(seqs.size());
+  m.num_tokens = m.query_start.back();
+  return m;
+}
+
+// A prompt chunk of `chunk` tokens (positions ctx - chunk .. ctx - 1) run through
+// AttentionPrefill beside other sequences, then each of its tokens as a decode step of a
+// random batch (random others, a random place, a padded block-table width, padding
+// sequences as CUDA graphs add): every token's output rows have the same bits.
+TEST_F(DeterministicOpsTest, PrefillTokensEqualTheirDecodeSteps) {
+  struct Case {
+    int hq, hk, d, ctx, chunk;
+  };
+  const Case cases[] = {
+      {32, 32, 128, 700, 300},  // the 6.7B shape; > 256 tokens: two launches of token queries
+      {32, 32, 128, 1300, 64},  // a later chunk of a long prompt
+      {16, 2, 64, 513, 513},    // GQA, the whole prompt at once
+      {8, 2, 32, 129, 40},      // tiny-coder's head_dim
+  };
+  constexpr int kBs = 16, kPool = 1200;
+  for (const Case& c : cases) {
+    SCOPED_TRACE("heads " + std::to_string(c.hq) + "/" + std::to_string(c.hk) + " d " +
+                 std::to_string(c.d) + " ctx " + std::to_string(c.ctx));
+    const int qw = c.hq * c.d, kvw = c.hk * c.d;
+    std::vector<int32_t> free_blocks(kPool);
+    std::iota(free_blocks.begin(), free_blocks.end(), 0);
+    std::shuffle(free_blocks.begin(), free_blocks.end(), rng_);
+    Tensor kc =
+        Upload(RandomBf16Bits(rng_, size_t{1} * kPool * kBs * kvw, 1.0f), {kPool, kBs, c.hk, c.d});
+    Tensor vc =
+        Upload(RandomBf16Bits(rng_, size_t{1} * kPool * kBs * kvw, 1.0f), {kPool, kBs, c.hk, c.d});
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+    const SeqSpec target{c.chunk, c.ctx, RandomTable(c.ctx, kBs, free_blocks)};
+    auto target_q = RandomBf16Bits(rng_, size_t{1} * c.chunk * qw, 1.0f);
+
+    // The chunk among a prefill of another sequence and two decode rows.
+    std::vector<SeqSpec> prefill = {{17, 90, RandomTable(90, kBs, free_blocks)},
+                                    target,
+                                    {1, 333, RandomTable(333, kBs, free_blocks)},
+                                    {1, 5, RandomTable(5, kBs, free_blocks)}};
+    BatchMeta pm = MetaOf(prefill, kBs, (c.ctx + kBs - 1) / kBs + 3);
+    const int t0 = pm.query_start[1];
+    auto q_all = RandomBf16Bits(rng_, size_t{1} * pm.num_tokens * qw, 1.0f);
+    std::copy(target_q.begin(), target_q.end(), q_all.begin() + size_t{1} * t0 * qw);
+    ops_->SetBatch(pm);
+    Tensor out = Out({pm.num_tokens, qw});
+    ops_->AttentionPrefill(Upload(q_all, {pm.num_tokens, qw}), kc, vc, c.hq, c.hk, c.d, scale, out);
+    const std::vector<uint16_t> chunk_out = Bits(out, int64_t{t0} * qw, int64_t{c.chunk} * qw);
+
+    int mismatched = 0;
+    for (int i = 0; i < c.chunk; ++i) {
+      const int batch = 1 + static_cast<int>(rng_() % 70);
+      const int place = static_cast<int>(rng_() % batch);
+      std::vector<SeqSpec> seqs;
+      std::vector<int32_t> spare = free_blocks;
+      for (int b = 0; b < batch; ++b) {
+        if (b == place) {
+          seqs.push_back({1, c.ctx - c.chunk + i + 1, target.table});
+        } else if (rng_() % 8 == 0) {
+          seqs.push_back({1, 0, {}});  // padding
+        } else {
+          const int ctx = 1 + static_cast<int>(rng_() % 200);
+          seqs.push_back({1, ctx, RandomTable(ctx, kBs, spare)});
+        }
+      }
+      const int width = (c.ctx + kBs - 1) / kBs + static_cast<int>(rng_() % 40);
+      BatchMeta dm = MetaOf(seqs, kBs, width);
+      auto q = RandomBf16Bits(rng_, size_t{1} * batch * qw, 1.0f);
+      std::copy(target_q.begin() + size_t{1} * i * qw, target_q.begin() + size_t{1} * (i + 1) * qw,
+                q.begin() + size_t{1} * place * qw);
+      ops_->SetBatch(dm);
+      Tensor dout = Out({batch, qw});
+      ops_->AttentionDecode(Upload(q, {batch, qw}), kc, vc, c.hq, c.hk, c.d, scale, dout);
+      const std::vector<uint16_t> got = Bits(dout, int64_t{place} * qw, qw);
+      if (std::memcmp(got.data(), chunk_out.data() + size_t{1} * i * qw, qw * 2) != 0) {
+        if (mismatched++ < 3) {
+          ADD_FAILURE() << "token " << i << " (batch " << batch << ", place " << place
+                        << ") differs from its prefill row";
+        }
+      }
+      bufs_.resize(bufs_.size() - 2);  // this step's q and output
+    }
+    EXPECT_EQ(mismatched, 0);
+    bufs_.clear();
+  }
+}
+
+}  // namespace
+}  // namespace tpserve
