@@ -62,10 +62,13 @@ void WorkerGroup::SendLoop() {
     {
       std::unique_lock<std::mutex> lock(send_mu_);
       if (msg != nullptr) send_free_.push_back(std::move(msg));
+      sending_ = false;
+      send_idle_cv_.notify_all();
       send_cv_.wait(lock, [&] { return send_stop_ || !send_queue_.empty(); });
       if (send_stop_) return;  // the streams are closed: what is left cannot be sent
       msg = std::move(send_queue_.front());
       send_queue_.pop_front();
+      sending_ = true;
     }
     const double start = ThreadCpuSeconds();
     for (int r = 0; r < options_.world_size; ++r) {
@@ -132,6 +135,19 @@ absl::Status WorkerGroup::Reset(std::chrono::milliseconds timeout) {
   }
   lock.unlock();
   if (monitor_.joinable()) monitor_.join();  // it returns once it sees the failure
+  {
+    // Plans for the failed group are never sent to the next one, and a write in progress ends
+    // (its stream is gone) before the slots are cleared: its failure must not mark the new group.
+    std::unique_lock<std::mutex> send_lock(send_mu_);
+    while (!send_queue_.empty()) {
+      send_free_.push_back(std::move(send_queue_.front()));
+      send_queue_.pop_front();
+    }
+    if (!send_idle_cv_.wait_for(send_lock, timeout, [&] { return !sending_; })) {
+      return absl::DeadlineExceededError(
+          "a step plan write to the failed worker group did not end in time");
+    }
+  }
   lock.lock();
   for (auto& s : slots_) {
     std::lock_guard<std::mutex> wlock(s->write_mu);

@@ -139,6 +139,8 @@ class WorkerGroup final : public worker::WorkerControl::Service, public StepExec
   std::deque<std::unique_ptr<worker::CoordinatorMessage>> send_queue_ ABSL_GUARDED_BY(send_mu_);
   std::vector<std::unique_ptr<worker::CoordinatorMessage>> send_free_ ABSL_GUARDED_BY(send_mu_);
   bool send_stop_ ABSL_GUARDED_BY(send_mu_) = false;
+  bool sending_ ABSL_GUARDED_BY(send_mu_) = false;  // the sender is writing a plan
+  std::condition_variable send_idle_cv_;            // sending_ became false
   std::atomic<double> sender_cpu_seconds_{0};
   std::thread sender_;
 };
