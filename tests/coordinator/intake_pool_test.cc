@@ -57,13 +57,13 @@ TEST(IntakePoolTest, ADeadlinePassedInTheQueueSkipsTheWork) {
   ASSERT_TRUE(started.WaitForNotificationWithTimeout(absl::Seconds(10)));
   absl::Status seen;
   absl::Notification answered;
-  ASSERT_TRUE(pool.Post(Clock::now() + std::chrono::milliseconds(20),
+  ASSERT_TRUE(pool.Post(Clock::now() + std::chrono::milliseconds(200),
                         [&](absl::Status s) {
                           seen = s;
                           answered.Notify();
                         })
                   .ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
   release.Notify();
   ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
   EXPECT_TRUE(absl::IsDeadlineExceeded(seen)) << seen;
