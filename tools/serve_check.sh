@@ -22,9 +22,9 @@ ids=$(python3 -c 'import random,sys; r=random.Random(7); print(",".join(str(r.ra
 TPSERVE_WORKER_CUDA_GRAPHS=${TPSERVE_WORKER_CUDA_GRAPHS:-1} "$b/tpserve" serve --model "$model" --device cuda --port 50077 --kv-cache-mb 8192 \
   --worker-binary "$b/tpserve-worker" --ready-file "$out/ready" >"$out/serve.log" 2>&1 &
 pid=$!
-for _ in $(seq 60); do [ -f "$out/ready" ] && break; sleep 0.5; done
+for _ in $(seq 240); do [ -f "$out/ready" ] && break; sleep 0.5; done
 "$b/tpserve" generate --server 127.0.0.1:50077 --prompt-ids "$ids" --max-new-tokens 64 \
-  --ignore-eos --json > "$out/served.json" 2>&1
+  --ignore-eos --json > "$out/served.json" 2>"$out/generate.log" || tail -3 "$out/generate.log"
 "$b/tpserve" bench --server 127.0.0.1:50077 --preset latency --num-requests 2 --no-progress \
   --json "$out/latency.json" > "$out/bench.log" 2>&1
 kill -TERM $pid; wait $pid

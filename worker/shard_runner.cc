@@ -156,7 +156,12 @@ int ShardRunner::GraphSeqLimit() const {
 }
 
 bool ShardRunner::UsesGraphs(const BatchMeta& meta) const {
-  if (graphs_ == nullptr || !meta.all_decode()) return false;
+  // Decode-only and every sequence sampled: a one-token prompt chunk that does not end its
+  // prompt (no logits row) runs eagerly, as CudaGraphRunner::RunDecode requires.
+  if (graphs_ == nullptr || !meta.all_decode() ||
+      static_cast<int>(meta.logits_rows.size()) != meta.num_seqs) {
+    return false;
+  }
   int bucket = 1;
   while (bucket < meta.num_seqs) bucket *= 2;
   return bucket <= GraphSeqLimit();

@@ -190,7 +190,9 @@ TEST_F(DeterministicOpsTest, PrefillTokensEqualTheirDecodeSteps) {
                                     target,
                                     {1, 333, RandomTable(333, kBs, free_blocks)},
                                     {1, 5, RandomTable(5, kBs, free_blocks)}};
-    BatchMeta pm = MetaOf(prefill, kBs, (c.ctx + kBs - 1) / kBs + 3);
+    size_t prefill_width = 0;  // every sequence's table fits, plus a few unused columns
+    for (const SeqSpec& s : prefill) prefill_width = std::max(prefill_width, s.table.size());
+    BatchMeta pm = MetaOf(prefill, kBs, static_cast<int>(prefill_width) + 3);
     const int t0 = pm.query_start[1];
     auto q_all = RandomBf16Bits(rng_, size_t{1} * pm.num_tokens * qw, 1.0f);
     std::copy(target_q.begin(), target_q.end(), q_all.begin() + size_t{1} * t0 * qw);
@@ -215,7 +217,8 @@ TEST_F(DeterministicOpsTest, PrefillTokensEqualTheirDecodeSteps) {
           seqs.push_back({1, ctx, RandomTable(ctx, kBs, spare)});
         }
       }
-      const int width = (c.ctx + kBs - 1) / kBs + static_cast<int>(rng_() % 40);
+      // Wide enough for the target and the others (contexts up to 200), plus unused columns.
+      const int width = std::max(c.ctx, 200) / kBs + 1 + static_cast<int>(rng_() % 40);
       BatchMeta dm = MetaOf(seqs, kBs, width);
       auto q = RandomBf16Bits(rng_, size_t{1} * batch * qw, 1.0f);
       std::copy(target_q.begin() + size_t{1} * i * qw, target_q.begin() + size_t{1} * (i + 1) * qw,
