@@ -1,20 +1,10 @@
 // The delivery thread (see delivery.h).
 #include "coordinator/delivery.h"
 
-#include <time.h>
-
+#include "coordinator/thread_cpu.h"
 #include "coordinator/tokenizer/tokenizer.h"
 
 namespace tpserve {
-namespace {
-
-double ThreadCpuSeconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
-}
-
-}  // namespace
 
 DeliveryQueue::DeliveryQueue() : thread_([this] { Loop(); }) {}
 

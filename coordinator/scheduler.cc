@@ -1,13 +1,12 @@
 // The scheduler loop (see scheduler.h).
 #include "coordinator/scheduler.h"
 
-#include <time.h>
-
 #include <algorithm>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "coordinator/thread_cpu.h"
 #include "coordinator/tokenizer/tokenizer.h"
 
 namespace tpserve {
@@ -70,13 +69,6 @@ size_t SafeEnd(const std::string& text, const std::vector<std::string>& stops) {
 }
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-// CPU time of the calling thread.
-double ThreadCpuSeconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
-}
 
 }  // namespace
 

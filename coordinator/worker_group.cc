@@ -1,8 +1,6 @@
 // The coordinator's control plane (see worker_group.h).
 #include "coordinator/worker_group.h"
 
-#include <time.h>
-
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -11,20 +9,11 @@
 #include "common/logging.h"
 #include "common/logprobs.h"
 #include "common/status.h"
+#include "coordinator/thread_cpu.h"
 
 namespace tpserve {
 
 using Clock = std::chrono::steady_clock;
-
-namespace {
-
-double ThreadCpuSeconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + ts.tv_nsec * 1e-9;
-}
-
-}  // namespace
 
 struct WorkerGroup::Slot {
   bool registered = false;
