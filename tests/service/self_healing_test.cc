@@ -380,20 +380,8 @@ TEST(SelfHealingTest, SpentRestartsExitNonZero) {
 // A process with its output in a file; killed when destroyed.
 class Child {
  public:
-  Child(std::vector<std::string> args, const std::string& log) : log_(log) {
-    pid_ = fork();
-    if (pid_ == 0) {
-      FILE* f = std::fopen(log.c_str(), "w");
-      dup2(fileno(f), 1);
-      dup2(fileno(f), 2);
-      setenv("OPENBLAS_NUM_THREADS", "1", 1);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-  }
+  Child(std::vector<std::string> args, const std::string& log)
+      : pid_(service_test::SpawnLogged(std::move(args), log, /*own_group=*/false)), log_(log) {}
   ~Child() {
     if (pid_ > 0) {
       kill(pid_, SIGKILL);

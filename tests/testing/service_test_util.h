@@ -134,6 +134,27 @@ inline std::string ServiceModelDir() {
   return dir.string();
 }
 
+// Starts `args` (argv[0] a path) with stdout and stderr in `log_file` and one BLAS thread;
+// `own_group`: in a new process group (so that killing the group takes its children too).
+// Returns the child's pid (-1 when fork fails).
+inline pid_t SpawnLogged(std::vector<std::string> args, const std::string& log_file,
+                         bool own_group) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    if (own_group) setpgid(0, 0);
+    FILE* log = std::fopen(log_file.c_str(), "w");
+    dup2(fileno(log), 1);
+    dup2(fileno(log), 2);
+    setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
 // A tpserve-coordinator with --spawn-workers (CPU), on a free port. Killed (with its workers)
 // when destroyed.
 class ServerProcess {
@@ -170,19 +191,7 @@ class ServerProcess {
       args.insert(args.end(), {"--http-port", "0"});
     }
     args.insert(args.end(), extra.begin(), extra.end());
-    p->pid_ = fork();
-    if (p->pid_ == 0) {
-      setpgid(0, 0);
-      FILE* log = std::fopen(p->log_file_.c_str(), "w");
-      dup2(fileno(log), 1);
-      dup2(fileno(log), 2);
-      setenv("OPENBLAS_NUM_THREADS", "1", 1);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
+    p->pid_ = SpawnLogged(std::move(args), p->log_file_, /*own_group=*/true);
     if (on_spawned) on_spawned(p->pid_);
     const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
     while (std::chrono::steady_clock::now() < end) {
