@@ -100,19 +100,12 @@ void FillFinal(const std::string& request_id, const FinalInfo& info, v1::Generat
   r->mutable_timings()->set_total_seconds(info.total_s);
 }
 
-// Answers a unary Generate once the request finishes (or is cancelled). Created before the
-// request is admitted (its prompt may be tokenized on an intake thread): until Attach, a cancel
-// only marks it, because the call's request must live until the intake has read it.
-class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public RequestListener {
+// What both Generate reactors share. Each is created before its request is admitted (its
+// prompt may be tokenized on an intake thread): until Attach, a cancel only marks it, because
+// the call's request must live until the intake has read it. Kept alive until gRPC's OnDone.
+template <typename Self, typename GrpcReactor>
+class AdmittedReactor : public GrpcReactor, public RequestListener {
  public:
-  static std::shared_ptr<UnaryGenerateReactor> Create(const Tokenizer* tokenizer,
-                                                      v1::GenerateResponse* response) {
-    auto r = std::shared_ptr<UnaryGenerateReactor>(new UnaryGenerateReactor(tokenizer, response));
-    r->self_ = r;
-    r->weak_self_ = r;
-    return r;
-  }
-
   // The admitted request (or why it was not admitted); called once.
   void Attach(absl::StatusOr<std::shared_ptr<RequestState>> state, Scheduler* scheduler) {
     std::unique_lock<std::mutex> lock(mu_);
@@ -120,7 +113,7 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public Reque
     if (!state.ok()) {
       finish_called_ = true;
       lock.unlock();
-      Finish(ToGrpc(state.status()));
+      this->Finish(ToGrpc(state.status()));
       return;
     }
     state_ = *state;
@@ -130,7 +123,7 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public Reque
       lock.unlock();
       state_->Cancel();
       scheduler_->Wake();
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the request was cancelled"));
+      FinishCancelled();
       return;
     }
     lock.unlock();
@@ -141,6 +134,62 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public Reque
   bool cancelled() {
     std::lock_guard<std::mutex> lock(mu_);
     return cancelled_;
+  }
+
+  void OnCancel() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      if (!attached_ || state_ == nullptr) return;  // Attach answers, or it has answered
+    }
+    state_->Cancel();
+    scheduler_->Wake();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finish_called_ || WriteInFlight()) return;
+      finish_called_ = true;
+    }
+    FinishCancelled();
+  }
+
+  void OnDone() override {
+    std::shared_ptr<Self> self = std::move(self_);  // may delete this on return
+  }
+
+ protected:
+  // Takes `r` (just made) and keeps it alive until OnDone.
+  static std::shared_ptr<Self> Track(Self* r) {
+    std::shared_ptr<Self> p(r);
+    p->self_ = p;
+    p->weak_self_ = p;
+    return p;
+  }
+  void FinishCancelled() {
+    this->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the request was cancelled"));
+  }
+  // With mu_ held: a write is in flight, and its completion finishes a cancelled call.
+  virtual bool WriteInFlight() const { return false; }
+
+  // Set once by Attach (under mu_), read-only afterwards.
+  std::shared_ptr<RequestState> state_;
+  Scheduler* scheduler_ = nullptr;
+  std::mutex mu_;
+  bool attached_ = false;
+  bool cancelled_ = false;
+  bool finish_called_ = false;
+
+ private:
+  std::shared_ptr<Self> self_;  // until OnDone
+  std::weak_ptr<Self> weak_self_;
+};
+
+// Answers a unary Generate once the request finishes (or is cancelled).
+class UnaryGenerateReactor final
+    : public AdmittedReactor<UnaryGenerateReactor, grpc::ServerUnaryReactor> {
+ public:
+  static std::shared_ptr<UnaryGenerateReactor> Create(const Tokenizer* tokenizer,
+                                                      v1::GenerateResponse* response) {
+    return Track(new UnaryGenerateReactor(tokenizer, response));
   }
 
   void OnRequestUpdate() override {
@@ -163,82 +212,22 @@ class UnaryGenerateReactor final : public grpc::ServerUnaryReactor, public Reque
     Finish(ToGrpc(t.status));
   }
 
-  void OnCancel() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      cancelled_ = true;
-      if (!attached_ || state_ == nullptr) return;  // Attach answers, or it has answered
-    }
-    state_->Cancel();
-    scheduler_->Wake();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (finish_called_) return;
-      finish_called_ = true;
-    }
-    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the request was cancelled"));
-  }
-
-  void OnDone() override {
-    std::shared_ptr<UnaryGenerateReactor> self = std::move(self_);  // may delete this on return
-  }
-
  private:
   UnaryGenerateReactor(const Tokenizer* tokenizer, v1::GenerateResponse* response)
       : tokenizer_(tokenizer), response_(response) {}
 
-  // Set once by Attach (under mu_), read-only afterwards.
-  std::shared_ptr<RequestState> state_;
-  Scheduler* scheduler_ = nullptr;
   const Tokenizer* tokenizer_;
   v1::GenerateResponse* response_;
-  std::shared_ptr<UnaryGenerateReactor> self_;  // until OnDone
-  std::weak_ptr<UnaryGenerateReactor> weak_self_;
-  std::mutex mu_;
-  bool attached_ = false;
-  bool cancelled_ = false;
-  bool finish_called_ = false;
 };
 
 // Streams deltas as the scheduler produces them; one write in flight, deltas coalesce. Like the
 // unary reactor, it exists before its request is admitted and answers nothing until Attach.
-class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
-                                    public RequestListener {
+class StreamGenerateReactor final
+    : public AdmittedReactor<StreamGenerateReactor,
+                             grpc::ServerWriteReactor<v1::GenerateResponse>> {
  public:
   static std::shared_ptr<StreamGenerateReactor> Create(const Tokenizer* tokenizer) {
-    auto r = std::shared_ptr<StreamGenerateReactor>(new StreamGenerateReactor(tokenizer));
-    r->self_ = r;
-    r->weak_self_ = r;
-    return r;
-  }
-
-  void Attach(absl::StatusOr<std::shared_ptr<RequestState>> state, Scheduler* scheduler) {
-    std::unique_lock<std::mutex> lock(mu_);
-    attached_ = true;
-    if (!state.ok()) {
-      finish_called_ = true;
-      lock.unlock();
-      Finish(ToGrpc(state.status()));
-      return;
-    }
-    state_ = *state;
-    scheduler_ = scheduler;
-    if (cancelled_) {
-      finish_called_ = true;
-      lock.unlock();
-      state_->Cancel();
-      scheduler_->Wake();
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the request was cancelled"));
-      return;
-    }
-    lock.unlock();
-    state_->SetListener(weak_self_);  // not self_: OnDone may be clearing it
-    OnRequestUpdate();
-  }
-
-  bool cancelled() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cancelled_;
+    return Track(new StreamGenerateReactor(tokenizer));
   }
 
   void OnRequestUpdate() override { Pump(); }
@@ -258,32 +247,16 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
     if (finish_now) {
       state_->Cancel();
       scheduler_->Wake();
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the request was cancelled"));
+      FinishCancelled();
       return;
     }
     Pump();
   }
 
-  void OnCancel() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      cancelled_ = true;
-      if (!attached_ || state_ == nullptr) return;  // Attach answers, or it has answered
-    }
-    state_->Cancel();
-    scheduler_->Wake();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (finish_called_ || writing_) return;  // OnWriteDone finishes
-      finish_called_ = true;
-    }
-    Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the request was cancelled"));
-  }
-
-  void OnDone() override { std::shared_ptr<StreamGenerateReactor> self = std::move(self_); }
-
  private:
   explicit StreamGenerateReactor(const Tokenizer* tokenizer) : tokenizer_(tokenizer) {}
+
+  bool WriteInFlight() const override { return writing_; }  // OnWriteDone finishes
 
   void Pump() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -313,18 +286,9 @@ class StreamGenerateReactor final : public grpc::ServerWriteReactor<v1::Generate
     StartWrite(&response_);
   }
 
-  // Set once by Attach (under mu_), read-only afterwards.
-  std::shared_ptr<RequestState> state_;
-  Scheduler* scheduler_ = nullptr;
   const Tokenizer* tokenizer_;
-  std::shared_ptr<StreamGenerateReactor> self_;  // until OnDone
-  std::weak_ptr<StreamGenerateReactor> weak_self_;
-  std::mutex mu_;
   v1::GenerateResponse response_;
-  bool attached_ = false;
   bool writing_ = false;
-  bool finish_called_ = false;
-  bool cancelled_ = false;
 };
 
 }  // namespace
