@@ -6,13 +6,12 @@ Usage: api_key_client_test.py --server HOST:PORT --proto-dir proto --key KEY
 """
 
 import argparse
-import importlib
 import os
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from python_client_test import generate_stubs  # noqa: E402
+from python_client_test import import_stubs  # noqa: E402
 
 
 def main():
@@ -25,13 +24,9 @@ def main():
     import grpc  # Debian's python3-grpcio
 
     tmp = tempfile.mkdtemp(prefix="tpserve_py_")
-    generate_stubs(os.path.abspath(args.proto_dir), tmp)
-    grpc.__path__.append(os.path.join(tmp, "grpc"))
-    sys.path.append(tmp)
-    pb = importlib.import_module("tpserve.v1.inference_pb2")
-    pb_grpc = importlib.import_module("tpserve.v1.inference_pb2_grpc")
-    health_pb = importlib.import_module("grpc.health.v1.health_pb2")
-    health_grpc = importlib.import_module("grpc.health.v1.health_pb2_grpc")
+    stubs = import_stubs(args.proto_dir, tmp)
+    pb, pb_grpc = stubs.pb, stubs.pb_grpc
+    health_pb, health_grpc = stubs.health_pb, stubs.health_grpc
 
     channel = grpc.insecure_channel(args.server)
     grpc.channel_ready_future(channel).result(timeout=10)

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
 
 
 def generate_stubs(proto_dir, out_dir):
@@ -29,6 +30,23 @@ def generate_stubs(proto_dir, out_dir):
     subprocess.run(cmd + protos, check=True, timeout=60)
 
 
+def import_stubs(proto_dir, tmp):
+    """Generates the stubs of proto_dir into tmp and imports them: the public API (pb, pb_grpc)
+    and the health service (health_pb, health_grpc)."""
+    import grpc  # Debian's python3-grpcio
+
+    generate_stubs(os.path.abspath(proto_dir), tmp)
+    # grpc (the real package) is imported already; the generated grpc/health/v1 joins it as a
+    # subpackage, tpserve/v1 is a namespace package under tmp.
+    grpc.__path__.append(os.path.join(tmp, "grpc"))
+    sys.path.append(tmp)
+    return types.SimpleNamespace(
+        pb=importlib.import_module("tpserve.v1.inference_pb2"),
+        pb_grpc=importlib.import_module("tpserve.v1.inference_pb2_grpc"),
+        health_pb=importlib.import_module("grpc.health.v1.health_pb2"),
+        health_grpc=importlib.import_module("grpc.health.v1.health_pb2_grpc"))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--server", required=True)
@@ -39,15 +57,9 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="tpserve_py_")
     try:
-        generate_stubs(os.path.abspath(args.proto_dir), tmp)
-        # grpc (the real package) is imported already; the generated grpc/health/v1 joins it as
-        # a subpackage, tpserve/v1 is a namespace package under tmp.
-        grpc.__path__.append(os.path.join(tmp, "grpc"))
-        sys.path.append(tmp)
-        pb = importlib.import_module("tpserve.v1.inference_pb2")
-        pb_grpc = importlib.import_module("tpserve.v1.inference_pb2_grpc")
-        health_pb = importlib.import_module("grpc.health.v1.health_pb2")
-        health_grpc = importlib.import_module("grpc.health.v1.health_pb2_grpc")
+        stubs = import_stubs(args.proto_dir, tmp)
+        pb, pb_grpc = stubs.pb, stubs.pb_grpc
+        health_pb, health_grpc = stubs.health_pb, stubs.health_grpc
 
         channel = grpc.insecure_channel(args.server)
         grpc.channel_ready_future(channel).result(timeout=10)

@@ -10,13 +10,12 @@ Usage: tls_client_test.py --server HOST:PORT --proto-dir proto --ca PEM [--clien
 """
 
 import argparse
-import importlib
 import os
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from python_client_test import generate_stubs  # noqa: E402
+from python_client_test import import_stubs  # noqa: E402
 
 
 def read(path):
@@ -38,11 +37,8 @@ def main():
     import grpc  # Debian's python3-grpcio
 
     tmp = tempfile.mkdtemp(prefix="tpserve_py_")
-    generate_stubs(os.path.abspath(args.proto_dir), tmp)
-    grpc.__path__.append(os.path.join(tmp, "grpc"))
-    sys.path.append(tmp)
-    pb = importlib.import_module("tpserve.v1.inference_pb2")
-    pb_grpc = importlib.import_module("tpserve.v1.inference_pb2_grpc")
+    stubs = import_stubs(args.proto_dir, tmp)
+    pb, pb_grpc = stubs.pb, stubs.pb_grpc
 
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7, 8]),
                              stopping=pb.StoppingOptions(max_new_tokens=3, ignore_eos=True))
