@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
@@ -39,6 +40,12 @@ TEST(IntakePoolTest, RunsTasksOffTheCallerAndBoundsItsQueue) {
   EXPECT_TRUE(absl::IsResourceExhausted(full)) << full;
   EXPECT_NE(full.message().find("at most 2"), std::string::npos) << full;
   release.Notify();
+  // The two queued tasks run once the thread is free (a Shutdown before that would answer them
+  // UNAVAILABLE instead: that is ShutdownAnswersWhatStillWaits).
+  const auto end = Clock::now() + std::chrono::seconds(10);
+  while (ok_runs.load() < 2 && Clock::now() < end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   pool.Shutdown();
   EXPECT_EQ(ok_runs.load(), 2);
   EXPECT_FALSE(refused_ran);
