@@ -12,13 +12,16 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/testing/service_info.h"
 #include "tests/testing/service_test_util.h"
 #include "tpserve/v1/inference.grpc.pb.h"
 
 namespace tpserve {
 namespace {
 
+using service_test::Info;
 using service_test::ServerProcess;
+using service_test::WaitIdle;
 using Clock = std::chrono::steady_clock;
 
 void SetDeadline(grpc::ClientContext& ctx, double seconds) {
@@ -82,28 +85,6 @@ Out Generate(v1::Inference::Stub& stub, const Req& r) {
     }
   }
   return o;
-}
-
-v1::ModelInfo Info(v1::Inference::Stub& stub) {
-  grpc::ClientContext ctx;
-  SetDeadline(ctx, 10);
-  v1::ModelInfo info;
-  const grpc::Status s = stub.GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return info;
-}
-
-bool WaitIdle(v1::Inference::Stub& stub, double seconds) {
-  const auto end = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-  while (Clock::now() < end) {
-    const v1::ModelInfo info = Info(stub);
-    if (info.kv().free_blocks() == info.kv().total_blocks() && info.kv().running_sequences() == 0 &&
-        info.kv().waiting_requests() == 0) {
-      return true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return false;
 }
 
 // Five prompts behind one prefix nobody sent before, sent together (greedy and seeded); adds

@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/testing/http_test_util.h"
+#include "tests/testing/service_info.h"
 #include "tests/testing/service_test_util.h"
 #include "tpserve/v1/inference.grpc.pb.h"
 
@@ -37,6 +38,7 @@ using ::testing::HasSubstr;
 using Clock = std::chrono::steady_clock;
 using Serving = grpc::health::v1::HealthCheckResponse::ServingStatus;
 using service_test::FreePort;
+using service_test::Info;
 using service_test::ServerProcess;
 
 double Since(Clock::time_point t) {
@@ -114,15 +116,6 @@ double WaitHealth(const std::shared_ptr<grpc::Channel>& channel, Serving want, d
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return -1;
-}
-
-v1::ModelInfo Info(v1::Inference::Stub& stub) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  v1::ModelInfo info;
-  const grpc::Status s = stub.GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return info;
 }
 
 int CountEntries(const std::string& dir) {
@@ -320,13 +313,15 @@ TEST(SelfHealingTest, KilledAndFrozenRanksUnderLoadAreReplacedRoundAfterRound) {
       EXPECT_TRUE(after.status.ok()) << what << ": " << after.status.error_message();
       EXPECT_EQ(after.ids, before.ids) << what << ": other greedy tokens after the restart";
       EXPECT_EQ(GroupProcesses(control, 3), 3u) << what << ": mpirun and 2 workers, no stray";
+      // A fresh KV cache: the prefix cache starts empty and every block is free once idle (the
+      // probe's blocks are released a step after its last token reached us).
+      EXPECT_TRUE(service_test::WaitIdle(*stub, 5)) << what;
       const v1::ModelInfo info = Info(*stub);
       EXPECT_TRUE(info.worker_group().serving()) << what;
       EXPECT_EQ(info.worker_group().restarts(), failures) << what;
       EXPECT_EQ(info.worker_group().failures(), failures) << what;
       EXPECT_THAT(info.worker_group().failed_ranks(), ::testing::ElementsAre(f.rank)) << what;
       EXPECT_THAT(info.worker_group().last_failure(), HasSubstr("worker rank")) << what;
-      // A fresh KV cache: the prefix cache starts empty and every block is free once idle.
       EXPECT_EQ(info.kv().free_blocks(), info.kv().total_blocks()) << what;
     }
     const int threads = CountEntries(absl::StrCat("/proc/", coordinator, "/task"));

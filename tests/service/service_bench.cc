@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/testing/service_info.h"
 #include "tests/testing/service_test_util.h"
 #include "tpserve/v1/inference.grpc.pb.h"
 #include "worker/engine.h"
@@ -17,6 +18,7 @@
 namespace tpserve {
 namespace {
 
+using service_test::Info;
 using service_test::ServerProcess;
 using Clock = std::chrono::steady_clock;
 
@@ -32,14 +34,6 @@ std::vector<int32_t> Prompt(int salt) {
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
-}
-
-v1::ModelInfo Info(v1::Inference::Stub& stub) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  v1::ModelInfo info;
-  EXPECT_TRUE(stub.GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info).ok());
-  return info;
 }
 
 v1::GenerateResponse Generate(v1::Inference::Stub& stub, int salt, int max_new) {

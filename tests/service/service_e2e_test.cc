@@ -18,6 +18,7 @@
 #include "coordinator/chat_template/chat_template.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "tests/testing/service_info.h"
 #include "tests/testing/service_test_util.h"
 #include "tpserve/v1/inference.grpc.pb.h"
 #include "worker/engine.h"
@@ -25,7 +26,9 @@
 namespace tpserve {
 namespace {
 
+using service_test::Info;
 using service_test::ServerProcess;
+using service_test::WaitIdle;
 using Clock = std::chrono::steady_clock;
 
 struct Result {
@@ -102,29 +105,6 @@ std::vector<int32_t> PromptIds(int n, int salt) {
   std::vector<int32_t> p;
   for (int i = 0; i < n; ++i) p.push_back(3 + (i * 37 + salt * 101) % 250);
   return p;
-}
-
-v1::ModelInfo Info(v1::Inference::Stub& stub) {
-  grpc::ClientContext ctx;
-  SetDeadline(ctx, 10);
-  v1::ModelInfo info;
-  grpc::Status s = stub.GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return info;
-}
-
-// Waits until every KV block is free again and nothing runs.
-bool WaitAllBlocksFree(v1::Inference::Stub& stub, double seconds) {
-  const auto end = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-  while (Clock::now() < end) {
-    v1::ModelInfo info = Info(stub);
-    if (info.kv().free_blocks() == info.kv().total_blocks() && info.kv().running_sequences() == 0 &&
-        info.kv().waiting_requests() == 0) {
-      return true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return false;
 }
 
 grpc::health::v1::HealthCheckResponse::ServingStatus Health(const ServerProcess& server,
@@ -328,7 +308,7 @@ TEST_F(ServiceTest, SixteenConcurrentClientsGetWhatTheyGetAlone) {
     EXPECT_EQ(Ids(together[i].response), Ids(alone[i].response)) << "client " << i;
     EXPECT_EQ(together[i].response.text(), alone[i].response.text()) << "client " << i;
   }
-  EXPECT_TRUE(WaitAllBlocksFree(*stub_, 5));
+  EXPECT_TRUE(WaitIdle(*stub_, 5));
 }
 
 TEST_F(ServiceTest, StreamConcatenationEqualsUnary) {
@@ -460,7 +440,7 @@ TEST_F(ServiceTest, LogprobsAlignWithTokensAndMatchTheEngine) {
   const Result plain_stream = Stream(*stub_, IdsRequest(cases[0].prompt, 12));
   EXPECT_EQ(plain_stream.response.logprobs_size(), 0);
   EXPECT_EQ(plain_stream.misaligned, 0);
-  EXPECT_TRUE(WaitAllBlocksFree(*stub_, 5));
+  EXPECT_TRUE(WaitIdle(*stub_, 5));
 }
 
 TEST_F(ServiceTest, StopStringsAndStopIdsCutWhereTheyShould) {
@@ -585,7 +565,7 @@ TEST_F(ServiceTest, EveryBadFieldIsInvalidArgumentNamingIt) {
 }
 
 TEST_F(ServiceTest, CancelAndDeadlineReturnEveryKvBlock) {
-  ASSERT_TRUE(WaitAllBlocksFree(*stub_, 5));
+  ASSERT_TRUE(WaitIdle(*stub_, 5));
   {
     grpc::ClientContext ctx;
     SetDeadline(ctx, 60);
@@ -600,13 +580,13 @@ TEST_F(ServiceTest, CancelAndDeadlineReturnEveryKvBlock) {
     }
     EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
-  EXPECT_TRUE(WaitAllBlocksFree(*stub_, 2)) << "cancelling must free the blocks at once";
+  EXPECT_TRUE(WaitIdle(*stub_, 2)) << "cancelling must free the blocks at once";
   // An expired deadline too.
   const auto t0 = Clock::now();
   Result r = Unary(*stub_, IdsRequest(PromptIds(30, 5), 450), 0.08);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(3));
-  EXPECT_TRUE(WaitAllBlocksFree(*stub_, 2)) << "an expired deadline must free the blocks";
+  EXPECT_TRUE(WaitIdle(*stub_, 2)) << "an expired deadline must free the blocks";
   // The service still answers.
   Result ok = Unary(*stub_, IdsRequest({7, 8, 9}, 3));
   EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
@@ -702,7 +682,7 @@ TEST(ServiceOverflowTest, FullQueueIsResourceExhaustedAndServiceKeepsServing) {
         << s.error_code() << " " << s.error_message();
   }
   auto stub = v1::Inference::NewStub(server->Channel());
-  EXPECT_TRUE(WaitAllBlocksFree(*stub, 5));
+  EXPECT_TRUE(WaitIdle(*stub, 5));
   Result ok = Unary(*stub, IdsRequest({7, 8, 9}, 3));
   EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
   EXPECT_EQ(Health(*server, ""), grpc::health::v1::HealthCheckResponse::SERVING);
@@ -869,7 +849,7 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
     }
     EXPECT_GT(Info(*stub).kv().preemptions(), 0) << name << ": the small pool should preempt ("
                                                  << Info(*stub).kv().total_blocks() << " blocks)";
-    EXPECT_TRUE(WaitAllBlocksFree(*stub, 5)) << name;
+    EXPECT_TRUE(WaitIdle(*stub, 5)) << name;
     text_results.emplace_back();
     for (const v1::GenerateRequest& t : text_reqs) {
       text_results.back().push_back(Stream(*stub, t));
@@ -877,7 +857,7 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
       EXPECT_EQ(text_results.back().back().response.finish_reason(), v1::FINISH_REASON_STOP)
           << name << ": stop '" << t.stopping().stop(0) << "' should appear in 30 tokens";
     }
-    EXPECT_TRUE(WaitAllBlocksFree(*stub, 5)) << name;
+    EXPECT_TRUE(WaitIdle(*stub, 5)) << name;
     // Cancels after a random number of streamed tokens, and short deadlines, all at once.
     std::mt19937 rng(name.size());
     threads.clear();
@@ -909,7 +889,7 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
       EXPECT_EQ(codes[i], i % 2 ? grpc::StatusCode::CANCELLED : grpc::StatusCode::DEADLINE_EXCEEDED)
           << name << " request " << i;
     }
-    EXPECT_TRUE(WaitAllBlocksFree(*stub, 5)) << name << ": cancels and deadlines leak blocks";
+    EXPECT_TRUE(WaitIdle(*stub, 5)) << name << ": cancels and deadlines leak blocks";
     const v1::ModelInfo end = Info(*stub);
     EXPECT_GT(end.steps().scheduler_cpu_seconds(), 0) << name;
     const int status = server->Stop();
