@@ -56,6 +56,12 @@ const char* StoredName(DType t) {
       return "I32";
     case DType::kI64:
       return "I64";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
+    case DType::kI8:
+      return "I8";
+    case DType::kI4:
+      break;  // no safetensors name
   }
   return "?";
 }

@@ -130,6 +130,11 @@ class Ops {
   // Rotates q [T, Hq * D] and k [T, Hk * D] in place (rotate-half layout, HF Llama) by the
   // batch positions; inv_freq [D / 2] (f32, on the device) already holds any scaling.
   virtual void Rope(Tensor q, Tensor k, const Tensor& inv_freq, int head_dim) = 0;
+  // KV caches: every op below that takes k_cache / v_cache accepts the compute dtype and every
+  // KV dtype SupportsKvCacheDType says yes to. A quantized cache (kF8E4M3, kI8, kI4 with its
+  // scales, kernels/kv_quant.h) is written by quantizing each token's head exactly as
+  // QuantizeKvHead does, and read by dequantizing (KvDecode(code) * scale) in the attention.
+  virtual bool SupportsKvCacheDType(DType t) const { return t == compute_dtype(); }
   // Writes k, v [T, Hk * D] into the paged caches [blocks, block_size, Hk, D] at slot_mapping.
   virtual void KvWrite(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache) = 0;
   // Rope and KvWrite in one pass over the fused projection qkv [T, (Hq + 2 Hk) * D] (each

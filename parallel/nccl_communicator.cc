@@ -55,6 +55,10 @@ ncclDataType_t ToNccl(DType t) {
       return ncclInt32;
     case DType::kI64:
       return ncclInt64;
+    case DType::kF8E4M3:
+    case DType::kI8:
+    case DType::kI4:
+      break;  // KV-cache types: never communicated
   }
   return ncclUint8;
 }

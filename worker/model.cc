@@ -407,9 +407,11 @@ Tensor LlamaModel::Act(int index, int64_t rows, int64_t cols) {
   return Tensor(acts_[index].get(), {rows, cols}, ops_->compute_dtype(), ops_->device());
 }
 
-std::unique_ptr<KvCache> LlamaModel::MakeKvCache(int num_blocks, int block_size) const {
+std::unique_ptr<KvCache> LlamaModel::MakeKvCache(int num_blocks, int block_size,
+                                                 DType kv_dtype) const {
   return std::make_unique<KvCache>(ops_, num_local_layers(), num_blocks, block_size,
-                                   shard_.num_kv_heads, static_cast<int>(config_.head_dim));
+                                   shard_.num_kv_heads, static_cast<int>(config_.head_dim),
+                                   kv_dtype);
 }
 
 absl::StatusOr<Tensor> LlamaModel::Forward(const BatchMeta& meta, KvCache& cache) {

@@ -63,7 +63,8 @@ class LlamaModel {
   size_t activation_bytes() const { return activation_bytes_; }
 
   // Makes a KV cache for this shard's layers and KV heads.
-  std::unique_ptr<KvCache> MakeKvCache(int num_blocks, int block_size) const;
+  // `kv_dtype`: the compute dtype or a quantized one the ops support.
+  std::unique_ptr<KvCache> MakeKvCache(int num_blocks, int block_size, DType kv_dtype) const;
 
   // One step. The first stage embeds meta.token_ids; other stages receive the residual stream
   // from the previous stage. Non-last stages send it on and return an empty tensor. The last

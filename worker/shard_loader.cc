@@ -6,8 +6,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "kernels/kv_quant.h"
 
 namespace tpserve {
 namespace {
@@ -17,6 +19,29 @@ double SecondsSince(std::chrono::steady_clock::time_point t) {
 }
 
 }  // namespace
+
+absl::StatusOr<DType> ResolveKvCacheDType(const Ops& ops, std::optional<DType> requested,
+                                          int64_t head_dim) {
+  const DType t = requested.value_or(ops.compute_dtype());
+  if (!ops.SupportsKvCacheDType(t)) {
+    std::vector<std::string> can;
+    for (DType c : {DType::kBF16, DType::kF32, DType::kF8E4M3, DType::kI8, DType::kI4}) {
+      if (ops.SupportsKvCacheDType(c)) can.emplace_back(KvCacheDTypeName(c));
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-cache-dtype ", std::string(KvCacheDTypeName(t)), " is not supported on ",
+        ops.device() == Device::kCuda ? "CUDA" : "the CPU", " (compute dtype ",
+        std::string(KvCacheDTypeName(ops.compute_dtype())),
+        "); this build can store the KV cache in ", absl::StrJoin(can, ", "), " (or auto)"));
+  }
+  if (IsQuantizedKv(t) && head_dim % KvScaleGroup(t, static_cast<int>(head_dim)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-cache-dtype ", std::string(KvCacheDTypeName(t)),
+                     " needs a head_dim that is a multiple of ",
+                     KvScaleGroup(t, static_cast<int>(head_dim)), "; the model's is ", head_dim));
+  }
+  return t;
+}
 
 absl::StatusOr<LoadedShard> LoadShard(const ModelFiles& files, const ShardPlan& plan, int rank,
                                       Ops* ops, ParallelContext comms,
@@ -28,12 +53,14 @@ absl::StatusOr<LoadedShard> LoadShard(const ModelFiles& files, const ShardPlan& 
   const RankShard shard = plan.ForRank(config, rank);
   const int bs = options.block_size;
   const int64_t blocks_per_seq = (config.max_position_embeddings + bs - 1) / bs;
+  TP_ASSIGN_OR_RETURN(const DType kv_dtype,
+                      ResolveKvCacheDType(*ops, options.kv_cache_dtype, config.head_dim));
 
   KvBudgetInput in;
   in.gpu_memory_utilization = options.gpu_memory_utilization;
   in.block_bytes = static_cast<int64_t>(
       KvCache::BlockBytes(std::max(1, shard.layer_end - shard.layer_begin), bs, shard.num_kv_heads,
-                          static_cast<int>(config.head_dim), ops->compute_dtype()));
+                          static_cast<int>(config.head_dim), kv_dtype));
   in.block_size = bs;
   in.max_seq_len = config.max_position_embeddings;
   in.kv_cache_bytes = options.kv_cache_bytes;
@@ -71,18 +98,19 @@ absl::StatusOr<LoadedShard> LoadShard(const ModelFiles& files, const ShardPlan& 
     in.workspace_bytes = std::max<int64_t>(0, in_use_now - in_use_before - in.weight_bytes);
   }
   TP_ASSIGN_OR_RETURN(out.kv, ComputeKvBudget(in));
-  out.cache = out.model->MakeKvCache(static_cast<int>(out.kv.num_blocks), bs);
+  out.cache = out.model->MakeKvCache(static_cast<int>(out.kv.num_blocks), bs, kv_dtype);
   const double kv_s = SecondsSince(t3);
 
   TP_LOG(INFO) << absl::StrFormat(
-      "KV cache: %d blocks of %d tokens = %d tokens (%.1f full contexts of %d), %s, from %s; "
+      "KV cache: %s, %d blocks of %d tokens = %d tokens (%.1f full contexts of %d), %s, from %s; "
       "weights %s, workspace %s%s",
-      out.kv.num_blocks, bs, out.kv.capacity_tokens,
+      std::string(KvCacheDTypeName(kv_dtype)).c_str(), out.kv.num_blocks, bs,
+      out.kv.capacity_tokens,
       out.kv.capacity_tokens / static_cast<double>(config.max_position_embeddings),
       config.max_position_embeddings, BytesString(out.kv.kv_bytes), out.kv.source,
       BytesString(in.weight_bytes), BytesString(in.workspace_bytes),
-      measured ? absl::StrCat(", device memory in use before loading ",
-                              BytesString(in_use_before), " of ", BytesString(in.total_bytes))
+      measured ? absl::StrCat(", device memory in use before loading ", BytesString(in_use_before),
+                              " of ", BytesString(in.total_bytes))
                : "");
   TP_LOG(INFO) << absl::StrFormat(
       "shard load phases: memory check %.3f s, weights and activations %.3f s, fixed buffers "

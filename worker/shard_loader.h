@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "absl/status/statusor.h"
 #include "common/model_files.h"
@@ -21,6 +22,9 @@ namespace tpserve {
 struct ShardLoadOptions {
   ModelOptions model;
   int block_size = 16;
+  // --kv-cache-dtype: nullopt ("auto") is the compute dtype; else it or a quantized dtype
+  // (kernels/kv_quant.h) the ops support. Anything else fails the load with a clear message.
+  std::optional<DType> kv_cache_dtype;
   // Explicit KV sizes, in this order of precedence (0: unset); else the budget below.
   int64_t kv_cache_bytes = 0;
   int64_t num_kv_blocks = 0;
@@ -33,6 +37,11 @@ struct ShardLoadOptions {
   // for the KV budget: allocate other fixed buffers here so that the budget accounts for them.
   std::function<void(LlamaModel&)> before_kv;
 };
+
+// The KV dtype `requested` resolves to on `ops` (nullopt: the compute dtype), or
+// INVALID_ARGUMENT naming what the backend can store.
+absl::StatusOr<DType> ResolveKvCacheDType(const Ops& ops, std::optional<DType> requested,
+                                          int64_t head_dim);
 
 struct LoadedShard {
   std::unique_ptr<LlamaModel> model;
