@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "common/logging.h"
+#include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 #include "kernels/philox.h"
 
@@ -20,6 +21,40 @@ void CheckF32(const Tensor& t, const char* what) {
   TP_CHECK(t.device == Device::kCpu) << what << " must be host memory";
 }
 
+// A KV pool of the CPU ops: f32, or quantized with its scales (kernels/kv_quant.h).
+void CheckKvCache(const Tensor& cache, const char* what) {
+  TP_CHECK(cache.device == Device::kCpu) << what << " must be host memory";
+  TP_CHECK(cache.dtype == DType::kF32 || (IsQuantizedKv(cache.dtype) && cache.scales != nullptr))
+      << what << " must be f32 or quantized with scales on the CPU, got " << cache.ShapeString();
+}
+
+// Stores head `kvh` of one token (x: head_dim f32 values) at `slot` of a pool with `heads`
+// heads per slot, quantizing when the pool is quantized.
+void StoreKvHead(const Tensor& cache, int64_t slot, int64_t kvh, int64_t heads, int head_dim,
+                 const float* x) {
+  const int64_t index = slot * heads + kvh;
+  if (cache.dtype == DType::kF32) {
+    std::memcpy(cache.ptr<float>() + index * head_dim, x, head_dim * sizeof(float));
+    return;
+  }
+  QuantizeKvHead(cache.dtype, x, head_dim,
+                 cache.ptr<uint8_t>() + KvByteOffset(cache.dtype, index * head_dim),
+                 static_cast<float*>(cache.scales) + index * KvScaleGroups(cache.dtype, head_dim));
+}
+
+// Head `kvh` of the token at `slot`: a pointer into an f32 pool, or the dequantized values in
+// `buf` (head_dim floats).
+const float* LoadKvHead(const Tensor& cache, int64_t slot, int64_t kvh, int64_t heads, int head_dim,
+                        float* buf) {
+  const int64_t index = slot * heads + kvh;
+  if (cache.dtype == DType::kF32) return cache.ptr<float>() + index * head_dim;
+  DequantizeKvHead(
+      cache.dtype, cache.ptr<const uint8_t>() + KvByteOffset(cache.dtype, index * head_dim),
+      static_cast<const float*>(cache.scales) + index * KvScaleGroups(cache.dtype, head_dim),
+      head_dim, buf);
+  return buf;
+}
+
 // Row-major [rows, cols] view of a tensor whose last dim is `cols`.
 int64_t Rows(const Tensor& t) { return t.dim(-1) == 0 ? 0 : t.numel() / t.dim(-1); }
 
@@ -27,6 +62,7 @@ class CpuOps final : public Ops {
  public:
   Device device() const override { return Device::kCpu; }
   DType compute_dtype() const override { return DType::kF32; }
+  bool SupportsKvCacheDType(DType t) const override { return t == DType::kF32 || IsQuantizedKv(t); }
 
   void* Alloc(size_t bytes) override {
     void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -138,22 +174,32 @@ class CpuOps final : public Ops {
   }
 
   void KvWrite(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache) override {
+    CheckF32(k, "kv_write k");
+    CheckF32(v, "kv_write v");
+    CheckKvCache(k_cache, "kv_write k_cache");
+    CheckKvCache(v_cache, "kv_write v_cache");
     const int64_t width = k.dim(-1);
     const int64_t slots = k_cache.dim(0) * k_cache.dim(1);
-    TP_CHECK(k_cache.numel() == slots * width) << "kv cache " << k_cache.ShapeString();
+    const int64_t heads = k_cache.dim(2);
+    const int head_dim = static_cast<int>(k_cache.dim(3));
+    TP_CHECK(k_cache.ndim == 4 && k_cache.numel() == slots * width &&
+             v_cache.dtype == k_cache.dtype && v_cache.numel() == k_cache.numel())
+        << "kv cache " << k_cache.ShapeString() << " / " << v_cache.ShapeString();
     for (int t = 0; t < meta_.num_tokens; ++t) {
       const int64_t slot = meta_.slot_mapping[t];
       TP_CHECK(slot >= 0 && slot < slots) << "slot " << slot << " outside the cache";
-      std::memcpy(k_cache.ptr<float>() + slot * width, k.ptr<float>() + t * width,
-                  width * sizeof(float));
-      std::memcpy(v_cache.ptr<float>() + slot * width, v.ptr<float>() + t * width,
-                  width * sizeof(float));
+      for (int64_t h = 0; h < heads; ++h) {
+        StoreKvHead(k_cache, slot, h, heads, head_dim, k.ptr<float>() + t * width + h * head_dim);
+        StoreKvHead(v_cache, slot, h, heads, head_dim, v.ptr<float>() + t * width + h * head_dim);
+      }
     }
   }
 
   void RopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
                    int head_dim, Tensor q_out, Tensor k_cache, Tensor v_cache) override {
     CheckF32(qkv, "rope_kv_write qkv");
+    CheckKvCache(k_cache, "rope_kv_write k_cache");
+    CheckKvCache(v_cache, "rope_kv_write v_cache");
     const int half = head_dim / 2;
     const int64_t q_width = int64_t{num_q_heads} * head_dim;
     const int64_t kv_width = int64_t{num_kv_heads} * head_dim;
@@ -162,7 +208,7 @@ class CpuOps final : public Ops {
     TP_CHECK(head_dim % 2 == 0 && inv_freq.numel() == half &&
              qkv.numel() == meta_.num_tokens * width &&
              q_out.numel() == meta_.num_tokens * q_width && k_cache.numel() == slots * kv_width &&
-             v_cache.numel() == k_cache.numel())
+             v_cache.numel() == k_cache.numel() && v_cache.dtype == k_cache.dtype)
         << "rope_kv_write: qkv " << qkv.ShapeString() << ", q_out " << q_out.ShapeString()
         << ", k_cache " << k_cache.ShapeString() << ", heads " << num_q_heads << "/" << num_kv_heads
         << ", head_dim " << head_dim;
@@ -189,9 +235,11 @@ class CpuOps final : public Ops {
       const int64_t slot = meta_.slot_mapping[t];
       if (slot < 0) continue;  // padding
       TP_CHECK(slot < slots) << "slot " << slot << " outside the cache";
-      std::memcpy(k_cache.ptr<float>() + slot * kv_width, k.data(), kv_width * sizeof(float));
-      std::memcpy(v_cache.ptr<float>() + slot * kv_width, row + q_width + kv_width,
-                  kv_width * sizeof(float));
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        StoreKvHead(k_cache, slot, h, num_kv_heads, head_dim, k.data() + h * head_dim);
+        StoreKvHead(v_cache, slot, h, num_kv_heads, head_dim,
+                    row + q_width + kv_width + h * head_dim);
+      }
     }
   }
 
@@ -308,6 +356,10 @@ class CpuOps final : public Ops {
   void Attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                  int num_kv_heads, int head_dim, float scale, Tensor out) {
     CheckF32(q, "attention q");
+    CheckKvCache(k_cache, "attention k_cache");
+    CheckKvCache(v_cache, "attention v_cache");
+    TP_CHECK(k_cache.dtype == v_cache.dtype) << "attention: K and V caches of other dtypes";
+    std::vector<float> kbuf(head_dim), vbuf(head_dim);
     const int group = num_heads / num_kv_heads;
     const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
     const int64_t q_width = static_cast<int64_t>(num_heads) * head_dim;
@@ -331,7 +383,7 @@ class CpuOps final : public Ops {
             const int64_t slot =
                 static_cast<int64_t>(table[j / meta_.block_size]) * meta_.block_size +
                 j % meta_.block_size;
-            const float* kv = k_cache.ptr<float>() + slot * kv_width + kvh * head_dim;
+            const float* kv = LoadKvHead(k_cache, slot, kvh, num_kv_heads, head_dim, kbuf.data());
             float dot = 0.0f;
             for (int d = 0; d < head_dim; ++d) dot += qv[d] * kv[d];
             scores[j] = dot * scale;
@@ -348,7 +400,7 @@ class CpuOps final : public Ops {
             const int64_t slot =
                 static_cast<int64_t>(table[j / meta_.block_size]) * meta_.block_size +
                 j % meta_.block_size;
-            const float* vv = v_cache.ptr<float>() + slot * kv_width + kvh * head_dim;
+            const float* vv = LoadKvHead(v_cache, slot, kvh, num_kv_heads, head_dim, vbuf.data());
             const float w = scores[j] / denom;
             for (int d = 0; d < head_dim; ++d) o[d] += w * vv[d];
           }
