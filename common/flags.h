@@ -41,6 +41,10 @@ FlagSpec IntFlag(std::string name, int64_t min, int64_t max, std::string meaning
 FlagSpec FloatFlag(std::string name, double min, double max, std::string meaning,
                    std::string value = "F", bool min_exclusive = false);
 
+// --kv-cache-dtype, one text for every command that takes it (serve, run, the worker, the
+// benchmarks); its value is parsed with ParseKvCacheDType (common/dtype.h).
+FlagSpec KvCacheDTypeFlag();
+
 // "--name VALUE", "--name=VALUE" and boolean "--name" (or "--name=true|false|1|0", or
 // "--no-name" for false). A value that
 // is not of the flag's kind or not in its range, an unknown flag, a missing value and any

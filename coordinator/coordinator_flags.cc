@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "common/dtype.h"
 #include "common/status.h"
 
 namespace tpserve {
@@ -82,6 +83,7 @@ CommandSpec MakeSpec(bool serve_command) {
       StringFlag("device", "cpu|cuda|auto", "device of spawned workers (default auto)"),
       StringFlag("worker-binary", "B",
                  "tpserve-worker to spawn (default: TPSERVE_WORKER, next to this binary, PATH)"),
+      KvCacheDTypeFlag(),
       IntFlag("kv-cache-mb", 0, int64_t{1} << 30,
               "KV cache per worker in MiB; 0: sized from --gpu-memory-utilization", "MB"),
       FloatFlag("gpu-memory-utilization", 0, 1,
@@ -172,6 +174,10 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   o.overlap_scheduling = a.GetBool("overlap-scheduling", true);
   o.rejoin = a.Flag("rejoin");
   o.kv_cache_mb = a.GetInt("kv-cache-mb", 0);
+  o.kv_cache_dtype = a.GetOr("kv-cache-dtype", "auto");
+  if (absl::Status s = ParseKvCacheDType(o.kv_cache_dtype).status(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv-cache-dtype: ", s.message()));
+  }
   o.max_request_bytes = a.GetInt("max-request-bytes", o.max_request_bytes);
   o.gpu_memory_utilization = a.GetDouble("gpu-memory-utilization", o.gpu_memory_utilization);
   o.heartbeat_timeout_s = a.GetDouble("heartbeat-timeout", o.heartbeat_timeout_s);

@@ -427,6 +427,7 @@ WorkerGroupOptions GroupOptions(const Layout& layout) {
   g.kv_cache_bytes = o.kv_cache_mb << 20;
   g.gpu_memory_utilization = o.gpu_memory_utilization;
   g.deterministic = o.deterministic;
+  g.kv_cache_dtype = o.kv_cache_dtype;
   g.block_size = o.block_size;
   g.max_num_batched_tokens = o.max_num_batched_tokens;
   g.max_num_seqs = o.max_num_seqs;
@@ -691,9 +692,10 @@ void Activate(const Layout& layout, WorkerGroup* group, Scheduler* scheduler,
   info.set_max_num_seqs(o.max_num_seqs);
   info.set_max_num_batched_tokens(o.max_num_batched_tokens);
   info.set_deterministic(o.deterministic);
+  const std::vector<worker::KvReport> reports = group->kv_reports();
+  if (!reports.empty()) info.set_kv_cache_dtype(reports[0].kv_cache_dtype());
   service->Activate(scheduler, limits, info);
   metrics->SetScheduler(scheduler);
-  const std::vector<worker::KvReport> reports = group->kv_reports();
   for (size_t r = 0; r < reports.size(); ++r) {
     metrics->SetWorkerMemory(static_cast<int>(r), reports[r].device_memory_used_bytes(),
                              reports[r].device_memory_total_bytes());
@@ -707,7 +709,8 @@ void Activate(const Layout& layout, WorkerGroup* group, Scheduler* scheduler,
   TP_LOG(INFO) << "SERVING on port " << servers->port()
                << (servers->http_port() > 0 ? absl::StrCat(" (HTTP ", servers->http_port(), ")")
                                             : std::string())
-               << ": KV cache " << group->num_blocks() << " blocks x " << o.block_size << " tokens";
+               << ": KV cache " << group->num_blocks() << " blocks x " << o.block_size
+               << " tokens in " << info.kv_cache_dtype();
 }
 
 // After a signal: refuse new requests and let the running ones finish, up to --drain-timeout.

@@ -66,6 +66,8 @@ struct CoordinatorOptions {
   bool enable_prefix_caching = true;
   // --deterministic: the workers' kernels give a request the same tokens whatever the batch.
   bool deterministic = false;
+  // --kv-cache-dtype: "auto", "bf16", "fp32", "fp8", "int8", "int4" (checked by the flags).
+  std::string kv_cache_dtype = "auto";
   bool help = false;               // --help was given: print the usage, run nothing
   bool overlap_scheduling = true;  // --no-overlap-scheduling: one step at a time at pp = 1
 };

@@ -433,6 +433,7 @@ absl::Status WorkerGroup::Start(std::chrono::seconds register_timeout,
     a->set_make_nccl_ids(relay && r == 0);
     a->set_comm_timeout_seconds(options_.comm_timeout_seconds);
     a->set_deterministic(options_.deterministic);
+    a->set_kv_cache_dtype(options_.kv_cache_dtype);
     if (!Send(r, msg)) Fail(r, "could not send its assignment");
   }
   TP_LOG(INFO) << "assignments sent: tp=" << plan_.tp << " pp=" << plan_.pp << " layers "
@@ -455,9 +456,14 @@ absl::Status WorkerGroup::Start(std::chrono::seconds register_timeout,
                                               options_.block_size));
     }
     num_blocks_ = std::min(num_blocks_, kv.num_blocks());
-    TP_LOG(INFO) << "worker rank " << r << ": " << kv.num_blocks() << " KV blocks, "
-                 << kv.weight_bytes() / (1 << 20) << " MiB of weights, loaded in "
-                 << kv.load_seconds() << " s";
+    if (kv.kv_cache_dtype() != slots_[0]->kv.kv_cache_dtype()) {
+      return absl::InternalError(absl::StrCat("worker rank ", r, " stores its KV cache in ",
+                                              kv.kv_cache_dtype(), ", rank 0 in ",
+                                              slots_[0]->kv.kv_cache_dtype()));
+    }
+    TP_LOG(INFO) << "worker rank " << r << ": " << kv.num_blocks() << " KV blocks ("
+                 << kv.kv_cache_dtype() << "), " << kv.weight_bytes() / (1 << 20)
+                 << " MiB of weights, loaded in " << kv.load_seconds() << " s";
   }
   if (num_blocks_ <= 0) return absl::ResourceExhaustedError("a worker has no KV cache blocks");
   // A worker's report sizes the block manager: an absurd count is refused, not allocated.

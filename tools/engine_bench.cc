@@ -29,6 +29,7 @@
 #include "tools/engine_profile.h"
 #include "tools/hw_limits.h"
 #include "worker/engine.h"
+#include "worker/kv_cache.h"
 #ifdef TPSERVE_HAVE_CUDA
 #include "kernels/cuda/bench_knobs.h"
 #endif
@@ -68,7 +69,7 @@ const CommandSpec& BenchSpec() {
                  "size the KV cache as the server does (default: just what the scenarios need)",
                  "F", /*min_exclusive=*/true),
        IntFlag("kv-cache-mb", 0, int64_t{1} << 30, "KV cache in MiB (as the server's flag)", "MB"),
-       BoolFlag("profile", "per-op CUDA event times of eager steps"),
+       KvCacheDTypeFlag(), BoolFlag("profile", "per-op CUDA event times of eager steps"),
        BoolFlag("deterministic",
                 "batch-invariant kernels (as serve --deterministic), to compare with the default")},
       "Benchmark-only environment switches (TPSERVE_ABLATE_OPS, TPSERVE_FUSED_SKINNY,\n"
@@ -116,6 +117,7 @@ absl::Status Main(const std::vector<std::string>& args) {
   EngineOptions options;
   options.device = device;
   options.deterministic = a.Flag("deterministic");
+  TP_ASSIGN_OR_RETURN(options.kv_cache_dtype, ParseKvCacheDType(a.GetOr("kv-cache-dtype", "auto")));
   options.model.max_batch_tokens =
       static_cast<int>(std::max<int64_t>(max_batch_tokens, prefill_len));
   options.model.max_batch_seqs = std::max(max_batch, 1);
@@ -132,6 +134,8 @@ absl::Status Main(const std::vector<std::string>& args) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   TP_ASSIGN_OR_RETURN(auto engine, Engine::Create(model_dir, options));
+  out["kv_cache_dtype"] = std::string(KvCacheDTypeName(engine->runner().kv_dtype()));
+  out["kv_capacity_tokens"] = engine->kv_capacity_tokens();
 #ifdef TPSERVE_HAVE_CUDA
   // Before the first step: decode graphs are captured lazily with what is set then.
   if (auto* cuda = dynamic_cast<CudaOps*>(engine->ops())) TP_RETURN_IF_ERROR(ApplyBenchKnobs(cuda));
@@ -273,8 +277,11 @@ absl::Status Main(const std::vector<std::string>& args) {
     }
     const double step = Median(std::vector<double>(decode_steps.begin() + 1, decode_steps.end()));
     const double mean_context = double(context) + double(last.step_ms.size()) / 2;
-    const double kv_bytes = double(b) * mean_context * cfg.num_layers * 2 * cfg.num_kv_heads *
-                            cfg.head_dim * DTypeSize(engine->ops()->compute_dtype());
+    // The KV bytes a step reads, scales included, in the cache's dtype.
+    const double kv_bytes =
+        double(b) * mean_context *
+        KvCache::BlockBytes(static_cast<int>(cfg.num_layers), 1, static_cast<int>(cfg.num_kv_heads),
+                            static_cast<int>(cfg.head_dim), engine->runner().kv_dtype());
     const double floor_ms =
         hw.copy_bytes_per_s > 0 ? (weight_bytes + kv_bytes) / hw.copy_bytes_per_s * 1e3 : 0;
     rows.push_back({{"batch", b},

@@ -86,6 +86,7 @@ const CommandSpec& RunFlagSpec() {
                  "fraction of the GPU for weights, workspace and KV cache (default 0.9)", "F",
                  /*min_exclusive=*/true),
        IntFlag("kv-cache-mb", 0, int64_t{1} << 30, "KV cache in MiB; 0: sized automatically", "MB"),
+       KvCacheDTypeFlag(),
        BoolFlag("deterministic",
                 "batch-invariant kernels, as tpserve serve --deterministic (same tokens as a "
                 "server in that mode)"),
@@ -135,6 +136,7 @@ absl::Status RunRunCommand(const std::vector<std::string>& args) {
   options.kv_cache_bytes = kv_mb * (int64_t{1} << 20);
   options.gpu_memory_utilization = utilization;
   options.deterministic = a.Flag("deterministic");
+  TP_ASSIGN_OR_RETURN(options.kv_cache_dtype, ParseKvCacheDType(a.GetOr("kv-cache-dtype", "auto")));
   if (ResolveDevice(options.device) == "cpu") {
     // The CPU has no device memory budget: a cache for this one request.
     const int64_t need = static_cast<int64_t>(req.prompt.size()) + req.max_new_tokens;
@@ -161,6 +163,7 @@ absl::Status RunRunCommand(const std::vector<std::string>& args) {
     j["device"] = ResolveDevice(options.device);
     j["load_seconds"] = load_s;
     j["kv_capacity_tokens"] = engine->kv_capacity_tokens();
+    j["kv_cache_dtype"] = std::string(KvCacheDTypeName(engine->runner().kv_dtype()));
     j["generate_seconds"] = gen_s;
     j["tokens_per_second"] = r.output_ids.size() / gen_s;
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << std::endl;

@@ -62,6 +62,7 @@ absl::StatusOr<std::unique_ptr<ShardRunner>> ShardRunner::Create(
   load.kv_cache_bytes = options.kv_cache_bytes;
   load.num_kv_blocks = options.num_kv_blocks;
   load.gpu_memory_utilization = options.gpu_memory_utilization;
+  load.kv_cache_dtype = options.kv_cache_dtype;
 #ifdef TPSERVE_HAVE_CUDA
   CudaReserve reserve;
   auto* cuda = dynamic_cast<CudaOps*>(ops);

@@ -6,6 +6,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -28,6 +29,8 @@ struct ShardRunnerOptions {
   int64_t kv_cache_bytes = 0;
   int64_t num_kv_blocks = 0;
   double gpu_memory_utilization = 0.90;  // fraction of the device's total memory, in (0, 1]
+  // --kv-cache-dtype (ShardLoadOptions::kv_cache_dtype): nullopt is the compute dtype.
+  std::optional<DType> kv_cache_dtype;
   ModelOptions model;
   // Replay decode-only steps as CUDA graphs. The rule (UsesGraphs): CUDA ops, tp = pp = 1 and
   // this switch on; host-staged communicators cannot be captured.
@@ -90,6 +93,7 @@ class ShardRunner {
   int GraphSeqLimit() const;
   int num_graphs() const;
   int num_blocks() const { return cache_->num_blocks(); }
+  DType kv_dtype() const { return cache_->dtype(); }
   int block_size() const { return cache_->block_size(); }
   int64_t capacity_tokens() const { return cache_->capacity_tokens(); }
   const LlamaModel& model() const { return *model_; }

@@ -171,6 +171,9 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   so.model.max_batch_tokens = a.max_num_batched_tokens();
   so.model.max_batch_seqs = a.max_num_seqs();
   so.deterministic = a.deterministic();
+  if (!a.kv_cache_dtype().empty()) {
+    TP_ASSIGN_OR_RETURN(so.kv_cache_dtype, ParseKvCacheDType(a.kv_cache_dtype()));
+  }
   if (EnvIsSet(env::kWorkerCudaGraphs)) so.cuda_graphs = EnvBool(env::kWorkerCudaGraphs);
   ParallelContext comms{groups.tp_comm.get(), groups.pp_comm.get()};
   TP_ASSIGN_OR_RETURN(auto runner, ShardRunner::Create(files, plan, rank, ops, comms, so));
@@ -179,6 +182,7 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   worker::WorkerMessage report;
   report.mutable_kv_report()->set_num_blocks(runner->num_blocks());
   report.mutable_kv_report()->set_block_size(so.block_size);
+  report.mutable_kv_report()->set_kv_cache_dtype(std::string(KvCacheDTypeName(runner->kv_dtype())));
   report.mutable_kv_report()->set_weight_bytes(runner->model().weight_bytes());
   report.mutable_kv_report()->set_load_seconds(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
