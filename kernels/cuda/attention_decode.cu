@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   const int chunk = tid % kLanesPerToken, tok_lane = tid / kLanesPerToken;
-  // Element offset of this lane's chunk of key `tok` (its scale is at offset / kGroup).
+  // Element offset of this lane's chunk of key `tok`.
   auto row_off = [&](int tok) -> int64_t {
     int pos = start + tok;
     int64_t page = table[pos / block_size];
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kThreads)
       if (tok < n) {
         const int64_t off = row_off(tok);
         kv[u] = Kv::Load8(k_cache + KvBytes<Kv>(off));
-        if constexpr (Kv::kQuantized) ks[u] = __ldg(k_scales + off / kGroup);
+        if constexpr (Kv::kQuantized) ks[u] = __ldg(k_scales + KvScaleIndex<kGroup>(off));
       }
     }
 #pragma unroll
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(kThreads)
       if (tok < n) {
         const int64_t off = row_off(tok);
         vv[u] = Kv::Load8(v_cache + KvBytes<Kv>(off));
-        if constexpr (Kv::kQuantized) vs[u] = __ldg(v_scales + off / kGroup);
+        if constexpr (Kv::kQuantized) vs[u] = __ldg(v_scales + KvScaleIndex<kGroup>(off));
       }
     }
 #pragma unroll
@@ -397,8 +397,8 @@ __global__ void __launch_bounds__(kThreads)
     kv[u] = Kv::Load8(k_cache + KvBytes<Kv>(off));
     vv[u] = Kv::Load8(v_cache + KvBytes<Kv>(off));
     if constexpr (Kv::kQuantized) {
-      ks[u] = __ldg(k_scales + off / kGroup);
-      vs[u] = __ldg(v_scales + off / kGroup);
+      ks[u] = __ldg(k_scales + KvScaleIndex<kGroup>(off));
+      vs[u] = __ldg(v_scales + KvScaleIndex<kGroup>(off));
     }
   };
   auto load_tile = [&](int sub, int cnt, int skip_pos) {

@@ -121,6 +121,13 @@ __device__ __forceinline__ int64_t KvBytes(int64_t e) {
   return e * Kv::kBits / 8;
 }
 
+// The scale of the element at offset `e` (>= 0) in a pool of groups of kGroup (a power of two).
+template <int kGroup>
+__device__ __forceinline__ int64_t KvScaleIndex(int64_t e) {
+  static_assert((kGroup & (kGroup - 1)) == 0, "a shift");
+  return static_cast<int64_t>(static_cast<uint64_t>(e) / kGroup);
+}
+
 // Calls f(Kv{}) with the element type of `dtype` (a KV-cache dtype the kernels read).
 template <typename F>
 void DispatchKvType(DType dtype, F&& f) {
