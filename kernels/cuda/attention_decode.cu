@@ -3,12 +3,15 @@
 // of G query heads sharing a KV head, sequence). Each block writes its partial result (output,
 // softmax max and sum) to the workspace; the last block of a (sequence, head group) to finish,
 // found with an arrival counter, merges the partials into the output, so a step is one kernel.
-// K and V are each read once with 16-byte loads; fp32 math. The grid depends only on
+// K and V are each read once (bf16: 16-byte loads; a quantized cache, kv_read.cuh: 8-byte fp8 /
+// int8 or 4-byte int4 loads of codes, decoded in registers, the scale folded into each lane's
+// partial dot product and into the softmax weight of V); fp32 math. The grid depends only on
 // (num_seqs, max_blocks_per_seq), so a decode step can be captured in a CUDA graph and
 // replayed for any context lengths up to that capacity.
 #include <algorithm>
 
 #include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/kv_read.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/head_dims.h"
 
@@ -173,17 +176,23 @@ __device__ void FinishSplit(const float (&o_s)[kG][kD], const float* m_s, const 
 
 // Large batches: one block per split of up to 256 keys, three phases (all scores, softmax, PV)
 // with few registers, so that many blocks stay resident and their loads overlap.
-template <int kD, int kG>
-__global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
-    const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ query_start,
-    const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
-    const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
-    int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
-    float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
-  constexpr int kLanesPerToken = kD / 8;                     // 16-byte chunks per row
+template <typename Kv, int kD, int kG>
+__global__ void __launch_bounds__(kThreads)
+    DecodeTwoPhaseKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
+                         const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
+                         const float* __restrict__ v_scales,
+                         const int32_t* __restrict__ query_start,
+                         const int32_t* __restrict__ context_lens,
+                         const int32_t* __restrict__ block_tables,
+                         const int32_t* __restrict__ table_rows, int max_blocks_per_seq,
+                         int block_size, int num_heads, int num_kv_heads, int partition,
+                         float scale_log2, unsigned* __restrict__ counters,
+                         float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
+  constexpr int kLanesPerToken = kD / 8;                     // 8-element chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // tokens read per block step
-  constexpr int kUnroll = 4;
+  // Loads in flight per thread: 4 of 16 bytes for bf16, 8 of 8 or 4 bytes for codes.
+  constexpr int kUnroll = Kv::kQuantized ? 8 : 4;
+  constexpr int kGroup = kKvGroup<Kv, kD>;
   __shared__ float q_s[kG][kD];
   __shared__ float p_s[kG][kMaxTwoPhasePartition];
   __shared__ float o_s[kG][kD];
@@ -220,11 +229,12 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
   __syncthreads();
 
   const int chunk = tid % kLanesPerToken, tok_lane = tid / kLanesPerToken;
-  auto row_ptr = [&](const __nv_bfloat16* cache, int tok) {
+  // Element offset of this lane's chunk of key `tok`.
+  auto row_off = [&](int tok) -> int64_t {
     int pos = start + tok;
     int64_t page = table[pos / block_size];
     int64_t slot = page * block_size + pos % block_size;
-    return cache + (slot * num_kv_heads + kv_head) * kD + chunk * 8;
+    return (slot * num_kv_heads + kv_head) * kD + chunk * 8;
   };
 
   // Phase 1: scores (log2 domain) of the partition's keys.
@@ -235,22 +245,30 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
     for (int e = 0; e < 8; ++e) qf[g][e] = q_s[g][chunk * 8 + e];
   }
   for (int base = 0; base < n; base += kTokensPerStep * kUnroll) {
-    uint4 kv[kUnroll];
+    typename Kv::Vec8 kv[kUnroll];
+    float ks[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       int tok = base + u * kTokensPerStep + tok_lane;
-      kv[u] = tok < n ? LoadStreaming(row_ptr(k_cache, tok)) : make_uint4(0, 0, 0, 0);
+      kv[u] = typename Kv::Vec8{};
+      ks[u] = 0.0f;
+      if (tok < n) {
+        const int64_t off = row_off(tok);
+        kv[u] = Kv::Load8(k_cache + KvBytes<Kv>(off));
+        if constexpr (Kv::kQuantized) ks[u] = __ldg(k_scales + KvScaleIndex<kGroup>(off));
+      }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       int tok = base + u * kTokensPerStep + tok_lane;
       float kf[8];
-      Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&kv[u]), kf);
+      Kv::Decode8(kv[u], kf);
 #pragma unroll
       for (int g = 0; g < kG; ++g) {
         float s = 0.0f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) s = fmaf(qf[g][e], kf[e], s);
+        if constexpr (Kv::kQuantized) s *= ks[u];  // the chunk lies in one scale group
 #pragma unroll
         for (int o = kLanesPerToken / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         if (chunk == 0 && tok < n) p_s[g][tok] = s;
@@ -287,21 +305,29 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
     for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
   }
   for (int base = 0; base < n; base += kTokensPerStep * kUnroll) {
-    uint4 vv[kUnroll];
+    typename Kv::Vec8 vv[kUnroll];
+    float vs[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       int tok = base + u * kTokensPerStep + tok_lane;
-      vv[u] = tok < n ? LoadStreaming(row_ptr(v_cache, tok)) : make_uint4(0, 0, 0, 0);
+      vv[u] = typename Kv::Vec8{};
+      vs[u] = 0.0f;
+      if (tok < n) {
+        const int64_t off = row_off(tok);
+        vv[u] = Kv::Load8(v_cache + KvBytes<Kv>(off));
+        if constexpr (Kv::kQuantized) vs[u] = __ldg(v_scales + KvScaleIndex<kGroup>(off));
+      }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       int tok = base + u * kTokensPerStep + tok_lane;
       if (tok < n) {
         float vf[8];
-        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&vv[u]), vf);
+        Kv::Decode8(vv[u], vf);
 #pragma unroll
         for (int g = 0; g < kG; ++g) {
           float p = p_s[g][tok];
+          if constexpr (Kv::kQuantized) p *= vs[u];  // p v = (p scale) code
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
         }
@@ -317,17 +343,22 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
 // sequence. Keys are processed 64 at a time: every thread issues all its K and V loads of the
 // sub-tile before using any (32 KB in flight per block at head_dim 128), scores go to shared
 // memory, and the softmax is online across sub-tiles.
-template <int kD, int kG>
-__global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
-    const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ query_start,
-    const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
-    const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
-    int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
-    float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
-  constexpr int kLanesPerToken = kD / 8;                     // 16-byte chunks per row
+template <typename Kv, int kD, int kG>
+__global__ void __launch_bounds__(kThreads)
+    DecodePartitionKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
+                          const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
+                          const float* __restrict__ v_scales,
+                          const int32_t* __restrict__ query_start,
+                          const int32_t* __restrict__ context_lens,
+                          const int32_t* __restrict__ block_tables,
+                          const int32_t* __restrict__ table_rows, int max_blocks_per_seq,
+                          int block_size, int num_heads, int num_kv_heads, int partition,
+                          float scale_log2, unsigned* __restrict__ counters,
+                          float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
+  constexpr int kLanesPerToken = kD / 8;                     // 8-element chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // rows read per block step
   constexpr int kUnroll = kSub / kTokensPerStep;
+  constexpr int kGroup = kKvGroup<Kv, kD>;
   __shared__ float q_s[kG][kD];
   __shared__ float s_s[kG][kSub];
   __shared__ float o_s[kG][kD];
@@ -357,21 +388,29 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
   const int chunk = tid % kLanesPerToken, tok_lane = tid / kLanesPerToken;
   const int warp = tid / 32, lane = tid % 32;
 
-  // K and V rows of a sub-tile; `skip_pos` is left for later (zeros).
-  uint4 kv[kUnroll], vv[kUnroll];
+  // K and V rows of a sub-tile (and their scales); `skip_pos` is left for later (zeros).
+  typename Kv::Vec8 kv[kUnroll], vv[kUnroll];
+  float ks[kUnroll], vs[kUnroll];
+  auto load_row = [&](int u, int pos) {
+    int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
+    int64_t off = (slot * num_kv_heads + kv_head) * kD + chunk * 8;
+    kv[u] = Kv::Load8(k_cache + KvBytes<Kv>(off));
+    vv[u] = Kv::Load8(v_cache + KvBytes<Kv>(off));
+    if constexpr (Kv::kQuantized) {
+      ks[u] = __ldg(k_scales + KvScaleIndex<kGroup>(off));
+      vs[u] = __ldg(v_scales + KvScaleIndex<kGroup>(off));
+    }
+  };
   auto load_tile = [&](int sub, int cnt, int skip_pos) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       int tok = u * kTokensPerStep + tok_lane;
       int pos = start + sub + tok;
       if (tok < cnt && pos != skip_pos) {
-        int64_t slot =
-            static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-        int64_t off = (slot * num_kv_heads + kv_head) * kD + chunk * 8;
-        kv[u] = LoadStreaming(k_cache + off);
-        vv[u] = LoadStreaming(v_cache + off);
+        load_row(u, pos);
       } else {
-        kv[u] = vv[u] = make_uint4(0, 0, 0, 0);
+        kv[u] = vv[u] = typename Kv::Vec8{};
+        ks[u] = vs[u] = 0.0f;
       }
     }
   };
@@ -383,14 +422,7 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       int tok = u * kTokensPerStep + tok_lane;
-      if (start + tok == ctx - 1) {
-        int pos = ctx - 1;
-        int64_t slot =
-            static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-        int64_t off = (slot * num_kv_heads + kv_head) * kD + chunk * 8;
-        kv[u] = LoadStreaming(k_cache + off);
-        vv[u] = LoadStreaming(v_cache + off);
-      }
+      if (start + tok == ctx - 1) load_row(u, ctx - 1);
     }
   }
 
@@ -426,12 +458,13 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
     for (int u = 0; u < kUnroll; ++u) {
       int tok = u * kTokensPerStep + tok_lane;
       float kf[8];
-      Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&kv[u]), kf);
+      Kv::Decode8(kv[u], kf);
 #pragma unroll
       for (int g = 0; g < kG; ++g) {
         float sc = 0.0f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) sc = fmaf(qf[g][e], kf[e], sc);
+        if constexpr (Kv::kQuantized) sc *= ks[u];  // the chunk lies in one scale group
 #pragma unroll
         for (int o = kLanesPerToken / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
         if (chunk == 0 && tok < cnt) s_s[g][tok] = sc;
@@ -469,10 +502,11 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
       int tok = u * kTokensPerStep + tok_lane;
       if (tok < cnt) {
         float vf[8];
-        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&vv[u]), vf);
+        Kv::Decode8(vv[u], vf);
 #pragma unroll
         for (int g = 0; g < kG; ++g) {
           float p = s_s[g][tok];
+          if constexpr (Kv::kQuantized) p *= vs[u];  // p v = (p scale) code
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
         }
@@ -485,19 +519,24 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
                       counters, records, out);
 }
 
-template <int kD, int kG>
+template <typename Kv, int kD, int kG>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                  int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
                  unsigned* counters, Tensor out, cudaStream_t stream) {
   int partition = DecodeBatchPartition(b, num_heads, num_kv_heads);
-  auto kernel = partition == kSub ? DecodePartitionKernel<kD, kG> : DecodeTwoPhaseKernel<kD, kG>;
+  auto kernel =
+      partition == kSub ? DecodePartitionKernel<Kv, kD, kG> : DecodeTwoPhaseKernel<Kv, kD, kG>;
+  const auto* kc = static_cast<const uint8_t*>(k_cache.data);
+  const auto* vc = static_cast<const uint8_t*>(v_cache.data);
+  const auto* k_scales = static_cast<const float*>(k_cache.scales);
+  const auto* v_scales = static_cast<const float*>(v_cache.scales);
   if (b.num_tokens == b.num_seqs) {
     dim3 grid(DecodeNumSplits(b, num_heads, num_kv_heads), num_heads / kG, b.num_seqs);
-    LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(),
-              k_cache.ptr<const __nv_bfloat16>(), v_cache.ptr<const __nv_bfloat16>(), b.query_start,
-              b.context_lens, b.block_tables, static_cast<const int32_t*>(nullptr),
-              b.max_blocks_per_seq, b.block_size, num_heads, num_kv_heads, partition,
-              scale * kLog2e, counters, workspace, out.ptr<__nv_bfloat16>());
+    LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
+              k_scales, v_scales, b.query_start, b.context_lens, b.block_tables,
+              static_cast<const int32_t*>(nullptr), b.max_blocks_per_seq, b.block_size, num_heads,
+              num_kv_heads, partition, scale * kLog2e, counters, workspace,
+              out.ptr<__nv_bfloat16>());
     TP_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -510,24 +549,24 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     DeviceBatch chunk = b;
     chunk.num_seqs = chunk.num_tokens = n;
     dim3 grid(DecodeNumSplits(chunk, num_heads, num_kv_heads), num_heads / kG, n);
-    LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(),
-              k_cache.ptr<const __nv_bfloat16>(), v_cache.ptr<const __nv_bfloat16>(),
-              b.token_query_start + t0, b.token_context_lens + t0, b.block_tables,
-              b.token_table_rows + t0, b.max_blocks_per_seq, b.block_size, num_heads, num_kv_heads,
-              partition, scale * kLog2e, counters, workspace, out.ptr<__nv_bfloat16>());
+    LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
+              k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
+              b.block_tables, b.token_table_rows + t0, b.max_blocks_per_seq, b.block_size,
+              num_heads, num_kv_heads, partition, scale * kLog2e, counters, workspace,
+              out.ptr<__nv_bfloat16>());
     TP_CUDA_CHECK_LAUNCH();
   }
 }
 
-template <int kD>
+template <typename Kv, int kD>
 void LaunchForDim(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                   int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
                   unsigned* counters, Tensor out, cudaStream_t stream) {
   const int g = DecodeHeadsPerBlock(num_heads, num_kv_heads);
-  auto launch = g == 8   ? LaunchTyped<kD, 8>
-                : g == 4 ? LaunchTyped<kD, 4>
-                : g == 2 ? LaunchTyped<kD, 2>
-                         : LaunchTyped<kD, 1>;
+  auto launch = g == 8   ? LaunchTyped<Kv, kD, 8>
+                : g == 4 ? LaunchTyped<Kv, kD, 4>
+                : g == 2 ? LaunchTyped<Kv, kD, 2>
+                         : LaunchTyped<Kv, kD, 1>;
   launch(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, counters, out, stream);
 }
 
@@ -538,8 +577,7 @@ void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor&
                            const DeviceBatch& b, float* workspace, unsigned* counters, Tensor out,
                            cudaStream_t stream) {
   TP_CHECK_CUDA_TENSOR(q, DType::kBF16);
-  TP_CHECK_CUDA_TENSOR(k_cache, DType::kBF16);
-  TP_CHECK_CUDA_TENSOR(v_cache, DType::kBF16);
+  TP_CHECK_KV_CACHES("AttentionDecode", k_cache, v_cache);
   TP_CHECK_CUDA_TENSOR(out, DType::kBF16);
   TP_CHECK(b.num_tokens == b.num_seqs || b.token_context_lens != nullptr)
       << "AttentionDecode needs one query per sequence (tokens " << b.num_tokens << ", seqs "
@@ -554,16 +592,19 @@ void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor&
   TP_CHECK(workspace != nullptr && counters != nullptr)
       << "AttentionDecode: no workspace or counters";
   if (b.num_tokens == 0) return;
-  if (head_dim == 32) {
-    LaunchForDim<32>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, counters,
-                     out, stream);
-  } else if (head_dim == 64) {
-    LaunchForDim<64>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, counters,
-                     out, stream);
-  } else {
-    LaunchForDim<128>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, counters,
-                      out, stream);
-  }
+  DispatchKvType(k_cache.dtype, [&](auto kv_type) {
+    using Kv = decltype(kv_type);
+    if (head_dim == 32) {
+      LaunchForDim<Kv, 32>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace,
+                           counters, out, stream);
+    } else if (head_dim == 64) {
+      LaunchForDim<Kv, 64>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace,
+                           counters, out, stream);
+    } else {
+      LaunchForDim<Kv, 128>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace,
+                            counters, out, stream);
+    }
+  });
 }
 
 }  // namespace tpserve::cuda

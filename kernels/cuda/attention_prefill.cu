@@ -7,10 +7,16 @@
 // shape (32 heads, d 128) ran at 161 against 155 TFLOP/s (tpserve-cuda-bench --attention).
 // Handles any batch of query lengths with a cached prefix (chunked prefill, mixed batches):
 // query i of a sequence sees cache positions [0, context_len - query_len + i].
+// A quantized cache (fp8 / int8 / int4, kv_read.cuh): the tiles' codes and scales are gathered
+// with cp.async into staging buffers (two stages), decoded once per tile into the bf16 tiles
+// (exact: every code value is a bf16 value), and the MMAs run on the codes; the K scale
+// multiplies each score (one partial sum per scale group), the V scale each softmax weight
+// before it is rounded to bf16 (one partial P per group of output columns).
 #include <cstring>
 
 #include "common/env.h"
 #include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/kv_read.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/head_dims.h"
 
@@ -43,6 +49,10 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool va
   int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
+__device__ __forceinline__ void CpAsync4(uint32_t dst, const void* src, bool valid) {
+  int bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kN>
 __device__ __forceinline__ void CpAsyncWait() {
@@ -74,11 +84,22 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-template <int kD, int kWarps>
+// Shared memory of the kernel: q, the bf16 K and V tiles (two stages; one for a quantized cache,
+// whose two stages are its codes and scales).
+template <typename Kv, int kD, int kWarps>
+constexpr int PrefillSmemBytes() {
+  constexpr int kTileBytes = kBN * kD * 2;
+  if constexpr (!Kv::kQuantized) return kWarps * 16 * kD * 2 + 4 * kTileBytes;
+  constexpr int kCodeBytes = kBN * kD * Kv::kBits / 8;
+  constexpr int kScaleBytes = kBN * (kD / kKvGroup<Kv, kD>)*4;
+  return kWarps * 16 * kD * 2 + 2 * kTileBytes + 4 * kCodeBytes + 4 * kScaleBytes;
+}
+
+template <typename Kv, int kD, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
-    PrefillAttentionKernel(const __nv_bfloat16* __restrict__ q,
-                           const __nv_bfloat16* __restrict__ k_cache,
-                           const __nv_bfloat16* __restrict__ v_cache, const int2* __restrict__ work,
+    PrefillAttentionKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
+                           const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
+                           const float* __restrict__ v_scales, const int2* __restrict__ work,
                            const int32_t* __restrict__ query_start,
                            const int32_t* __restrict__ context_lens,
                            const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
@@ -88,10 +109,23 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int kBM = kWarps * 16;  // query rows per block
   constexpr int kChunks = kD / 8;
   constexpr int kTile = kBN * kD;  // elements of one K or V tile
+  constexpr bool kQuantized = Kv::kQuantized;
+  constexpr int kStages = kQuantized ? 1 : 2;    // of the bf16 tiles
+  constexpr int kRowBytes = kD * Kv::kBits / 8;  // codes of one key's head
+  constexpr int kCodeChunks = kRowBytes / 16;    // 16-byte copies per key
+  constexpr int kCodeTile = kBN * kRowBytes;     // code bytes of one K or V tile
+  constexpr int kGroup = kKvGroup<Kv, kD>;       // elements per scale
+  constexpr int kGroups = kD / kGroup;           // scales per key
+  static_assert(kGroups <= 2, "one or two scale groups per head");
   extern __shared__ __align__(128) __nv_bfloat16 smem[];
-  __nv_bfloat16* q_s = smem;             // [kBM][kD]
-  __nv_bfloat16* k_s = smem + kBM * kD;  // [2][kBN][kD]
-  __nv_bfloat16* v_s = k_s + 2 * kTile;  // [2][kBN][kD]
+  __nv_bfloat16* q_s = smem;                   // [kBM][kD]
+  __nv_bfloat16* k_s = smem + kBM * kD;        // [kStages][kBN][kD]
+  __nv_bfloat16* v_s = k_s + kStages * kTile;  // [kStages][kBN][kD]
+  // Quantized only: codes [2][kBN][kRowBytes] and scales [2][kBN][kGroups] of K and V.
+  uint8_t* kq_s = reinterpret_cast<uint8_t*>(v_s + kStages * kTile);
+  uint8_t* vq_s = kq_s + 2 * kCodeTile;
+  float* ksc_s = reinterpret_cast<float*>(vq_s + 2 * kCodeTile);
+  float* vsc_s = ksc_s + 2 * kBN * kGroups;
 
   const int2 item = work[blockIdx.x];
   const int seq = item.x, q0 = item.y;
@@ -129,20 +163,45 @@ __global__ void __launch_bounds__(kWarps * 32)
     int64_t slot = static_cast<int64_t>(table[page]) * block_size + in_page;
     return slot * kv_stride + kv_head * kD + my_chunk * 8;
   };
-  // which: 1 = K, 2 = V, 3 = both (one page lookup per row).
-  auto load_tile = [&](int tile, int k_stage, int v_stage, int which) {
+  // The cache row (slot * Hk + kv head) of `key` (0 past the context).
+  auto kv_row = [&](int key) -> int64_t {
+    if (key >= ctx) return 0;
+    int page = block_shift >= 0 ? key >> block_shift : key / block_size;
+    int in_page = block_shift >= 0 ? key & (block_size - 1) : key % block_size;
+    return (static_cast<int64_t>(table[page]) * block_size + in_page) * num_kv_heads + kv_head;
+  };
+  // K and V of a tile into `stage` (bf16: the tiles; quantized: the codes and scales).
+  auto load_tile = [&](int tile, int stage) {
     const int key0 = tile * kBN;
+    if constexpr (!kQuantized) {
+      const auto* kc = reinterpret_cast<const __nv_bfloat16*>(k_cache);
+      const auto* vc = reinterpret_cast<const __nv_bfloat16*>(v_cache);
 #pragma unroll
-    for (int j = 0; j < kBN / kRowsPerPass; ++j) {
-      int r = my_row + j * kRowsPerPass;
-      int key = key0 + r;
-      int64_t off = kv_offset(key);
-      int swz = Swizzle<kD>(r, my_chunk);
-      if (which & 1) CpAsync16(SmemAddr(k_s + k_stage * kTile + swz), k_cache + off, key < ctx);
-      if (which & 2) CpAsync16(SmemAddr(v_s + v_stage * kTile + swz), v_cache + off, key < ctx);
+      for (int j = 0; j < kBN / kRowsPerPass; ++j) {
+        int r = my_row + j * kRowsPerPass;
+        int key = key0 + r;
+        int64_t off = kv_offset(key);
+        int swz = Swizzle<kD>(r, my_chunk);
+        CpAsync16(SmemAddr(k_s + stage * kTile + swz), kc + off, key < ctx);
+        CpAsync16(SmemAddr(v_s + stage * kTile + swz), vc + off, key < ctx);
+      }
+    } else {
+      for (int i = tid; i < kBN * kCodeChunks; i += kThreads) {
+        int r = i / kCodeChunks, c = i % kCodeChunks, key = key0 + r;
+        int64_t off = kv_row(key) * kRowBytes + c * 16;
+        int dst = stage * kCodeTile + r * kRowBytes + c * 16;
+        CpAsync16(SmemAddr(kq_s + dst), k_cache + off, key < ctx);
+        CpAsync16(SmemAddr(vq_s + dst), v_cache + off, key < ctx);
+      }
+      for (int i = tid; i < kBN * kGroups; i += kThreads) {
+        int r = i / kGroups, g = i % kGroups, key = key0 + r;
+        int64_t off = kv_row(key) * kGroups + g;
+        CpAsync4(SmemAddr(ksc_s + stage * kBN * kGroups + i), k_scales + off, key < ctx);
+        CpAsync4(SmemAddr(vsc_s + stage * kBN * kGroups + i), v_scales + off, key < ctx);
+      }
     }
   };
-  load_tile(0, 0, 0, 3);
+  load_tile(0, 0);
   CpAsyncCommit();
 
   uint32_t qa[kD / 16][4];
@@ -163,7 +222,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int t = 0; t < num_tiles; ++t) {
     const int stage = t & 1;
     if (t + 1 < num_tiles) {
-      load_tile(t + 1, stage ^ 1, stage ^ 1, 3);
+      load_tile(t + 1, stage ^ 1);
       CpAsyncCommit();
       CpAsyncWait<1>();
     } else {
@@ -177,24 +236,64 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
     const bool compute = t < warp_tiles;
-    const __nv_bfloat16* kt = k_s + stage * kTile;
-    const __nv_bfloat16* vt = v_s + stage * kTile;
+    const __nv_bfloat16* kt = k_s + (kQuantized ? 0 : stage * kTile);
+    const __nv_bfloat16* vt = v_s + (kQuantized ? 0 : stage * kTile);
+    const float* ksc = ksc_s + stage * kBN * kGroups;
+    const float* vsc = vsc_s + stage * kBN * kGroups;
+    if constexpr (kQuantized) {
+      // Codes -> bf16 tiles, exact (every e4m3, int8 and int4 value is a bf16 value).
+      const uint8_t* kq = kq_s + stage * kCodeTile;
+      const uint8_t* vq = vq_s + stage * kCodeTile;
+      for (int i = tid; i < kBN * kChunks; i += kThreads) {
+        int r = i / kChunks, c = i % kChunks;
+        int src = r * kRowBytes + c * Kv::kBits;  // 8 elements: kBits bytes
+        float f[8];
+        Kv::Decode8(*reinterpret_cast<const typename Kv::Vec8*>(kq + src), f);
+        *reinterpret_cast<Bf16x8*>(k_s + Swizzle<kD>(r, c)) = FloatToBf16x8(f);
+        Kv::Decode8(*reinterpret_cast<const typename Kv::Vec8*>(vq + src), f);
+        *reinterpret_cast<Bf16x8*>(v_s + Swizzle<kD>(r, c)) = FloatToBf16x8(f);
+      }
+      __syncthreads();
+    }
 
-    // S = Q K^T for this warp's 16 rows and the tile's 64 keys.
+    // S = Q K^T for this warp's 16 rows and the tile's 64 keys. A quantized K: s and s2 hold
+    // the sums over the first and second scale group of the head (codes, unscaled).
     float s[kBN / 8][4];
+    float s2[kBN / 8][4];  // registers only where kGroups > 1
     if (compute) {
 #pragma unroll
-      for (int n = 0; n < kBN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      for (int n = 0; n < kBN / 8; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        if constexpr (kGroups > 1) s2[n][0] = s2[n][1] = s2[n][2] = s2[n][3] = 0.0f;
+      }
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
+        const bool first_group = kGroups == 1 || kk * 16 < kGroup;  // known when unrolled
 #pragma unroll
         for (int n2 = 0; n2 < kBN / 16; ++n2) {
           uint32_t b[4];
           int r = n2 * 16 + (lane % 8) + (lane / 16) * 8;
           int c = kk * 2 + (lane / 8) % 2;
           LdMatrixX4(b, SmemAddr(kt + Swizzle<kD>(r, c)));
-          Mma16816(s[2 * n2], qa[kk], b[0], b[1]);
-          Mma16816(s[2 * n2 + 1], qa[kk], b[2], b[3]);
+          if (first_group) {
+            Mma16816(s[2 * n2], qa[kk], b[0], b[1]);
+            Mma16816(s[2 * n2 + 1], qa[kk], b[2], b[3]);
+          } else {
+            Mma16816(s2[2 * n2], qa[kk], b[0], b[1]);
+            Mma16816(s2[2 * n2 + 1], qa[kk], b[2], b[3]);
+          }
+        }
+      }
+      if constexpr (kQuantized) {  // q.k = sum over groups of scale * (q . codes)
+#pragma unroll
+        for (int n = 0; n < kBN / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = n * 8 + 2 * (lane % 4) + (e & 1);
+            float v = s[n][e] * ksc[key * kGroups];
+            if constexpr (kGroups > 1) v = fmaf(s2[n][e], ksc[key * kGroups + 1], v);
+            s[n][e] = v;
+          }
         }
       }
 
@@ -241,27 +340,39 @@ __global__ void __launch_bounds__(kWarps * 32)
         }
       }
     }
-    // O += P V: P (bf16) from the S accumulators, V via transposed ldmatrix.
+    // O += P V: P (bf16) from the S accumulators, V via transposed ldmatrix. A quantized V:
+    // P times the V scale of each key, separately for each scale group of output columns.
     if (compute) {
 #pragma unroll
       for (int kk = 0; kk < kBN / 16; ++kk) {
-        uint32_t pa[4];
-        pa[0] = PackBf16(s[2 * kk][0], s[2 * kk][1]);
-        pa[1] = PackBf16(s[2 * kk][2], s[2 * kk][3]);
-        pa[2] = PackBf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[3] = PackBf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
-        for (int d2 = 0; d2 < kD / 16; ++d2) {
-          uint32_t b[4];
-          int r = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-          int c = d2 * 2 + lane / 16;
-          LdMatrixX4Trans(b, SmemAddr(vt + Swizzle<kD>(r, c)));
-          Mma16816(o[2 * d2], pa, b[0], b[1]);
-          Mma16816(o[2 * d2 + 1], pa, b[2], b[3]);
+        for (int grp = 0; grp < kGroups; ++grp) {
+          float w0 = 1.0f, w1 = 1.0f, w2 = 1.0f, w3 = 1.0f;  // keys 2t, 2t + 1, 2t + 8, 2t + 9
+          if constexpr (kQuantized) {
+            const int key = kk * 16 + 2 * (lane % 4);
+            w0 = vsc[key * kGroups + grp];
+            w1 = vsc[(key + 1) * kGroups + grp];
+            w2 = vsc[(key + 8) * kGroups + grp];
+            w3 = vsc[(key + 9) * kGroups + grp];
+          }
+          uint32_t pa[4];
+          pa[0] = PackBf16(s[2 * kk][0] * w0, s[2 * kk][1] * w1);
+          pa[1] = PackBf16(s[2 * kk][2] * w0, s[2 * kk][3] * w1);
+          pa[2] = PackBf16(s[2 * kk + 1][0] * w2, s[2 * kk + 1][1] * w3);
+          pa[3] = PackBf16(s[2 * kk + 1][2] * w2, s[2 * kk + 1][3] * w3);
+#pragma unroll
+          for (int d2 = grp * kGroup / 16; d2 < (grp + 1) * kGroup / 16; ++d2) {
+            uint32_t b[4];
+            int r = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+            int c = d2 * 2 + lane / 16;
+            LdMatrixX4Trans(b, SmemAddr(vt + Swizzle<kD>(r, c)));
+            Mma16816(o[2 * d2], pa, b[0], b[1]);
+            Mma16816(o[2 * d2 + 1], pa, b[2], b[3]);
+          }
         }
       }
     }
-    __syncthreads();  // the stage is refilled by the next iteration's loads
+    __syncthreads();  // the stage (and a quantized cache's bf16 tiles) is refilled next
   }
   CpAsyncWait<0>();  // no copy outlives the block (a padding row's tile count is 0)
 
@@ -284,13 +395,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-template <int kD, int kWarps>
+template <typename Kv, int kD, int kWarps>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                  int num_kv_heads, float scale, const DeviceBatch& b, Tensor out,
                  cudaStream_t stream) {
-  constexpr int kSmem = (kWarps * 16 + 4 * kBN) * kD * 2;
+  constexpr int kSmem = PrefillSmemBytes<Kv, kD, kWarps>();
   static bool configured = [] {
-    TP_CUDA_CHECK(cudaFuncSetAttribute(PrefillAttentionKernel<kD, kWarps>,
+    TP_CUDA_CHECK(cudaFuncSetAttribute(PrefillAttentionKernel<Kv, kD, kWarps>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     return true;
   }();
@@ -300,24 +411,28 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     if ((1 << sh) == b.block_size) block_shift = sh;
   }
   dim3 grid(b.num_prefill_work, num_heads);
-  PrefillAttentionKernel<kD, kWarps><<<grid, kWarps * 32, kSmem, stream>>>(
-      q.ptr<const __nv_bfloat16>(), k_cache.ptr<const __nv_bfloat16>(),
-      v_cache.ptr<const __nv_bfloat16>(), b.prefill_work, b.query_start, b.context_lens,
+  PrefillAttentionKernel<Kv, kD, kWarps><<<grid, kWarps * 32, kSmem, stream>>>(
+      q.ptr<const __nv_bfloat16>(), static_cast<const uint8_t*>(k_cache.data),
+      static_cast<const uint8_t*>(v_cache.data), static_cast<const float*>(k_cache.scales),
+      static_cast<const float*>(v_cache.scales), b.prefill_work, b.query_start, b.context_lens,
       b.block_tables, b.max_blocks_per_seq, b.block_size, block_shift, num_heads, num_kv_heads,
       scale * kLog2e, out.ptr<__nv_bfloat16>());
   TP_CUDA_CHECK_LAUNCH();
 }
 
-template <int kWarps>
+template <typename Kv, int kWarps>
 void LaunchForWarps(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                     int num_kv_heads, int head_dim, float scale, const DeviceBatch& b, Tensor out,
                     cudaStream_t stream) {
   if (head_dim == 32) {
-    LaunchTyped<32, kWarps>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out, stream);
+    LaunchTyped<Kv, 32, kWarps>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
+                                stream);
   } else if (head_dim == 64) {
-    LaunchTyped<64, kWarps>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out, stream);
+    LaunchTyped<Kv, 64, kWarps>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
+                                stream);
   } else {
-    LaunchTyped<128, kWarps>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out, stream);
+    LaunchTyped<Kv, 128, kWarps>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
+                                 stream);
   }
 }
 
@@ -327,8 +442,7 @@ void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor
                             int num_heads, int num_kv_heads, int head_dim, float scale,
                             const DeviceBatch& b, Tensor out, cudaStream_t stream) {
   TP_CHECK_CUDA_TENSOR(q, DType::kBF16);
-  TP_CHECK_CUDA_TENSOR(k_cache, DType::kBF16);
-  TP_CHECK_CUDA_TENSOR(v_cache, DType::kBF16);
+  TP_CHECK_KV_CACHES("AttentionPrefill", k_cache, v_cache);
   TP_CHECK_CUDA_TENSOR(out, DType::kBF16);
   TP_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && CudaSupportsHeadDim(head_dim) &&
            k_cache.ndim == 4 && k_cache.dim(1) == b.block_size && k_cache.dim(2) == num_kv_heads &&
@@ -339,13 +453,16 @@ void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor
       << ", head_dim " << head_dim << " (" << kCudaHeadDims << "), block_size " << b.block_size;
   if (b.num_prefill_work == 0) return;
   // SetBatch cut the work list into tiles of PrefillTileM() rows.
-  if (PrefillTileM() == 64) {
-    LaunchForWarps<4>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b, out,
-                      stream);
-  } else {
-    LaunchForWarps<8>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b, out,
-                      stream);
-  }
+  DispatchKvType(k_cache.dtype, [&](auto kv_type) {
+    using Kv = decltype(kv_type);
+    if (PrefillTileM() == 64) {
+      LaunchForWarps<Kv, 4>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b, out,
+                            stream);
+    } else {
+      LaunchForWarps<Kv, 8>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b, out,
+                            stream);
+    }
+  });
 }
 
 }  // namespace tpserve::cuda

@@ -14,6 +14,7 @@
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/sample.h"
 #include "kernels/cuda/uploader.h"
+#include "kernels/kv_quant.h"
 
 namespace tpserve {
 namespace cuda {
@@ -645,9 +646,12 @@ void CudaOps::AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tens
                               Tensor out) {
   if (Ablated("AttentionDecode")) return;
   GrowDecodeWorkspace(*batch_, num_heads, num_kv_heads, head_dim);
-  // KV bytes when every sequence has the longest context (as in the benchmarks).
-  const double kv_bytes = 2.0 * batch_->num_seqs * batch_->max_context_len * num_kv_heads *
-                          head_dim * DTypeSize(k_cache.dtype);
+  // KV bytes when every sequence has the longest context (as in the benchmarks): the codes
+  // and, for a quantized cache, the f32 scales of each token's head.
+  const double head_bytes =
+      head_dim * DTypeBits(k_cache.dtype) / 8.0 + 4.0 * KvScaleGroups(k_cache.dtype, head_dim);
+  const double kv_bytes =
+      2.0 * batch_->num_seqs * batch_->max_context_len * num_kv_heads * head_bytes;
   OpScope scope(
       this, "AttentionDecode",
       [&] {

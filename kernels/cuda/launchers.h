@@ -108,6 +108,8 @@ void LaunchSiluMul(const Tensor& gate_up, Tensor out, cudaStream_t stream);
 void LaunchAdd(const Tensor& a, const Tensor& b, Tensor out, cudaStream_t stream);
 void LaunchGatherRows(const Tensor& in, const DeviceBatch& b, Tensor out, cudaStream_t stream);
 void LaunchInterleaveShards(const Tensor& in, Tensor out, cudaStream_t stream);
+// The attention launchers take q and out in bf16 and caches in bf16, or both fp8 (e4m3), int8 or
+// int4 with their scales (kernels/kv_quant.h), decoded in the kernels (kv_read.cuh).
 void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             int num_heads, int num_kv_heads, int head_dim, float scale,
                             const DeviceBatch& b, Tensor out, cudaStream_t stream);
@@ -116,8 +118,9 @@ void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor
 // One kernel (the last block of each sequence and head group merges the splits). A batch that
 // is not all decode is accepted in deterministic mode (b.token_context_lens set): one decode
 // query per token, in launches of kDecodeQueryChunk tokens. A decode step may read
-// the cache rows of positions < context_len - 1 before the previous kernel in the stream has
-// finished (programmatic dependent launch): only the current token's row may be written by it.
+// the cache rows (and scales) of positions < context_len - 1 before the previous kernel in the
+// stream has finished (programmatic dependent launch): only the current token's row may be
+// written by it.
 void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                            int num_heads, int num_kv_heads, int head_dim, float scale,
                            const DeviceBatch& b, float* workspace, unsigned* counters, Tensor out,

@@ -17,6 +17,7 @@
 #include "common/bf16.h"
 #include "kernels/cuda/bench_knobs.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 #include "kernels/philox.h"
 
@@ -89,6 +90,37 @@ class CudaOpsTest : public ::testing::Test {
     bufs_.emplace_back(ops_.get(), t.bytes());
     t.data = bufs_.back().get();
     EXPECT_EQ(cudaMemset(t.data, 0xFF, t.bytes()), cudaSuccess);
+    return t;
+  }
+  // A KV pool [blocks, bs, hk, d] of dtype `kv` on the device holding `v`: bf16, or quantized
+  // (codes and scales) one token's head at a time by QuantizeKvHead. `held` gets the values the
+  // pool holds (DequantizeKvHead), the input of the CPU reference.
+  Tensor GpuKv(const std::vector<float>& v, std::initializer_list<int64_t> shape, DType kv,
+               std::vector<float>* held) {
+    if (kv == DType::kBF16) {
+      *held = v;
+      return Gpu(v, shape);
+    }
+    Tensor t(nullptr, shape, kv, Device::kCuda);
+    const int d = static_cast<int>(t.dim(3));
+    const int64_t heads = t.numel() / d;
+    const int groups = KvScaleGroups(kv, d);
+    const int64_t head_bytes = int64_t{d} * DTypeBits(kv) / 8;
+    std::vector<uint8_t> codes(heads * head_bytes, 0);
+    std::vector<float> scales(heads * groups);
+    held->resize(v.size());
+    for (int64_t h = 0; h < heads; ++h) {
+      QuantizeKvHead(kv, v.data() + h * d, d, codes.data() + h * head_bytes,
+                     scales.data() + h * groups);
+      DequantizeKvHead(kv, codes.data() + h * head_bytes, scales.data() + h * groups, d,
+                       held->data() + h * d);
+    }
+    bufs_.emplace_back(ops_.get(), codes.size());
+    ops_->CopyToDevice(bufs_.back().get(), codes.data(), codes.size());
+    t.data = bufs_.back().get();
+    bufs_.emplace_back(ops_.get(), scales.size() * 4);
+    ops_->CopyToDevice(bufs_.back().get(), scales.data(), scales.size() * 4);
+    t.scales = bufs_.back().get();
     return t;
   }
   std::vector<float> Host(const Tensor& t) {
@@ -611,17 +643,26 @@ struct AttnCase {
   int hq, hk, d, bs;
 };
 
+// The attention ops against the CPU reference over an f32 cache holding the values the GPU's
+// cache holds: for a quantized cache (fp8 / int8 / int4) the dequantized ones (GpuKv), so the
+// reference needs no quantized-cache support. The bf16 tolerance holds for every cache dtype:
+// the GPU decodes the codes exactly and applies the scales in fp32 (decode: to each partial dot
+// product and softmax weight; prefill: to the fp32 scores, and to P before its one rounding to
+// bf16, as the bf16 path rounds P), so the values and roundings are those of the bf16 case.
 class CudaAttentionTest : public CudaOpsTest {
  protected:
-  void Run(const AttnCase& c, bool decode) {
+  void Run(const AttnCase& c, bool decode, DType kv = DType::kBF16) {
     int total_blocks = 0;
     for (auto [q, ctx] : c.seqs) total_blocks += (ctx + c.bs - 1) / c.bs;
     total_blocks += 3;  // unused blocks hold garbage the kernels must not read
     BatchMeta m = MakeBatch(c.seqs, c.bs, total_blocks, rng_);
     const int T = m.num_tokens, qw = c.hq * c.d, kvw = c.hk * c.d;
     auto q = RandomBf16(rng_, size_t{1} * T * qw);
-    auto kc = RandomBf16(rng_, size_t{1} * total_blocks * c.bs * kvw);
-    auto vc = RandomBf16(rng_, size_t{1} * total_blocks * c.bs * kvw);
+    const auto k_in = RandomBf16(rng_, size_t{1} * total_blocks * c.bs * kvw);
+    const auto v_in = RandomBf16(rng_, size_t{1} * total_blocks * c.bs * kvw);
+    std::vector<float> kc, vc;  // what the device caches hold
+    Tensor gk = GpuKv(k_in, {total_blocks, c.bs, c.hk, c.d}, kv, &kc),
+           gv = GpuKv(v_in, {total_blocks, c.bs, c.hk, c.d}, kv, &vc);
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
     std::vector<float> want(size_t{1} * T * qw);
     SetBatch(m);
@@ -634,8 +675,7 @@ class CudaAttentionTest : public CudaOpsTest {
                              Cpu(vc, {total_blocks, c.bs, c.hk, c.d}), c.hq, c.hk, c.d, scale,
                              Cpu(want, {T, qw}));
     }
-    Tensor gq = Gpu(q, {T, qw}), gk = Gpu(kc, {total_blocks, c.bs, c.hk, c.d}),
-           gv = Gpu(vc, {total_blocks, c.bs, c.hk, c.d});
+    Tensor gq = Gpu(q, {T, qw});
     Tensor out = GpuOut({T, qw});
     if (decode) {
       ops_->AttentionDecode(gq, gk, gv, c.hq, c.hk, c.d, scale, out);
@@ -695,6 +735,51 @@ TEST_F(CudaAttentionTest, DecodePagedSplitGqa) {
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(i);
     Run(cases[i], /*decode=*/true);
+  }
+}
+
+const DType kQuantizedKv[] = {DType::kF8E4M3, DType::kI8, DType::kI4};
+
+// Quantized caches: head dims 128 (int4: two scale groups a head), 64 and 32 (one group), GQA
+// and MQA, chunked prefill over a cached prefix beside decode rows, block sizes 16 and 32.
+TEST_F(CudaAttentionTest, PrefillQuantizedKvCache) {
+  const std::vector<AttnCase> cases = {
+      {{{77, 77}}, 4, 4, 128, 16},                                       // one odd prompt
+      {{{130, 300}, {1, 45}, {64, 64}, {3, 17}, {1, 0}}, 8, 2, 64, 16},  // mixed, GQA, pad
+      {{{200, 700}, {1, 1000}, {1, 33}}, 12, 4, 128, 16},                // chunk + decode rows
+      {{{65, 129}, {128, 128}}, 6, 1, 128, 32},                          // block boundaries, MQA
+      {{{119, 119}, {7, 40}, {1, 33}}, 8, 2, 32, 16},                    // head_dim 32
+  };
+  for (DType kv : kQuantizedKv) {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      SCOPED_TRACE(std::string(KvCacheDTypeName(kv)) + " case " + std::to_string(i));
+      Run(cases[i], /*decode=*/false, kv);
+    }
+  }
+}
+
+// Quantized caches through every decode variant: the sub-tile kernel (one and several 64-key
+// partitions merged in-kernel), the two-phase kernel with 128- and 256-key partitions.
+TEST_F(CudaAttentionTest, DecodeQuantizedKvCache) {
+  std::vector<AttnCase> cases = {
+      {{{1, 1}, {1, 16}, {1, 0}, {1, 17}, {1, 300}, {1, 1023}}, 8, 2, 128, 16},  // sub-tile, G=4
+      {{{1, 257}, {1, 512}, {1, 513}}, 16, 2, 64, 16},                           // G=8
+      {{{1, 100}, {1, 0}, {1, 700}}, 12, 4, 128, 32},                            // G=3, bs 32
+      {{{1, 768}}, 32, 32, 128, 16},  // batch 1 of the 6.7B shape: 12 splits merged in-kernel
+      // 192 sequence-head pairs: the two-phase kernel with 128-key splits.
+      {{{1, 1}, {1, 129}, {1, 0}, {1, 640}, {1, 128}, {1, 1000}}, 32, 32, 128, 16},
+      {{{1, 1}, {1, 40}, {1, 127}}, 8, 2, 32, 16},  // head_dim 32
+  };
+  // >= 512 sequence-head pairs: the two-phase kernel with 256-key partitions.
+  AttnCase big{{}, 32, 32, 64, 16};
+  std::uniform_int_distribution<int> ctx_dist(1, 1500);
+  for (int i = 0; i < 20; ++i) big.seqs.push_back({1, ctx_dist(rng_)});
+  cases.push_back(big);
+  for (DType kv : kQuantizedKv) {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      SCOPED_TRACE(std::string(KvCacheDTypeName(kv)) + " case " + std::to_string(i));
+      Run(cases[i], /*decode=*/true, kv);
+    }
   }
 }
 

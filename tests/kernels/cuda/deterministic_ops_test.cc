@@ -1,6 +1,7 @@
 // Deterministic mode of the CUDA ops (Ops::SetDeterministic): a GEMM row has the same bits for
 // every M from 1 to 256 (and a 2048-row prefill) at any position of the batch, and a token's
-// attention has the same bits in a prefill chunk of any size as in a decode step of any batch.
+// attention has the same bits in a prefill chunk of any size as in a decode step of any batch,
+// over a bf16 or a quantized (fp8 / int8 / int4) KV cache.
 // Without a CUDA device every test prints "no CUDA device, test skipped" and is skipped.
 #include <algorithm>
 #include <cmath>
@@ -14,6 +15,7 @@
 
 #include "common/bf16.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 
 namespace tpserve {
@@ -44,6 +46,30 @@ class DeterministicOpsTest : public ::testing::Test {
     bufs_.emplace_back(ops_.get(), h.size() * 2);
     ops_->CopyToDevice(bufs_.back().get(), h.data(), h.size() * 2);
     return Tensor(bufs_.back().get(), shape, DType::kBF16, Device::kCuda);
+  }
+  // A random KV pool [blocks, bs, hk, d] of dtype `kv`: bf16, or normal values quantized one
+  // token's head at a time by QuantizeKvHead (codes and scales).
+  Tensor UploadKv(std::initializer_list<int64_t> shape, DType kv) {
+    Tensor t(nullptr, shape, kv, Device::kCuda);
+    if (kv == DType::kBF16) return Upload(RandomBf16Bits(rng_, t.numel(), 1.0f), shape);
+    const int d = static_cast<int>(t.dim(3));
+    const int64_t heads = t.numel() / d, head_bytes = int64_t{d} * DTypeBits(kv) / 8;
+    const int groups = KvScaleGroups(kv, d);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::vector<float> x(d);
+    std::vector<uint8_t> codes(heads * head_bytes, 0);
+    std::vector<float> scales(heads * groups);
+    for (int64_t h = 0; h < heads; ++h) {
+      for (float& e : x) e = dist(rng_);
+      QuantizeKvHead(kv, x.data(), d, codes.data() + h * head_bytes, scales.data() + h * groups);
+    }
+    bufs_.emplace_back(ops_.get(), codes.size());
+    ops_->CopyToDevice(bufs_.back().get(), codes.data(), codes.size());
+    t.data = bufs_.back().get();
+    bufs_.emplace_back(ops_.get(), scales.size() * 4);
+    ops_->CopyToDevice(bufs_.back().get(), scales.data(), scales.size() * 4);
+    t.scales = bufs_.back().get();
+    return t;
   }
   Tensor Out(std::initializer_list<int64_t> shape) {
     Tensor t(nullptr, shape, DType::kBF16, Device::kCuda);
@@ -162,25 +188,29 @@ BatchMeta MetaOf(const std::vector<SeqSpec>& seqs, int bs, int width) {
 TEST_F(DeterministicOpsTest, PrefillTokensEqualTheirDecodeSteps) {
   struct Case {
     int hq, hk, d, ctx, chunk;
+    DType kv = DType::kBF16;
   };
   const Case cases[] = {
       {32, 32, 128, 700, 300},  // the 6.7B shape; > 256 tokens: two launches of token queries
       {32, 32, 128, 1300, 64},  // a later chunk of a long prompt
       {16, 2, 64, 513, 513},    // GQA, the whole prompt at once
       {8, 2, 32, 129, 40},      // tiny-coder's head_dim
+      // Quantized caches (int4 at head_dim 128: two scale groups a head).
+      {32, 32, 128, 400, 80, DType::kF8E4M3},
+      {16, 2, 64, 300, 120, DType::kI8},
+      {8, 2, 128, 700, 100, DType::kI4},
   };
   constexpr int kBs = 16, kPool = 1200;
   for (const Case& c : cases) {
     SCOPED_TRACE("heads " + std::to_string(c.hq) + "/" + std::to_string(c.hk) + " d " +
-                 std::to_string(c.d) + " ctx " + std::to_string(c.ctx));
-    const int qw = c.hq * c.d, kvw = c.hk * c.d;
+                 std::to_string(c.d) + " ctx " + std::to_string(c.ctx) + " kv " +
+                 std::string(DTypeName(c.kv)));
+    const int qw = c.hq * c.d;
     std::vector<int32_t> free_blocks(kPool);
     std::iota(free_blocks.begin(), free_blocks.end(), 0);
     std::shuffle(free_blocks.begin(), free_blocks.end(), rng_);
-    Tensor kc =
-        Upload(RandomBf16Bits(rng_, size_t{1} * kPool * kBs * kvw, 1.0f), {kPool, kBs, c.hk, c.d});
-    Tensor vc =
-        Upload(RandomBf16Bits(rng_, size_t{1} * kPool * kBs * kvw, 1.0f), {kPool, kBs, c.hk, c.d});
+    Tensor kc = UploadKv({kPool, kBs, c.hk, c.d}, c.kv);
+    Tensor vc = UploadKv({kPool, kBs, c.hk, c.d}, c.kv);
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
     const SeqSpec target{c.chunk, c.ctx, RandomTable(c.ctx, kBs, free_blocks)};
     auto target_q = RandomBf16Bits(rng_, size_t{1} * c.chunk * qw, 1.0f);

@@ -1,0 +1,171 @@
+// How the attention kernels read the KV cache: one type per cache dtype (bf16, or a quantized
+// code of kernels/kv_quant.h) that loads 8 consecutive elements of a row and decodes them to fp32
+// in registers, bit-exact with KvDecode. The scales are applied by the kernels, once per group.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/cuda_util.cuh"
+#include "kernels/kv_quant.h"
+
+namespace tpserve::cuda {
+
+// Streaming loads of 8 and 4 bytes (KV codes are read once, like LoadStreaming).
+__device__ __forceinline__ uint2 LoadStreaming8(const void* p) {
+  uint2 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+               : "=r"(r.x), "=r"(r.y)
+               : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint32_t LoadStreaming4(const void* p) {
+  uint32_t r;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// Two e4m3 codes (element 2i in the low byte) -> two floats through the hardware conversion to
+// f16 (exact: every e4m3 value is an f16 value).
+__device__ __forceinline__ float2 E4M3x2ToFloat2(uint32_t two_codes) {
+  __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes), __NV_E4M3);
+  return __half22float2(__half2(h));
+}
+
+// Byte b of w (0..255) as a float without an integer conversion: 2^23 + b is a float whose low
+// mantissa bits are b, so (bits 0x4B0000bb as float) - 2^23 = b exactly.
+template <int kByte>
+__device__ __forceinline__ float ByteToFloat(uint32_t w, float bias) {
+  return __int_as_float(static_cast<int>(__byte_perm(w, 0x4B000000u, 0x7540 | kByte))) -
+         (8388608.0f + bias);
+}
+
+// The cache element types. Vec8 holds 8 consecutive elements of a row (16, 8 or 4 bytes);
+// Decode8 gives their values before the scale: KvDecode(code) for a quantized type.
+struct KvBf16 {
+  static constexpr DType kDType = DType::kBF16;
+  static constexpr bool kQuantized = false;
+  static constexpr int kBits = 16;
+  using Vec8 = uint4;
+  __device__ static __forceinline__ Vec8 Load8(const uint8_t* p) { return LoadStreaming(p); }
+  __device__ static __forceinline__ void Decode8(const Vec8& v, float f[8]) {
+    Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&v), f);
+  }
+};
+
+struct KvF8E4M3 {
+  static constexpr DType kDType = DType::kF8E4M3;
+  static constexpr bool kQuantized = true;
+  static constexpr int kBits = 8;
+  using Vec8 = uint2;
+  __device__ static __forceinline__ Vec8 Load8(const uint8_t* p) { return LoadStreaming8(p); }
+  __device__ static __forceinline__ void Decode8(const Vec8& v, float f[8]) {
+    const uint32_t w[2] = {v.x, v.y};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float2 a = E4M3x2ToFloat2(w[i]), b = E4M3x2ToFloat2(w[i] >> 16);
+      f[4 * i] = a.x;
+      f[4 * i + 1] = a.y;
+      f[4 * i + 2] = b.x;
+      f[4 * i + 3] = b.y;
+    }
+  }
+};
+
+struct KvI8 {
+  static constexpr DType kDType = DType::kI8;
+  static constexpr bool kQuantized = true;
+  static constexpr int kBits = 8;
+  using Vec8 = uint2;
+  __device__ static __forceinline__ Vec8 Load8(const uint8_t* p) { return LoadStreaming8(p); }
+  // Flipping the sign bit maps int8 q to the byte q + 128.
+  __device__ static __forceinline__ void Decode8(const Vec8& v, float f[8]) {
+    const uint32_t w[2] = {v.x ^ 0x80808080u, v.y ^ 0x80808080u};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      f[4 * i] = ByteToFloat<0>(w[i], 128.0f);
+      f[4 * i + 1] = ByteToFloat<1>(w[i], 128.0f);
+      f[4 * i + 2] = ByteToFloat<2>(w[i], 128.0f);
+      f[4 * i + 3] = ByteToFloat<3>(w[i], 128.0f);
+    }
+  }
+};
+
+struct KvI4 {
+  static constexpr DType kDType = DType::kI4;
+  static constexpr bool kQuantized = true;
+  static constexpr int kBits = 4;
+  using Vec8 = uint32_t;
+  __device__ static __forceinline__ Vec8 Load8(const uint8_t* p) { return LoadStreaming4(p); }
+  // Nibble i is element i, stored as q + 8.
+  __device__ static __forceinline__ void Decode8(const Vec8& v, float f[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      f[i] = __int_as_float(static_cast<int>(((v >> (4 * i)) & 15u) | 0x4B000000u)) -
+             (8388608.0f + 8.0f);
+    }
+  }
+};
+
+// Elements per scale (kernels/kv_quant.h, KvScaleGroup) for head dimension kD; a group is a
+// whole number of 8-element chunks.
+template <typename Kv, int kD>
+inline constexpr int kKvGroup = Kv::kDType == DType::kI4 ? (kD < kKvInt4Group ? kD : kKvInt4Group)
+                                                         : kD;
+
+// Byte offset of element `e` (a multiple of 8) in a pool of Kv.
+template <typename Kv>
+__device__ __forceinline__ int64_t KvBytes(int64_t e) {
+  return e * Kv::kBits / 8;
+}
+
+// The scale of the element at offset `e` (>= 0) in a pool of groups of kGroup (a power of two).
+template <int kGroup>
+__device__ __forceinline__ int64_t KvScaleIndex(int64_t e) {
+  static_assert((kGroup & (kGroup - 1)) == 0, "a shift");
+  return static_cast<int64_t>(static_cast<uint64_t>(e) / kGroup);
+}
+
+// Calls f(Kv{}) with the element type of `dtype` (a KV-cache dtype the kernels read).
+template <typename F>
+void DispatchKvType(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kF8E4M3:
+      f(KvF8E4M3{});
+      return;
+    case DType::kI8:
+      f(KvI8{});
+      return;
+    case DType::kI4:
+      f(KvI4{});
+      return;
+    default:
+      f(KvBf16{});
+      return;
+  }
+}
+
+// The checks every attention launcher makes of its caches: bf16, or one quantized dtype for
+// both with their scales.
+#define TP_CHECK_KV_CACHES(op, k_cache, v_cache)                                                  \
+  do {                                                                                            \
+    TP_CHECK((k_cache).device == ::tpserve::Device::kCuda &&                                      \
+             (v_cache).device == ::tpserve::Device::kCuda && (k_cache).data != nullptr &&         \
+             (v_cache).data != nullptr)                                                           \
+        << op ": k_cache and v_cache must be CUDA tensors, got " << (k_cache).ShapeString()       \
+        << " and " << (v_cache).ShapeString();                                                    \
+    TP_CHECK((k_cache).dtype == (v_cache).dtype && ((k_cache).dtype == ::tpserve::DType::kBF16 || \
+                                                    ::tpserve::IsQuantizedKv((k_cache).dtype)))   \
+        << op ": k_cache and v_cache must both be bf16, fp8 (e4m3), int8 or int4, got "           \
+        << (k_cache).ShapeString() << " and " << (v_cache).ShapeString();                         \
+    TP_CHECK(::tpserve::IsQuantizedKv((k_cache).dtype)                                            \
+                 ? ((k_cache).scales != nullptr && (v_cache).scales != nullptr)                   \
+                 : ((k_cache).scales == nullptr && (v_cache).scales == nullptr))                  \
+        << op ": a quantized KV cache needs its scales (and a bf16 one has none): k_cache "       \
+        << (k_cache).ShapeString() << " scales " << (k_cache).scales << ", v_cache "              \
+        << (v_cache).ShapeString() << " scales " << (v_cache).scales;                             \
+  } while (0)
+
+}  // namespace tpserve::cuda
