@@ -113,6 +113,26 @@ __device__ __forceinline__ void StoreBf16(__nv_bfloat16* p, const float (&f)[kEp
   }
 }
 
+// RoPE (rotate-half, fp32) of the head a full warp holds as QuantizeHeadWarp takes it: lanes
+// 0-15 hold the first half, and the partner of a lane's element i (i + D/2, or i - D/2) sits in
+// lane l ^ 16 at the same place, one shuffle away. cos_s / sin_s: the token's table (D/2).
+template <int kEpl>
+__device__ __forceinline__ void RotateHalfWarp(float (&f)[kEpl], int lane,
+                                               const float* __restrict__ cos_s,
+                                               const float* __restrict__ sin_s) {
+  float partner[kEpl];
+#pragma unroll
+  for (int e = 0; e < kEpl; ++e) partner[e] = __shfl_xor_sync(0xffffffffu, f[e], 16);
+  const int i0 = (lane % 16) * kEpl;  // this lane's first index within the half
+#pragma unroll
+  for (int e = 0; e < kEpl; ++e) {
+    const float c = cos_s[i0 + e], s = sin_s[i0 + e];
+    // (a, b) = elements (i, i + D/2): lanes 0-15 hold a and store a * c - b * s, lanes 16-31
+    // hold b and store b * c + a * s.
+    f[e] = lane < 16 ? f[e] * c - partner[e] * s : f[e] * c + partner[e] * s;
+  }
+}
+
 // `bytes` (1, 2, 4 or 8) bytes of `w`, little-endian, at p (aligned to `bytes`).
 template <int kBytes>
 __device__ __forceinline__ void StoreBytes(uint8_t* p, uint64_t w) {

@@ -141,11 +141,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// Quantized caches: a warp per head (lane l holds elements [l * kEpl, (l + 1) * kEpl)), so the
-// RoPE partner of a lane's element (i + D/2 for i < D/2) sits in lane l ^ 16 at the same place;
-// block (t, y) handles heads [y * heads_per_block, (y + 1) * heads_per_block) of token t as
-// RopeKvWriteKernel does. q heads are rotated and stored in bf16, k heads rotated and quantized
-// in fp32, v heads quantized from bf16.
+// Quantized caches: a warp per head (lane l holds elements [l * kEpl, (l + 1) * kEpl), rotated
+// by RotateHalfWarp); block (t, y) handles heads [y * heads_per_block, (y + 1) * heads_per_block)
+// of token t as RopeKvWriteKernel does. q heads are rotated and stored in bf16, k heads rotated and
+// quantized in fp32, v heads quantized from bf16.
 template <DType kT, int kEpl>
 __global__ void __launch_bounds__(kWarps * 32)
     RopeKvWriteQuantKernel(const __nv_bfloat16* __restrict__ qkv,
@@ -170,7 +169,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   // Padding tokens: q heads only (k and v follow them).
   const int heads = has_slot ? num_q_heads + 2 * num_kv_heads : num_q_heads;
   const int lane = threadIdx.x % 32;
-  const int i0 = (lane % 16) * kEpl;  // this lane's first RoPE index within the half
   const int head_end = min(heads, (blockIdx.y + 1) * heads_per_block);
   const __nv_bfloat16* row =
       qkv + static_cast<int64_t>(t) * (num_q_heads + 2 * num_kv_heads) * kHeadDim;
@@ -179,17 +177,7 @@ __global__ void __launch_bounds__(kWarps * 32)
        head += kWarps) {
     float f[kEpl];
     LoadBf16<kEpl>(row + head * kHeadDim + lane * kEpl, f);
-    if (head < num_q_heads + num_kv_heads) {  // q and k rotate: (a, b) = elements (i, i + D/2)
-      float partner[kEpl];
-#pragma unroll
-      for (int e = 0; e < kEpl; ++e) partner[e] = __shfl_xor_sync(0xffffffffu, f[e], 16);
-#pragma unroll
-      for (int e = 0; e < kEpl; ++e) {
-        const float c = cos_s[i0 + e], s = sin_s[i0 + e];
-        // Lanes 0-15 hold a: a * c - b * s; lanes 16-31 hold b: b * c + a * s.
-        f[e] = lane < 16 ? f[e] * c - partner[e] * s : f[e] * c + partner[e] * s;
-      }
-    }
+    if (head < num_q_heads + num_kv_heads) RotateHalfWarp<kEpl>(f, lane, cos_s, sin_s);  // q, k
     if (head < num_q_heads) {
       StoreBf16<kEpl>(
           q_out + (static_cast<int64_t>(t) * num_q_heads + head) * kHeadDim + lane * kEpl, f);
