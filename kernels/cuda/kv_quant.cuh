@@ -11,7 +11,7 @@
 
 namespace tpserve::cuda {
 
-// Elements per lane of the quantized writes: head_dim 32, 64, 128 or 256.
+// The head sizes the quantized writes take: a warp per head, head_dim / 32 elements a lane.
 inline bool KvQuantHeadDimSupported(int64_t head_dim) {
   return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
