@@ -96,6 +96,14 @@ std::string GemmShape(int64_t m, int64_t n, int64_t k) {
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// Bytes of one token's K (or V) row of a paged cache [blocks, block_size, Hk, D]: its elements
+// and, quantized, its scales.
+double KvRowBytes(const Tensor& cache) {
+  const int64_t heads = cache.dim(2), head_dim = cache.dim(3);
+  return double(heads) * (double(head_dim) * DTypeBits(cache.dtype) / 8 +
+                          double(KvScaleGroups(cache.dtype, head_dim)) * sizeof(float));
+}
+
 }  // namespace
 
 void CudaOps::set_op_profiling(bool on) {
@@ -579,7 +587,8 @@ void CudaOps::Rope(Tensor q, Tensor k, const Tensor& inv_freq, int head_dim) {
 
 void CudaOps::KvWrite(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache) {
   OpScope scope(
-      this, "KvWrite", [&] { return Dims(k); }, 2.0 * (k.bytes() + v.bytes()));
+      this, "KvWrite", [&] { return Dims(k); },
+      double(k.bytes() + v.bytes()) + 2.0 * KvRowBytes(k_cache) * batch_->num_tokens);
   cuda::LaunchKvWrite(k, v, k_cache, v_cache, *batch_, stream_);
 }
 
@@ -587,7 +596,8 @@ void CudaOps::RopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_h
                           int num_kv_heads, int head_dim, Tensor q_out, Tensor k_cache,
                           Tensor v_cache) {
   OpScope scope(
-      this, "RopeKvWrite", [&] { return Dims(qkv); }, 2.0 * qkv.bytes());
+      this, "RopeKvWrite", [&] { return Dims(qkv); },
+      double(qkv.bytes() + q_out.bytes()) + 2.0 * KvRowBytes(k_cache) * batch_->num_tokens);
   cuda::LaunchRopeKvWrite(qkv, inv_freq, num_q_heads, num_kv_heads, head_dim, *batch_, q_out,
                           k_cache, v_cache, stream_);
 }
@@ -600,8 +610,13 @@ void CudaOps::QkvRopeKvWrite(const Tensor& x, const RowScale& x_scale, const Ten
   const int64_t m = k == 0 ? 0 : x.numel() / k;
   TP_CHECK(x_scale.empty() || x_scale.dim == k)
       << "QkvRopeKvWrite: row scale of dim " << x_scale.dim << " for x " << x.ShapeString();
-  if (fused_skinny_ && SkinnyFusedFits(m, k, x.data, w_qkv.data) && m == batch_->num_tokens &&
-      head_dim % 2 == 0) {
+  // The skinny epilogue stores bf16 caches only. A quantized row needs its head's absmax
+  // before any code can be stored, and there each block computes one (i, i + D/2) row pair of a
+  // head: the heads would need a reduction across blocks. A quantized cache therefore takes the
+  // unfused path, at batch 1 one more kernel per layer (RopeKvWrite after the skinny GEMM; see
+  // kernels/cuda/NOTES.md).
+  if (fused_skinny_ && k_cache.dtype == DType::kBF16 && SkinnyFusedFits(m, k, x.data, w_qkv.data) &&
+      m == batch_->num_tokens && head_dim % 2 == 0) {
     OpScope scope(
         this, "QkvRopeKvWrite.skinny", [&] { return GemmShape(m, w_qkv.dim(0), k); },
         double(w_qkv.bytes()) + double(x.bytes()) + 2.0 * double(qkv.bytes()));
@@ -610,8 +625,9 @@ void CudaOps::QkvRopeKvWrite(const Tensor& x, const RowScale& x_scale, const Ten
         v_cache, stream_, static_cast<const unsigned long long*>(x_scale.record), x_scale.eps);
     return;
   }
-  if (!x_scale.empty()) ApplyRowScale(x, x_scale);
-  Gemm(x, w_qkv, bias, qkv);
+  // A deferred norm's row scale goes into the GEMM's epilogue (fp32, before the bias, as in
+  // the fused kernel) where the skinny kernel runs, else onto x first.
+  GemmScaledRows(x, x_scale, w_qkv, bias, qkv);
   RopeKvWrite(qkv, inv_freq, num_q_heads, num_kv_heads, head_dim, q_out, k_cache, v_cache);
 }
 
@@ -646,12 +662,8 @@ void CudaOps::AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tens
                               Tensor out) {
   if (Ablated("AttentionDecode")) return;
   GrowDecodeWorkspace(*batch_, num_heads, num_kv_heads, head_dim);
-  // KV bytes when every sequence has the longest context (as in the benchmarks): the codes
-  // and, for a quantized cache, the f32 scales of each token's head.
-  const double head_bytes =
-      head_dim * DTypeBits(k_cache.dtype) / 8.0 + 4.0 * KvScaleGroups(k_cache.dtype, head_dim);
-  const double kv_bytes =
-      2.0 * batch_->num_seqs * batch_->max_context_len * num_kv_heads * head_bytes;
+  // KV bytes when every sequence has the longest context (as in the benchmarks).
+  const double kv_bytes = 2.0 * batch_->num_seqs * batch_->max_context_len * KvRowBytes(k_cache);
   OpScope scope(
       this, "AttentionDecode",
       [&] {

@@ -51,6 +51,11 @@ class CudaOps final : public Ops {
 
   Device device() const override { return Device::kCuda; }
   DType compute_dtype() const override { return DType::kBF16; }
+  // bf16, or quantized: the KV writes quantize (kv_write.cu, rope_kv_write.cu; the skinny QKV
+  // epilogue writes bf16 only), every attention kernel dequantizes (kv_read.cuh).
+  bool SupportsKvCacheDType(DType t) const override {
+    return t == DType::kBF16 || t == DType::kF8E4M3 || t == DType::kI8 || t == DType::kI4;
+  }
 
   void* Alloc(size_t bytes) override;
   void Free(void* ptr) override;
@@ -81,9 +86,10 @@ class CudaOps final : public Ops {
   void KvWrite(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache) override;
   void RopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
                    int head_dim, Tensor q_out, Tensor k_cache, Tensor v_cache) override;
-  // T <= 2 (and skinny_max_m): one skinny GEMM with the RoPE/KV-write epilogue (qkv unwritten);
-  // otherwise Gemm then RopeKvWrite.
-  // A non-empty x_scale is applied in that epilogue (or to x first, on the unfused path).
+  // T <= 2 (and skinny_max_m) and bf16 caches: one skinny GEMM with the RoPE/KV-write epilogue
+  // (qkv unwritten); otherwise (quantized caches always) GemmScaledRows into qkv, then
+  // RopeKvWrite. A non-empty x_scale is applied in the GEMM's epilogue (or to x first where
+  // GemmScaledRows cannot).
   void QkvRopeKvWrite(const Tensor& x, const RowScale& x_scale, const Tensor& w_qkv,
                       const Tensor* bias, const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
                       int head_dim, Tensor qkv, Tensor q_out, Tensor k_cache,

@@ -98,9 +98,12 @@ void LaunchAddRmsNorm(Tensor residual, const Tensor& x, const Tensor& weight, fl
                       cudaStream_t stream);
 void LaunchRope(Tensor q, Tensor k, const Tensor& inv_freq, int head_dim, const DeviceBatch& b,
                 cudaStream_t stream);
+// KvWrite and RopeKvWrite write bf16 caches or quantized ones (kF8E4M3, kI8, kI4 with scales,
+// head_dim 32, 64, 128 or 256), each token's head quantized as QuantizeKvHead (kv_quant.h).
 void LaunchKvWrite(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache,
                    const DeviceBatch& b, cudaStream_t stream);
-// Ops::RopeKvWrite: qkv [T, (Hq + 2 Hk) * D] -> q_out (rotated), k (rotated) and v in the caches.
+// Ops::RopeKvWrite: qkv [T, (Hq + 2 Hk) * D] -> q_out (rotated), k (rotated) and v in the caches
+// (quantized: k from its fp32 rotation, v from its bf16 values).
 void LaunchRopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
                        int head_dim, const DeviceBatch& b, Tensor q_out, Tensor k_cache,
                        Tensor v_cache, cudaStream_t stream);
@@ -141,6 +144,7 @@ void LaunchSkinnySwiGluGemm(const Tensor& gate_up, const Tensor& w, Tensor y, cu
 // Ops::QkvRopeKvWrite for M = b.num_tokens <= 2: the skinny GEMM of x by the fused q/k/v weight
 // [(Hq + 2 Hk) * D, K] with RopeKvWrite as its epilogue (the projection itself is not stored).
 // x_sums non-null: x is a deferred norm's output (see below), scaled per row in the epilogue.
+// bf16 caches only (CudaOps::QkvRopeKvWrite says why).
 void LaunchSkinnyQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
                                 const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
                                 int head_dim, const DeviceBatch& b, Tensor q_out, Tensor k_cache,

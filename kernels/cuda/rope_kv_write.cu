@@ -2,8 +2,10 @@
 // qkv [T, (Hq + 2 Hk) * D] -> q_out [T, Hq * D] (rotated), k (rotated) and v into the caches
 // [blocks, block_size, Hk, D] at slot_mapping (slots < 0 are padding: q only). One kernel
 // instead of three (Rope, KvWrite and the copies of separate q/k/v GEMMs); fp32 math, the same
-// rounding as Rope then KvWrite.
+// rounding as Rope then KvWrite. A quantized cache (kernels/kv_quant.h) gets the rotated k
+// quantized from its fp32 values (never rounded to bf16) and v from its bf16 values.
 #include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/kv_quant.cuh"
 #include "kernels/cuda/launchers.h"
 
 namespace tpserve::cuda {
@@ -139,6 +141,56 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// Quantized caches: a warp per head (lane l holds elements [l * kEpl, (l + 1) * kEpl), rotated
+// by RotateHalfWarp); block (t, y) handles heads [y * heads_per_block, (y + 1) * heads_per_block)
+// of token t as RopeKvWriteKernel does. q heads are rotated and stored in bf16, k heads rotated and
+// quantized in fp32, v heads quantized from bf16.
+template <DType kT, int kEpl>
+__global__ void __launch_bounds__(kWarps * 32)
+    RopeKvWriteQuantKernel(const __nv_bfloat16* __restrict__ qkv,
+                           const float* __restrict__ inv_freq,
+                           const int32_t* __restrict__ positions,
+                           const int32_t* __restrict__ slot_mapping, int num_q_heads,
+                           int num_kv_heads, int heads_per_block, int64_t num_slots,
+                           __nv_bfloat16* __restrict__ q_out, uint8_t* __restrict__ k_codes,
+                           uint8_t* __restrict__ v_codes, float* __restrict__ k_scales,
+                           float* __restrict__ v_scales) {
+  constexpr int kHeadDim = 32 * kEpl, kHalf = kHeadDim / 2;
+  __shared__ float cos_s[kHalf], sin_s[kHalf];
+  PdlLaunchDependents();
+  const int t = blockIdx.x;
+  // Positions and slots come from SetBatch: safe to read before the wait.
+  const float pos = static_cast<float>(positions[t]);
+  const int64_t slot = slot_mapping[t];
+  FillRopeTable(pos, inv_freq, kHalf, cos_s, sin_s);
+  PdlWait();  // qkv is the previous kernel's output
+
+  const bool has_slot = slot >= 0 && slot < num_slots;
+  // Padding tokens: q heads only (k and v follow them).
+  const int heads = has_slot ? num_q_heads + 2 * num_kv_heads : num_q_heads;
+  const int lane = threadIdx.x % 32;
+  const int head_end = min(heads, (blockIdx.y + 1) * heads_per_block);
+  const __nv_bfloat16* row =
+      qkv + static_cast<int64_t>(t) * (num_q_heads + 2 * num_kv_heads) * kHeadDim;
+  // The loop bound is the same for the whole warp: every shuffle sees all 32 lanes.
+  for (int head = blockIdx.y * heads_per_block + threadIdx.x / 32; head < head_end;
+       head += kWarps) {
+    float f[kEpl];
+    LoadBf16<kEpl>(row + head * kHeadDim + lane * kEpl, f);
+    if (head < num_q_heads + num_kv_heads) RotateHalfWarp<kEpl>(f, lane, cos_s, sin_s);  // q, k
+    if (head < num_q_heads) {
+      StoreBf16<kEpl>(
+          q_out + (static_cast<int64_t>(t) * num_q_heads + head) * kHeadDim + lane * kEpl, f);
+      continue;
+    }
+    const bool is_v = head >= num_q_heads + num_kv_heads;
+    const int64_t cache_row = slot * num_kv_heads + head - num_q_heads - (is_v ? num_kv_heads : 0);
+    QuantizeHeadWarp<kT, kEpl>(
+        f, lane, (is_v ? v_codes : k_codes) + KvByteOffset(kT, cache_row * kHeadDim),
+        (is_v ? v_scales : k_scales) + cache_row * KvScaleGroups(kT, kHeadDim));
+  }
+}
+
 }  // namespace
 
 void LaunchRopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
@@ -147,21 +199,35 @@ void LaunchRopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_head
   TP_CHECK_CUDA_TENSOR(qkv, DType::kBF16);
   TP_CHECK_CUDA_TENSOR(inv_freq, DType::kF32);
   TP_CHECK_CUDA_TENSOR(q_out, DType::kBF16);
-  TP_CHECK_CUDA_TENSOR(k_cache, DType::kBF16);
-  TP_CHECK_CUDA_TENSOR(v_cache, DType::kBF16);
+  CheckKvCaches("RopeKvWrite", k_cache, v_cache);
   const int64_t width = int64_t{num_q_heads + 2 * num_kv_heads} * head_dim;
   TP_CHECK(num_q_heads > 0 && num_kv_heads > 0 && head_dim > 0 && head_dim % 4 == 0 &&
            head_dim / 2 <= kMaxHalf && inv_freq.numel() == head_dim / 2 &&
            qkv.dim(0) == b.num_tokens && qkv.numel() == b.num_tokens * width &&
            q_out.numel() == int64_t{b.num_tokens} * num_q_heads * head_dim && k_cache.ndim == 4 &&
            k_cache.dim(1) == b.block_size && k_cache.dim(2) == num_kv_heads &&
-           k_cache.dim(3) == head_dim && v_cache.numel() == k_cache.numel() &&
-           IsAligned16(qkv.data))
+           k_cache.dim(3) == head_dim && IsAligned16(qkv.data))
       << "RopeKvWrite: qkv " << qkv.ShapeString() << ", q_out " << q_out.ShapeString()
       << ", k_cache " << k_cache.ShapeString() << ", inv_freq " << inv_freq.ShapeString()
       << ", heads " << num_q_heads << "/" << num_kv_heads << ", head_dim " << head_dim
       << " (a multiple of 4), tokens " << b.num_tokens << ", block_size " << b.block_size;
   if (b.num_tokens == 0) return;
+  const int heads = num_q_heads + 2 * num_kv_heads;
+  const int heads_per_block = b.num_tokens >= kAllHeadsMinTokens ? heads : kWarps;
+  const dim3 grid(b.num_tokens, CeilDiv(heads, heads_per_block));
+  if (IsQuantizedKv(k_cache.dtype)) {
+    TP_CHECK(IsAligned16(q_out.data)) << "RopeKvWrite: q_out must be 16-byte aligned";
+    DispatchKvQuant(k_cache.dtype, head_dim, [&](auto t, auto epl) {
+      LaunchPdl(RopeKvWriteQuantKernel<decltype(t)::value, decltype(epl)::value>, grid,
+                dim3(kWarps * 32), 0, stream, qkv.ptr<const __nv_bfloat16>(),
+                inv_freq.ptr<const float>(), b.positions, b.slot_mapping, num_q_heads, num_kv_heads,
+                heads_per_block, k_cache.dim(0) * k_cache.dim(1), q_out.ptr<__nv_bfloat16>(),
+                k_cache.ptr<uint8_t>(), v_cache.ptr<uint8_t>(), static_cast<float*>(k_cache.scales),
+                static_cast<float*>(v_cache.scales));
+    });
+    TP_CUDA_CHECK_LAUNCH();
+    return;
+  }
   if (b.num_tokens >= kAllHeadsMinTokens && head_dim % 16 == 0 && IsAligned16(q_out.data) &&
       IsAligned16(k_cache.data) && IsAligned16(v_cache.data)) {
     LaunchPdl(RopeKvWriteWideKernel, dim3(b.num_tokens), dim3(kWarps * 32), 0, stream,
@@ -172,9 +238,6 @@ void LaunchRopeKvWrite(const Tensor& qkv, const Tensor& inv_freq, int num_q_head
     TP_CUDA_CHECK_LAUNCH();
     return;
   }
-  const int heads = num_q_heads + 2 * num_kv_heads;
-  const int heads_per_block = b.num_tokens >= kAllHeadsMinTokens ? heads : kWarps;
-  dim3 grid(b.num_tokens, CeilDiv(heads, heads_per_block));
   LaunchPdl(RopeKvWriteKernel, grid, dim3(kWarps * 32), 0, stream, qkv.ptr<const __nv_bfloat16>(),
             inv_freq.ptr<const float>(), b.positions, b.slot_mapping, num_q_heads, num_kv_heads,
             head_dim, heads_per_block, k_cache.dim(0) * k_cache.dim(1), q_out.ptr<__nv_bfloat16>(),

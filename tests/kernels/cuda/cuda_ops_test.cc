@@ -136,6 +136,38 @@ class CudaOpsTest : public ::testing::Test {
     }
     return out;
   }
+  // A quantized KV pool [blocks, bs, hk, d] of dtype t on the device whose codes and scales
+  // start random (rows a write must leave alone stay recognizable); *codes and *scales get what
+  // was uploaded.
+  Tensor GpuQuantCache(DType t, int blocks, int bs, int hk, int d, std::vector<uint8_t>* codes,
+                       std::vector<float>* scales) {
+    Tensor c(nullptr, {blocks, bs, hk, d}, t, Device::kCuda);
+    codes->resize(c.bytes());
+    for (uint8_t& b : *codes) b = static_cast<uint8_t>(rng_());
+    scales->resize(size_t{1} * blocks * bs * hk * KvScaleGroups(t, d));
+    std::uniform_real_distribution<float> dist(0.25f, 4.0f);
+    for (float& s : *scales) s = dist(rng_);
+    bufs_.emplace_back(ops_.get(), codes->size());
+    c.data = bufs_.back().get();
+    ops_->CopyToDevice(c.data, codes->data(), codes->size());
+    bufs_.emplace_back(ops_.get(), scales->size() * sizeof(float));
+    c.scales = bufs_.back().get();
+    ops_->CopyToDevice(c.scales, scales->data(), scales->size() * sizeof(float));
+    return c;
+  }
+  std::vector<uint8_t> HostCodes(const Tensor& c) {
+    ops_->Synchronize();
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    std::vector<uint8_t> out(c.bytes());
+    ops_->CopyToHost(out.data(), c.data, out.size());
+    return out;
+  }
+  std::vector<float> HostScales(const Tensor& c) {
+    ops_->Synchronize();
+    std::vector<float> out(c.dim(0) * c.dim(1) * c.dim(2) * KvScaleGroups(c.dtype, c.dim(3)));
+    ops_->CopyToHost(out.data(), c.scales, out.size() * sizeof(float));
+    return out;
+  }
   static Tensor Cpu(std::vector<float>& v, std::initializer_list<int64_t> shape) {
     return Tensor(v.data(), shape, DType::kF32);
   }
@@ -610,6 +642,299 @@ TEST_F(CudaOpsTest, KvWriteAndSiluMulAndAdd) {
     ops_->Add(Gpu(a, {n}), Gpu(b, {n}), out);
     EXPECT_LT(RelL2(Host(out), want), kBf16Tol);
   }
+}
+
+// Quantized KV caches (kernels/kv_quant.h): the host reference of what a write stores.
+constexpr DType kQuantKvTypes[] = {DType::kF8E4M3, DType::kI8, DType::kI4};
+
+// QuantizeKvHead of x (d floats) into cache row `row` (slot * hk + head) of host codes/scales.
+void QuantizeRow(DType t, int d, int64_t row, const float* x, std::vector<uint8_t>* codes,
+                 std::vector<float>* scales) {
+  QuantizeKvHead(t, x, d, codes->data() + KvByteOffset(t, row * d),
+                 scales->data() + row * KvScaleGroups(t, d));
+}
+
+// Code of element i of cache row `row`.
+uint8_t CodeAt(DType t, const std::vector<uint8_t>& codes, int d, int64_t row, int i) {
+  const int64_t e = row * d + i;
+  return t == DType::kI4 ? static_cast<uint8_t>((codes[e / 2] >> (4 * (e & 1))) & 15) : codes[e];
+}
+
+// The position of a code on its dtype's ordered scale of values: adjacent values differ by 1.
+int CodeOrdinal(DType t, uint8_t c) {
+  if (t == DType::kF8E4M3) return (c & 0x80) ? -(c & 0x7f) : (c & 0x7f);  // +-0 both 0
+  if (t == DType::kI8) return static_cast<int8_t>(c);
+  return (c & 15) - 8;
+}
+
+::testing::AssertionResult SameBytes(const std::vector<uint8_t>& got,
+                                     const std::vector<uint8_t>& want) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "sizes differ";
+  size_t diff = 0, first = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i] && diff++ == 0) first = i;
+  }
+  if (diff == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << diff << " of " << got.size() << " bytes differ, first at " << first << ": "
+         << int(got[first]) << " want " << int(want[first]);
+}
+
+// Bit for bit (a scale of +0 is not -0, NaN is not anything).
+::testing::AssertionResult SameFloatBits(const std::vector<float>& got,
+                                         const std::vector<float>& want) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "sizes differ";
+  size_t diff = 0, first = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0 && diff++ == 0) first = i;
+  }
+  if (diff == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << diff << " of " << got.size() << " scales differ, first at " << first << ": "
+         << got[first] << " want " << want[first];
+}
+
+// Multiplies each run of `run` consecutive values by a random power of two (bf16 values stay
+// bf16 values): groups of one head get different absmaxes, and a 2^-16 run next to a 2^5 one
+// puts fp8 codes in the subnormal range.
+void ScaleRuns(std::vector<float>* v, int run, std::mt19937& rng) {
+  constexpr int kExp[] = {-16, -4, 0, 5};
+  for (size_t i = 0; i < v->size(); i += run) {
+    const float f = std::ldexp(1.0f, kExp[rng() % 4]);
+    for (size_t j = i; j < std::min(v->size(), i + run); ++j) (*v)[j] *= f;
+  }
+}
+
+// KvWrite into fp8 / int8 / int4 caches: every code and scale bit for bit QuantizeKvHead's on
+// the bf16 inputs (the same rule, kv_quant.h, on both sides; no tolerance), padding slots and
+// every row outside the batch untouched (the whole pool is compared with its starting bytes
+// where nothing is written). Head dims 32 (int4: one nibble a lane), 64, 128 (int4: two groups),
+// 256; Hk 1, 3 (idle warps), 8 (two blocks a token); an all-zero head (scale 0).
+TEST_F(CudaOpsTest, KvWriteQuantizedMatchesHostBitForBit) {
+  for (DType t : kQuantKvTypes)
+    for (int d : {32, 64, 128, 256})
+      for (int hk : {1, 3, 8}) {
+        SCOPED_TRACE(testing::Message() << DTypeName(t) << " d " << d << " hk " << hk);
+        const int bs = 16, blocks = 12;
+        BatchMeta m = MakeBatch({{20, 35}, {1, 0}, {7, 7}, {1, 64}}, bs, blocks, rng_);
+        const int T = m.num_tokens, width = hk * d;
+        auto k = RandomBf16(rng_, size_t{1} * T * width),
+             v = RandomBf16(rng_, size_t{1} * T * width);
+        ScaleRuns(&k, 32, rng_);
+        ScaleRuns(&v, 32, rng_);
+        std::fill(k.begin(), k.begin() + d, 0.0f);  // token 0 (a real slot), head 0
+        std::vector<uint8_t> kc, vc;
+        std::vector<float> ks, vs;
+        Tensor gkc = GpuQuantCache(t, blocks, bs, hk, d, &kc, &ks);
+        Tensor gvc = GpuQuantCache(t, blocks, bs, hk, d, &vc, &vs);
+        std::vector<uint8_t> kc_want = kc, vc_want = vc;
+        std::vector<float> ks_want = ks, vs_want = vs;
+        int written = 0;
+        for (int i = 0; i < T; ++i) {
+          const int64_t slot = m.slot_mapping[i];
+          if (slot < 0) continue;
+          ++written;
+          for (int h = 0; h < hk; ++h) {
+            const size_t at = size_t{1} * i * width + h * d;
+            QuantizeRow(t, d, slot * hk + h, &k[at], &kc_want, &ks_want);
+            QuantizeRow(t, d, slot * hk + h, &v[at], &vc_want, &vs_want);
+          }
+        }
+        ASSERT_EQ(written, T - 1);  // one padding token
+        SetBatch(m);
+        ops_->KvWrite(Gpu(k, {T, width}), Gpu(v, {T, width}), gkc, gvc);
+        EXPECT_TRUE(SameBytes(HostCodes(gkc), kc_want)) << "K codes";
+        EXPECT_TRUE(SameBytes(HostCodes(gvc), vc_want)) << "V codes";
+        EXPECT_TRUE(SameFloatBits(HostScales(gkc), ks_want)) << "K scales";
+        EXPECT_TRUE(SameFloatBits(HostScales(gvc), vs_want)) << "V scales";
+        EXPECT_EQ(ks_want[m.slot_mapping[0] * hk * KvScaleGroups(t, d)], 0.0f);  // the zero head
+        bufs_.clear();
+      }
+}
+
+// RopeKvWrite into fp8 / int8 / int4 caches against the CPU's fp32 rotation (same inv_freq and
+// positions) quantized with QuantizeKvHead:
+// - q_out as RopeKvWriteMatchesCpu checks it (kBf16Tol);
+// - v: codes and scales bit for bit (quantized from the bf16 inputs on both sides);
+// - k: the device's rotation (CUDA sincosf, max 2 ulp, fused multiply-adds) and the host's
+//   (glibc, separate roundings) differ by a few ulp of the pair's magnitude, and the head's
+//   absmax is not reduced by the rotation below 1/sqrt(2) of its pair's, so scales agree within
+//   a relative 4e-6 (~32 ulp; a wrong rotation or a bf16 rounding before the absmax is off by
+//   ~1e-3 or more). A code moves only where x * inv sits within that error of a rounding
+//   boundary: at most one step (adjacent values), and rarely: int8 steps are the finest (127 per
+//   absmax), a ~1e-6 relative error moves ~2e-4 of the codes, so the bound is 0.5% of the k
+//   codes written;
+// - every row outside the batch's slots (padding included) untouched.
+// Both grids: blocks of 8 heads (small batch) and a block per token (>= 256 tokens).
+TEST_F(CudaOpsTest, RopeKvWriteQuantizedMatchesHostRotation) {
+  struct Case {
+    int hq, hk, d;
+  };
+  const std::vector<std::vector<std::pair<int, int>>> batches = {
+      {{29, 4000}, {1, 7}, {1, 0}, {3, 3}}, {{300, 4000}, {1, 0}, {7, 7}}};
+  for (DType t : kQuantKvTypes)
+    for (const auto& seqs : batches)
+      for (Case c : {Case{8, 2, 128}, Case{4, 4, 64}, Case{16, 8, 64}, Case{6, 2, 32}}) {
+        SCOPED_TRACE(testing::Message() << DTypeName(t) << " heads " << c.hq << "/" << c.hk << " d "
+                                        << c.d << " sequences " << seqs.size());
+        const int bs = 16, blocks = 300;
+        BatchMeta m = MakeBatch(seqs, bs, blocks, rng_);
+        const int T = m.num_tokens, width = (c.hq + 2 * c.hk) * c.d, kvw = c.hk * c.d;
+        RopeConfig rc;
+        rc.theta = 100000.0;
+        auto inv = RopeInvFreq(rc, c.d);
+        auto qkv = RandomBf16(rng_, size_t{1} * T * width);
+        ScaleRuns(&qkv, c.d, rng_);  // a magnitude per head
+        std::vector<float> q_want(size_t{1} * T * c.hq * c.d);
+        std::vector<float> kf(size_t{1} * blocks * bs * kvw), vf(kf.size());
+        SetBatch(m);
+        cpu_->RopeKvWrite(Cpu(qkv, {T, width}), Cpu(inv, {c.d / 2}), c.hq, c.hk, c.d,
+                          Cpu(q_want, {T, c.hq * c.d}), Cpu(kf, {blocks, bs, c.hk, c.d}),
+                          Cpu(vf, {blocks, bs, c.hk, c.d}));
+        std::vector<uint8_t> kc, vc;
+        std::vector<float> ks, vs;
+        Tensor gkc = GpuQuantCache(t, blocks, bs, c.hk, c.d, &kc, &ks);
+        Tensor gvc = GpuQuantCache(t, blocks, bs, c.hk, c.d, &vc, &vs);
+        std::vector<uint8_t> kc_want = kc, vc_want = vc;
+        std::vector<float> ks_want = ks, vs_want = vs;
+        std::vector<int64_t> rows;  // cache rows written
+        for (int i = 0; i < T; ++i) {
+          const int64_t slot = m.slot_mapping[i];
+          if (slot < 0) continue;
+          for (int h = 0; h < c.hk; ++h) {
+            const int64_t row = slot * c.hk + h;
+            rows.push_back(row);
+            QuantizeRow(t, c.d, row, &kf[row * c.d], &kc_want, &ks_want);
+            QuantizeRow(t, c.d, row, &vf[row * c.d], &vc_want, &vs_want);
+          }
+        }
+        Tensor q_out = GpuOut({T, c.hq * c.d});
+        ops_->RopeKvWrite(Gpu(qkv, {T, width}), GpuF32(inv, {c.d / 2}), c.hq, c.hk, c.d, q_out, gkc,
+                          gvc);
+        EXPECT_LT(RelL2(Host(q_out), q_want), kBf16Tol);
+        EXPECT_TRUE(SameBytes(HostCodes(gvc), vc_want)) << "V codes";
+        EXPECT_TRUE(SameFloatBits(HostScales(gvc), vs_want)) << "V scales";
+
+        std::vector<uint8_t> k_got = HostCodes(gkc);
+        std::vector<float> ks_got = HostScales(gkc);
+        const int groups = KvScaleGroups(t, c.d);
+        size_t moved = 0, far = 0, scale_off = 0;
+        for (int64_t row : rows) {
+          for (int g = 0; g < groups; ++g) {
+            const float got = ks_got[row * groups + g], want = ks_want[row * groups + g];
+            scale_off += !(std::fabs(got - want) <= 4e-6f * want);
+            ks_got[row * groups + g] = want;  // compared; the rest must equal the start
+          }
+          for (int i = 0; i < c.d; ++i) {
+            const int step = std::abs(CodeOrdinal(t, CodeAt(t, k_got, c.d, row, i)) -
+                                      CodeOrdinal(t, CodeAt(t, kc_want, c.d, row, i)));
+            moved += step != 0;
+            far += step > 1;
+          }
+          const int64_t at = KvByteOffset(t, row * c.d), n = KvByteOffset(t, c.d);
+          std::copy(kc_want.begin() + at, kc_want.begin() + at + n, k_got.begin() + at);
+        }
+        EXPECT_EQ(scale_off, 0u) << "k scales off by more than 4e-6 relative";
+        EXPECT_EQ(far, 0u) << "k codes more than one step from the host's";
+        EXPECT_LE(moved, rows.size() * c.d / 200) << "k codes one step off";
+        EXPECT_TRUE(SameBytes(k_got, kc_want)) << "K codes outside the batch's rows";
+        EXPECT_TRUE(SameFloatBits(ks_got, ks_want)) << "K scales outside the batch's rows";
+        bufs_.clear();
+      }
+}
+
+// Relative L2 error of a quantized cache's rows read back against the values quantized:
+// uniform rounding error over a step is step / sqrt(12) rms. int8: step = absmax / 127, a
+// Gaussian head's absmax ~3 sigma: ~0.007; fp8 e4m3 (3 mantissa bits): ~0.03; int4:
+// step = absmax / 7 over groups of 64: ~0.12. Tolerances about twice that.
+double KvQuantTol(DType t) { return t == DType::kI8 ? 0.02 : (t == DType::kF8E4M3 ? 0.06 : 0.2); }
+
+// QkvRopeKvWrite with a quantized cache at M = 1 and 2 (where a bf16 cache takes the fused
+// skinny epilogue), with and without a deferred norm's row scale: exactly GemmScaledRows into
+// qkv then RopeKvWrite on the same inputs (q_out, codes and scales, bit for bit). And against
+// the bf16 cache's fused path on the same inputs: q_out within kBf16Tol and the cache rows read
+// back within KvQuantTol, so the scale and the projection really were applied.
+TEST_F(CudaOpsTest, QkvRopeKvWriteQuantizedEqualsGemmThenRopeKvWrite) {
+  const int hq = 8, hk = 2, d = 128, hidden = 1024, k0 = 520;
+  const int width = (hq + 2 * hk) * d, kvw = hk * d, bs = 16, blocks = 8;
+  const float eps = 1e-5f;
+  RopeConfig rc;
+  auto inv = RopeInvFreq(rc, d);
+  for (DType t : kQuantKvTypes)
+    for (int M : {1, 2})
+      for (bool deferred : {false, true}) {
+        SCOPED_TRACE(testing::Message() << DTypeName(t) << " M " << M << " deferred " << deferred);
+        std::vector<std::pair<int, int>> seqs = {{1, 33}};
+        if (M == 2) seqs.push_back({1, 70});
+        BatchMeta m = MakeBatch(seqs, bs, blocks, rng_);
+        SetBatch(m);
+        auto w = RandomBf16(rng_, size_t{1} * width * hidden, 0.05f);
+        auto bias = RandomBf16(rng_, width);
+        Tensor gw = Gpu(w, {width, hidden}), gb = Gpu(bias, {width}), ginv = GpuF32(inv, {d / 2});
+        // x: random, or the output of a deferred norm (GemmAddRmsNorm at M <= 2) with its scale.
+        Tensor x = Gpu(RandomBf16(rng_, size_t{1} * M * hidden, 2.0f), {M, hidden});
+        RowScale scale;
+        if (deferred) {
+          auto w0 = RandomBf16(rng_, size_t{1} * hidden * k0, 0.05f);
+          auto res = RandomBf16(rng_, size_t{1} * M * hidden, 3.0f);
+          Tensor y = GpuOut({M, hidden});
+          scale = ops_->GemmAddRmsNorm(Gpu(RandomBf16(rng_, size_t{1} * M * k0, 2.0f), {M, k0}),
+                                       Gpu(w0, {hidden, k0}), nullptr, y, Gpu(res, {M, hidden}),
+                                       Gpu(RandomBf16(rng_, hidden, 0.5f), {hidden}), eps, x);
+          ASSERT_FALSE(scale.empty()) << "GemmAddRmsNorm defers its norm at M <= 2";
+        }
+        std::vector<uint8_t> kc, vc, unused_c;
+        std::vector<float> ks, vs, unused_s;
+        Tensor kc1 = GpuQuantCache(t, blocks, bs, hk, d, &kc, &ks);
+        Tensor vc1 = GpuQuantCache(t, blocks, bs, hk, d, &vc, &vs);
+        Tensor kc2 = GpuQuantCache(t, blocks, bs, hk, d, &unused_c, &unused_s);
+        Tensor vc2 = GpuQuantCache(t, blocks, bs, hk, d, &unused_c, &unused_s);
+        ops_->CopyToDevice(kc2.data, kc.data(), kc.size());  // the same starting contents
+        ops_->CopyToDevice(kc2.scales, ks.data(), ks.size() * sizeof(float));
+        ops_->CopyToDevice(vc2.data, vc.data(), vc.size());
+        ops_->CopyToDevice(vc2.scales, vs.data(), vs.size() * sizeof(float));
+        Tensor qkv1 = GpuOut({M, width}), q1 = GpuOut({M, hq * d});
+        ops_->QkvRopeKvWrite(x, scale, gw, &gb, ginv, hq, hk, d, qkv1, q1, kc1, vc1);
+        Tensor qkv2 = GpuOut({M, width}), q2 = GpuOut({M, hq * d});
+        ops_->GemmScaledRows(x, scale, gw, &gb, qkv2);
+        ops_->RopeKvWrite(qkv2, ginv, hq, hk, d, q2, kc2, vc2);
+        const std::vector<float> q1_host = Host(q1);
+        EXPECT_EQ(q1_host, Host(q2));
+        EXPECT_TRUE(SameBytes(HostCodes(kc1), HostCodes(kc2))) << "K codes";
+        EXPECT_TRUE(SameBytes(HostCodes(vc1), HostCodes(vc2))) << "V codes";
+        EXPECT_TRUE(SameFloatBits(HostScales(kc1), HostScales(kc2))) << "K scales";
+        EXPECT_TRUE(SameFloatBits(HostScales(vc1), HostScales(vc2))) << "V scales";
+
+        // The bf16 cache on the fused path, same inputs.
+        Tensor kb = GpuOut({blocks, bs, hk, d}), vb = GpuOut({blocks, bs, hk, d});
+        Tensor q3 = GpuOut({M, hq * d}), qkv3 = GpuOut({M, width});
+        ops_->QkvRopeKvWrite(x, scale, gw, &gb, ginv, hq, hk, d, qkv3, q3, kb, vb);
+        EXPECT_LT(RelL2(q1_host, Host(q3)), kBf16Tol);
+        const std::vector<float> kb_host = Host(kb), vb_host = Host(vb);
+        const std::vector<uint8_t> k_codes = HostCodes(kc1), v_codes = HostCodes(vc1);
+        const std::vector<float> k_scales = HostScales(kc1), v_scales = HostScales(vc1);
+        const int groups = KvScaleGroups(t, d);
+        std::vector<float> got, want(size_t{2} * M * kvw);
+        std::vector<float> head(d);
+        for (int i = 0; i < M; ++i) {
+          const int64_t slot = m.slot_mapping[i];
+          for (int h = 0; h < hk; ++h) {
+            const int64_t row = slot * hk + h;
+            for (int which = 0; which < 2; ++which) {
+              const auto& codes = which == 0 ? k_codes : v_codes;
+              const auto& scales = which == 0 ? k_scales : v_scales;
+              DequantizeKvHead(t, codes.data() + KvByteOffset(t, row * d),
+                               scales.data() + row * groups, d, head.data());
+              got.insert(got.end(), head.begin(), head.end());
+              const auto& ref = which == 0 ? kb_host : vb_host;
+              std::copy(ref.begin() + row * d, ref.begin() + (row + 1) * d,
+                        want.begin() + got.size() - d);
+            }
+          }
+        }
+        EXPECT_LT(RelL2(got, want), KvQuantTol(t));
+        bufs_.clear();
+      }
 }
 
 TEST_F(CudaOpsTest, GatherLogitRowsAndInterleaveShards) {
