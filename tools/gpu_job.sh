@@ -4,11 +4,14 @@
 # checkpoint, compares it with transformers bf16, runs the engine benchmark and the HF
 # baselines. Logs and JSON go to $OUT (or ./gpu-out).
 # Usage: bash tools/gpu_job.sh [tests] [ds67] [refs] [bench] [hf] [pp] [kernels] [serve] [trace]
-#          [presets]
+#          [presets] [kvq]
 #   (default: tests ds67 bench hf; refs: the transformers references alone, without tpserve's
 #   test; `refs hf` needs no tpserve binary but `tpserve random-model`; kernels: the kernel
 #   benchmark tpserve-cuda-bench; serve: tools/serve_check.sh, served vs engine tokens;
 #   presets: `tpserve bench` presets against `tpserve serve` in each SERVE_AB configuration)
+#   kvq: tiny-coder held-out perplexity with each --kv-cache-dtype (the files listed in
+#   .carry/heldout.txt, made by tools/tiny_coder_heldout.py --copy-to .carry/heldout), then the
+#   engine benchmark of the 6.7B shape with each KV dtype in KVQ_DTYPES (KVQ_BENCH_ARGS).
 #   BENCH_ARGS adds arguments to the engine benchmark (e.g. --profile).
 #   BENCH_AB="VAR=value ...[;VAR=value ...]" runs the engine benchmark again with each of those
 #   environments (baselines of an A/B comparison in the same job), with BENCH_AB_ARGS.
@@ -42,7 +45,15 @@ if has tests; then
     log "rc=$rc"
   done
 fi
-if has ds67 || has refs || has bench || has hf || has serve || has trace || has presets; then
+if has kvq && [ -f .carry/heldout.txt ]; then
+  for d in auto fp8 int8 int4; do
+    log "tpserve perplexity, tiny-coder held-out files, --kv-cache-dtype $d"
+    timeout 120 "$stage/bin/tpserve" perplexity --model models/tiny-coder \
+      --files-from .carry/heldout.txt --device cuda --kv-cache-dtype $d --json \
+      2>"$out/ppl_$d.log" | tee -a "$out/summary.txt"
+  done
+fi
+if has ds67 || has refs || has bench || has hf || has serve || has trace || has presets || has kvq; then
   log "random DeepSeek-Coder-6.7B-shaped model"
   /usr/bin/time -v "$stage/bin/tpserve" random-model \
     --config tests/data/deepseek-coder-6.7b-instruct.config.json --out $ds --seed 1 --dtype bf16 \
@@ -92,6 +103,17 @@ if has bench; then
       tee "$out/engine_bench_ab$i.log" | grep -v '^{' | tee -a "$out/summary.txt"
   done
   kill $smi_pid 2>/dev/null
+fi
+if has kvq; then
+  sync; cat $ds/*.safetensors >/dev/null
+  for d in ${KVQ_DTYPES:-auto fp8 int8 int4}; do
+    log "tpserve-engine-bench --kv-cache-dtype $d ${KVQ_BENCH_ARGS:-}"
+    timeout 300 "$stage/bin/tpserve-engine-bench" --model $ds --device cuda --kv-cache-dtype $d \
+      ${KVQ_BENCH_ARGS:-} --json "$out/engine_bench_kv_$d.json" 2>&1 |
+      tee "$out/engine_bench_kv_$d.log" | grep -E "decode|prefill|KV cache:|Error|error" |
+      tee -a "$out/summary.txt"
+    grep -o '"kv_capacity_tokens":[0-9]*' "$out/engine_bench_kv_$d.json" | tee -a "$out/summary.txt"
+  done
 fi
 if has trace; then
   # Nsight Systems timeline of batch-1 decode with every CUDA-graph node traced: the time of each

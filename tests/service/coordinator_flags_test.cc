@@ -195,6 +195,23 @@ TEST(CoordinatorFlagsTest, DeterministicIsOffByDefaultAndParses) {
   EXPECT_THAT(Usage(CoordinatorFlagSpec(false)), HasSubstr("--deterministic"));
 }
 
+TEST(CoordinatorFlagsTest, KvCacheDTypeDefaultsToAutoAndIsChecked) {
+  auto o = ParseCoordinatorFlags({"--model", "m"}, true);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->kv_cache_dtype, "auto");
+  for (const char* t : {"auto", "bf16", "fp8", "int8", "int4"}) {
+    o = ParseCoordinatorFlags({"--model", "m", "--kv-cache-dtype", t}, true);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->kv_cache_dtype, t);
+  }
+  o = ParseCoordinatorFlags({"--model", "m", "--kv-cache-dtype", "fp4"}, false);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(o.status().message()),
+              HasSubstr("--kv-cache-dtype: unknown KV-cache dtype 'fp4' (expected auto, bf16"));
+  EXPECT_THAT(Usage(CoordinatorFlagSpec(true)), HasSubstr("--kv-cache-dtype"));
+}
+
 TEST(CoordinatorFlagsTest, HttpPortDefaultsTo8000AndZeroTurnsItOff) {
   auto o = ParseCoordinatorFlags({"--model", "m"}, true);
   ASSERT_TRUE(o.ok()) << o.status();
