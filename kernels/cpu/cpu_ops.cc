@@ -359,7 +359,7 @@ class CpuOps final : public Ops {
     CheckKvCache(k_cache, "attention k_cache");
     CheckKvCache(v_cache, "attention v_cache");
     TP_CHECK(k_cache.dtype == v_cache.dtype) << "attention: K and V caches of other dtypes";
-    std::vector<float> kbuf(head_dim), vbuf(head_dim);
+    std::vector<float> kbuf, vbuf;  // a quantized context's rows, dequantized
     const int group = num_heads / num_kv_heads;
     const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
     const int64_t q_width = static_cast<int64_t>(num_heads) * head_dim;
@@ -367,42 +367,56 @@ class CpuOps final : public Ops {
     TP_CHECK(k_cache.numel() % kv_width == 0 && v_cache.numel() == k_cache.numel())
         << "kv cache " << k_cache.ShapeString() << " for " << num_kv_heads << " heads of "
         << head_dim;
+    // Per sequence and KV head: the context's K and V rows (pointers into an f32 pool, or
+    // dequantized once into kbuf / vbuf), then every query row of the heads that read them.
     std::vector<float> scores;
+    std::vector<const float*> krows, vrows;
     for (int s = 0; s < meta_.num_seqs; ++s) {
       const int q0 = meta_.query_start[s], qlen = meta_.query_start[s + 1] - q0;
       const int ctx = meta_.context_lens[s];
       const int32_t* table = meta_.block_tables.data() + s * meta_.max_blocks_per_seq;
-      for (int i = 0; i < qlen; ++i) {
-        const int limit = ctx - qlen + i;  // last visible position
-        scores.resize(limit + 1);
-        for (int h = 0; h < num_heads; ++h) {
-          const float* qv = q.ptr<float>() + (q0 + i) * q_width + h * head_dim;
-          const int kvh = h / group;
-          float max_score = -INFINITY;
-          for (int j = 0; j <= limit; ++j) {
-            const int64_t slot =
-                static_cast<int64_t>(table[j / meta_.block_size]) * meta_.block_size +
-                j % meta_.block_size;
-            const float* kv = LoadKvHead(k_cache, slot, kvh, num_kv_heads, head_dim, kbuf.data());
-            float dot = 0.0f;
-            for (int d = 0; d < head_dim; ++d) dot += qv[d] * kv[d];
-            scores[j] = dot * scale;
-            max_score = std::max(max_score, scores[j]);
-          }
-          float denom = 0.0f;
-          for (int j = 0; j <= limit; ++j) {
-            scores[j] = std::exp(scores[j] - max_score);
-            denom += scores[j];
-          }
-          float* o = out.ptr<float>() + (q0 + i) * q_width + h * head_dim;
-          std::fill(o, o + head_dim, 0.0f);
-          for (int j = 0; j <= limit; ++j) {
-            const int64_t slot =
-                static_cast<int64_t>(table[j / meta_.block_size]) * meta_.block_size +
-                j % meta_.block_size;
-            const float* vv = LoadKvHead(v_cache, slot, kvh, num_kv_heads, head_dim, vbuf.data());
-            const float w = scores[j] / denom;
-            for (int d = 0; d < head_dim; ++d) o[d] += w * vv[d];
+      krows.resize(ctx);
+      vrows.resize(ctx);
+      if (k_cache.dtype != DType::kF32) {
+        kbuf.resize(static_cast<size_t>(ctx) * head_dim);
+        vbuf.resize(static_cast<size_t>(ctx) * head_dim);
+      }
+      for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
+        for (int j = 0; j < ctx; ++j) {
+          const int64_t slot =
+              static_cast<int64_t>(table[j / meta_.block_size]) * meta_.block_size +
+              j % meta_.block_size;
+          const size_t row = static_cast<size_t>(j) * head_dim;  // in kbuf / vbuf when quantized
+          krows[j] = LoadKvHead(k_cache, slot, kvh, num_kv_heads, head_dim,
+                                kbuf.empty() ? nullptr : kbuf.data() + row);
+          vrows[j] = LoadKvHead(v_cache, slot, kvh, num_kv_heads, head_dim,
+                                vbuf.empty() ? nullptr : vbuf.data() + row);
+        }
+        for (int i = 0; i < qlen; ++i) {
+          const int limit = ctx - qlen + i;  // last visible position
+          scores.resize(limit + 1);
+          for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+            const float* qv = q.ptr<float>() + (q0 + i) * q_width + h * head_dim;
+            float max_score = -INFINITY;
+            for (int j = 0; j <= limit; ++j) {
+              const float* kv = krows[j];
+              float dot = 0.0f;
+              for (int d = 0; d < head_dim; ++d) dot += qv[d] * kv[d];
+              scores[j] = dot * scale;
+              max_score = std::max(max_score, scores[j]);
+            }
+            float denom = 0.0f;
+            for (int j = 0; j <= limit; ++j) {
+              scores[j] = std::exp(scores[j] - max_score);
+              denom += scores[j];
+            }
+            float* o = out.ptr<float>() + (q0 + i) * q_width + h * head_dim;
+            std::fill(o, o + head_dim, 0.0f);
+            for (int j = 0; j <= limit; ++j) {
+              const float* vv = vrows[j];
+              const float w = scores[j] / denom;
+              for (int d = 0; d < head_dim; ++d) o[d] += w * vv[d];
+            }
           }
         }
       }
