@@ -696,6 +696,7 @@ void Activate(const Layout& layout, WorkerGroup* group, Scheduler* scheduler,
   if (!reports.empty()) info.set_kv_cache_dtype(reports[0].kv_cache_dtype());
   service->Activate(scheduler, limits, info);
   metrics->SetScheduler(scheduler);
+  metrics->SetKvCache(info.kv_cache_dtype(), limits.kv_capacity_tokens);
   for (size_t r = 0; r < reports.size(); ++r) {
     metrics->SetWorkerMemory(static_cast<int>(r), reports[r].device_memory_used_bytes(),
                              reports[r].device_memory_total_bytes());

@@ -90,6 +90,14 @@ void ServingMetrics::SetWorkerMemory(int rank, int64_t used_bytes, int64_t total
       ->Set(static_cast<double>(total_bytes));
 }
 
+void ServingMetrics::SetKvCache(const std::string& dtype, int64_t capacity_tokens) {
+  registry_
+      ->GetGauge("tpserve:kv_cache_capacity_tokens",
+                 "Tokens the KV cache holds, by the dtype it stores (--kv-cache-dtype).",
+                 {{"dtype", dtype}})
+      ->Set(static_cast<double>(capacity_tokens));
+}
+
 void ServingMetrics::Collect() {
   Scheduler* s = scheduler_.load();
   if (s == nullptr) return;

@@ -26,6 +26,8 @@ class ServingMetrics {
   void SetScheduler(Scheduler* scheduler) { scheduler_.store(scheduler); }
   // One worker's device memory (bytes); CPU workers report host memory.
   void SetWorkerMemory(int rank, int64_t used_bytes, int64_t total_bytes);
+  // The KV cache's capacity in tokens, labelled with what it stores (--kv-cache-dtype).
+  void SetKvCache(const std::string& dtype, int64_t capacity_tokens);
   // The worker group failed / a new group was started after a failure.
   void OnWorkerGroupFailure() { group_failures_->Add(); }
   void OnWorkerGroupRestart() { group_restarts_->Add(); }

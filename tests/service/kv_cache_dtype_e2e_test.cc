@@ -13,6 +13,7 @@
 
 #include "common/model_files.h"
 #include "kernels/kv_quant.h"
+#include "tests/testing/http_test_util.h"
 #include "tests/testing/run_command.h"
 #include "tests/testing/service_info.h"
 #include "tests/testing/service_test_util.h"
@@ -64,14 +65,25 @@ TEST_P(KvCacheDTypeServiceTest, ReportsTheDTypeAndCapacityAndServesTheEnginesTok
     EXPECT_EQ(info.kv_cache_dtype(), "fp32");
     f32_capacity = info.kv_capacity_tokens();
   }
+  const int http_port = service_test::FreePort();
+  ASSERT_GT(http_port, 0);
   std::vector<std::string> args = common;
-  args.insert(args.end(), {"--kv-cache-dtype", name});
+  args.insert(args.end(), {"--kv-cache-dtype", name, "--http-port", std::to_string(http_port)});
   auto server = ServerProcess::Start(model, args);
   ASSERT_NE(server, nullptr);
   auto stub = v1::Inference::NewStub(server->Channel());
   const v1::ModelInfo info = Info(*stub);
   EXPECT_EQ(info.kv_cache_dtype(), name);
   EXPECT_THAT(server->Log(), HasSubstr("tokens in " + name));
+  // Prometheus sees the same capacity, labelled with the dtype.
+  const std::string metrics =
+      service_test::RunCommand("curl -s http://127.0.0.1:" + std::to_string(http_port) + "/metrics",
+                               10)
+          .output;
+  EXPECT_EQ(service_test::MetricValue(metrics,
+                                      "tpserve:kv_cache_capacity_tokens{dtype=\"" + name + "\"}"),
+            static_cast<double>(info.kv_capacity_tokens()))
+      << metrics;
   // The same 2 MiB per worker holds as many more tokens as a token's bytes shrink (each worker
   // holds half the KV heads; whole blocks only).
   auto files = ModelFiles::Open(model);
