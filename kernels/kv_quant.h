@@ -31,12 +31,12 @@ namespace tpserve {
 
 inline constexpr int kKvInt4Group = 64;
 
-TP_KVQ_HD bool IsQuantizedKv(DType t) {
+TP_KVQ_HD constexpr bool IsQuantizedKv(DType t) {
   return t == DType::kF8E4M3 || t == DType::kI8 || t == DType::kI4;
 }
 
 // Elements per scale along the head dimension.
-TP_KVQ_HD int KvScaleGroup(DType t, int head_dim) {
+TP_KVQ_HD constexpr int KvScaleGroup(DType t, int head_dim) {
   return t == DType::kI4 ? (head_dim < kKvInt4Group ? head_dim : kKvInt4Group) : head_dim;
 }
 

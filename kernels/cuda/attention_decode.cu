@@ -11,6 +11,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/kv_quant.cuh"  // CheckKvCaches
 #include "kernels/cuda/kv_read.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/head_dims.h"
@@ -577,7 +578,7 @@ void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor&
                            const DeviceBatch& b, float* workspace, unsigned* counters, Tensor out,
                            cudaStream_t stream) {
   TP_CHECK_CUDA_TENSOR(q, DType::kBF16);
-  TP_CHECK_KV_CACHES("AttentionDecode", k_cache, v_cache);
+  CheckKvCaches("AttentionDecode", k_cache, v_cache);
   TP_CHECK_CUDA_TENSOR(out, DType::kBF16);
   TP_CHECK(b.num_tokens == b.num_seqs || b.token_context_lens != nullptr)
       << "AttentionDecode needs one query per sequence (tokens " << b.num_tokens << ", seqs "

@@ -16,6 +16,7 @@
 
 #include "common/env.h"
 #include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/kv_quant.cuh"  // CheckKvCaches
 #include "kernels/cuda/kv_read.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/head_dims.h"
@@ -442,7 +443,7 @@ void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor
                             int num_heads, int num_kv_heads, int head_dim, float scale,
                             const DeviceBatch& b, Tensor out, cudaStream_t stream) {
   TP_CHECK_CUDA_TENSOR(q, DType::kBF16);
-  TP_CHECK_KV_CACHES("AttentionPrefill", k_cache, v_cache);
+  CheckKvCaches("AttentionPrefill", k_cache, v_cache);
   TP_CHECK_CUDA_TENSOR(out, DType::kBF16);
   TP_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && CudaSupportsHeadDim(head_dim) &&
            k_cache.ndim == 4 && k_cache.dim(1) == b.block_size && k_cache.dim(2) == num_kv_heads &&

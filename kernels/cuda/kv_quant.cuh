@@ -16,8 +16,8 @@ inline bool KvQuantHeadDimSupported(int64_t head_dim) {
   return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
 
-// Checks the K and V caches of a write: one dtype, the same shape [blocks, block_size, Hk, D],
-// and scales on both exactly when that dtype is quantized (then D one of
+// Checks the K and V caches of a write or an attention launcher: one dtype, the same shape [blocks,
+// block_size, Hk, D], and scales on both exactly when that dtype is quantized (then D one of
 // KvQuantHeadDimSupported and 16-byte aligned pools).
 inline void CheckKvCaches(const char* op, const Tensor& k_cache, const Tensor& v_cache) {
   TP_CHECK(k_cache.dtype == v_cache.dtype &&

@@ -109,11 +109,10 @@ struct KvI4 {
   }
 };
 
-// Elements per scale (kernels/kv_quant.h, KvScaleGroup) for head dimension kD; a group is a
-// whole number of 8-element chunks.
+// Elements per scale (kernels/kv_quant.h) for head dimension kD; a group is a whole number of
+// 8-element chunks.
 template <typename Kv, int kD>
-inline constexpr int kKvGroup = Kv::kDType == DType::kI4 ? (kD < kKvInt4Group ? kD : kKvInt4Group)
-                                                         : kD;
+inline constexpr int kKvGroup = KvScaleGroup(Kv::kDType, kD);
 
 // Byte offset of element `e` (a multiple of 8) in a pool of Kv.
 template <typename Kv>
@@ -146,26 +145,5 @@ void DispatchKvType(DType dtype, F&& f) {
       return;
   }
 }
-
-// The checks every attention launcher makes of its caches: bf16, or one quantized dtype for
-// both with their scales.
-#define TP_CHECK_KV_CACHES(op, k_cache, v_cache)                                                  \
-  do {                                                                                            \
-    TP_CHECK((k_cache).device == ::tpserve::Device::kCuda &&                                      \
-             (v_cache).device == ::tpserve::Device::kCuda && (k_cache).data != nullptr &&         \
-             (v_cache).data != nullptr)                                                           \
-        << op ": k_cache and v_cache must be CUDA tensors, got " << (k_cache).ShapeString()       \
-        << " and " << (v_cache).ShapeString();                                                    \
-    TP_CHECK((k_cache).dtype == (v_cache).dtype && ((k_cache).dtype == ::tpserve::DType::kBF16 || \
-                                                    ::tpserve::IsQuantizedKv((k_cache).dtype)))   \
-        << op ": k_cache and v_cache must both be bf16, fp8 (e4m3), int8 or int4, got "           \
-        << (k_cache).ShapeString() << " and " << (v_cache).ShapeString();                         \
-    TP_CHECK(::tpserve::IsQuantizedKv((k_cache).dtype)                                            \
-                 ? ((k_cache).scales != nullptr && (v_cache).scales != nullptr)                   \
-                 : ((k_cache).scales == nullptr && (v_cache).scales == nullptr))                  \
-        << op ": a quantized KV cache needs its scales (and a bf16 one has none): k_cache "       \
-        << (k_cache).ShapeString() << " scales " << (k_cache).scales << ", v_cache "              \
-        << (v_cache).ShapeString() << " scales " << (v_cache).scales;                             \
-  } while (0)
 
 }  // namespace tpserve::cuda
