@@ -83,12 +83,16 @@ int BatchMeta::max_context_len() const {
   return m;
 }
 
-TokenLogprobs ReferenceLogprobs(const float* row, int64_t vocab, int32_t chosen, int n) {
+double LogSumExp(const float* row, int64_t n) {
   double max_logit = -INFINITY;
-  for (int64_t i = 0; i < vocab; ++i) max_logit = std::max(max_logit, double{row[i]});
+  for (int64_t i = 0; i < n; ++i) max_logit = std::max(max_logit, double{row[i]});
   double sum = 0.0;
-  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(double{row[i]} - max_logit);
-  const double log_z = max_logit + std::log(sum);
+  for (int64_t i = 0; i < n; ++i) sum += std::exp(double{row[i]} - max_logit);
+  return max_logit + std::log(sum);
+}
+
+TokenLogprobs ReferenceLogprobs(const float* row, int64_t vocab, int32_t chosen, int n) {
+  const double log_z = LogSumExp(row, vocab);
   TokenLogprobs out;
   out.logprob = static_cast<float>(double{row[chosen]} - log_z);
   const int64_t k = std::min<int64_t>(std::max(n, 0), vocab);

@@ -253,6 +253,9 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+// log(sum_i exp(row[i])) over n values, in double precision (the max subtracted first).
+double LogSumExp(const float* row, int64_t n);
+
 // The reference log-probabilities of one row of logits (double precision): `chosen`'s and the
 // top min(n, vocab) alternatives, as Ops::Sample defines them.
 TokenLogprobs ReferenceLogprobs(const float* row, int64_t vocab, int32_t chosen, int n);

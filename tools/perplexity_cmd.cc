@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "common/status.h"
 #include "coordinator/tokenizer/tokenizer.h"
+#include "kernels/ops.h"
 #include "worker/engine.h"
 
 namespace tpserve {
@@ -103,12 +104,7 @@ absl::Status RunPerplexityCommand(const std::vector<std::string>& args) {
     TP_ASSIGN_OR_RETURN(const std::vector<std::vector<float>> logits, engine->PromptLogits(x));
     for (int i = 0; i < window; ++i) {
       const std::vector<float>& row = logits.at(i);
-      double max = -INFINITY;
-      for (int64_t v = 0; v < vocab; ++v) max = std::max(max, static_cast<double>(row[v]));
-      double sum = 0;
-      for (int64_t v = 0; v < vocab; ++v) sum += std::exp(row[v] - max);
-      const int32_t y = ids[w * window + i + 1];
-      nll += max + std::log(sum) - row[y];
+      nll += LogSumExp(row.data(), vocab) - row[ids[w * window + i + 1]];
     }
   }
   const double eval_s =
