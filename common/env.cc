@@ -73,6 +73,22 @@ const EnvVar kPrefillTile = {"TPSERVE_PREFILL_TILE",
                              0,
                              0,
                              "128|64"};
+const EnvVar kDecodeKernel = {"TPSERVE_DECODE_KERNEL",
+                              EnvType::kChoice,
+                              "auto",
+                              "decode-attention kernel: auto (by the batch), subtile or twophase "
+                              "(A/B runs; --deterministic keeps its own)",
+                              0,
+                              0,
+                              "auto|subtile|twophase"};
+const EnvVar kDecodePartition = {"TPSERVE_DECODE_PARTITION",
+                                 EnvType::kChoice,
+                                 "0",
+                                 "decode attention: keys per split, 0 = by the batch (A/B runs; "
+                                 "--deterministic keeps its own)",
+                                 0,
+                                 0,
+                                 "0|64|128|256|512|1024"};
 const EnvVar kCublasLtAutotune = {"TPSERVE_CUBLASLT_AUTOTUNE", EnvType::kBool, "0",
                                   "time cuBLASLt's candidate algorithms for M <= 256 instead of "
                                   "taking its heuristic (faster, not bitwise reproducible across "
@@ -270,6 +286,8 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kClusterSecret,
       &env::kPdl,
       &env::kPrefillTile,
+      &env::kDecodeKernel,
+      &env::kDecodePartition,
       &env::kCublasLtAutotune,
       &env::kDeterministicGemmM,
       &env::kDeterministicPartition,

@@ -41,6 +41,8 @@ extern const EnvVar kClusterSecret;
 // The CUDA kernels.
 extern const EnvVar kPdl;
 extern const EnvVar kPrefillTile;
+extern const EnvVar kDecodeKernel;
+extern const EnvVar kDecodePartition;
 extern const EnvVar kCublasLtAutotune;
 extern const EnvVar kDeterministicGemmM;
 extern const EnvVar kDeterministicPartition;

@@ -11,8 +11,10 @@
 #   presets: `tpserve bench` presets against `tpserve serve` in each SERVE_AB configuration)
 #   kvq: tiny-coder held-out perplexity with each --kv-cache-dtype (the files listed in
 #   .carry/heldout.txt, made by tools/tiny_coder_heldout.py --copy-to .carry/heldout), then the
-#   engine benchmark of the 6.7B shape with each KV dtype in KVQ_DTYPES (KVQ_BENCH_ARGS).
-#   BENCH_ARGS adds arguments to the engine benchmark (e.g. --profile).
+#   engine benchmark of the 6.7B shape with each KV dtype in KVQ_DTYPES (KVQ_BENCH_ARGS);
+#   KVQ_PPL=0 skips the perplexities.
+#   BENCH_ARGS adds arguments to the engine benchmark (e.g. --profile); CUDA_BENCH_ARGS to
+#   tpserve-cuda-bench (e.g. --decode: every decode-attention kernel for each KV dtype).
 #   BENCH_AB="VAR=value ...[;VAR=value ...]" runs the engine benchmark again with each of those
 #   environments (baselines of an A/B comparison in the same job), with BENCH_AB_ARGS.
 set -uo pipefail
@@ -45,7 +47,7 @@ if has tests; then
     log "rc=$rc"
   done
 fi
-if has kvq && [ -f .carry/heldout.txt ]; then
+if has kvq && [ "${KVQ_PPL:-1}" = 1 ] && [ -f .carry/heldout.txt ]; then
   for d in auto fp8 int8 int4; do
     log "tpserve perplexity, tiny-coder held-out files, --kv-cache-dtype $d"
     timeout 120 "$stage/bin/tpserve" perplexity --model models/tiny-coder \
@@ -138,7 +140,7 @@ if has trace; then
 fi
 if has kernels && [ -x "$stage/bin/tpserve-cuda-bench" ]; then
   log "tpserve-cuda-bench"
-  timeout 300 "$stage/bin/tpserve-cuda-bench" >"$out/cuda_bench.log" 2>&1
+  timeout 300 "$stage/bin/tpserve-cuda-bench" ${CUDA_BENCH_ARGS:-} >"$out/cuda_bench.log" 2>&1
   log "rc=$?"
   sed -n '/==== summary/,$p' "$out/cuda_bench.log" | tee -a "$out/summary.txt"
 fi

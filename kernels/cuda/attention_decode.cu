@@ -9,7 +9,10 @@
 // (num_seqs, max_blocks_per_seq), so a decode step can be captured in a CUDA graph and
 // replayed for any context lengths up to that capacity.
 #include <algorithm>
+#include <atomic>
+#include <string>
 
+#include "common/env.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/kv_quant.cuh"  // CheckKvCaches
 #include "kernels/cuda/kv_read.cuh"
@@ -21,7 +24,7 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kSub = 64;  // keys whose K and V are in flight at once (sub-tile kernel)
-constexpr int kMaxTwoPhasePartition = 256;
+constexpr int kMaxTwoPhasePartition = 512;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Writes zeros for the kG heads of a padding sequence (context 0).
@@ -33,23 +36,23 @@ __device__ void WriteZeroRows(int64_t q_row, int num_heads, int head0,
   }
 }
 
-// Sums acc (this thread's 8 columns of o for each head, over its token lane's keys) over the
+// Sums acc (this thread's kE columns of o for each head, over its token lane's keys) over the
 // block's token lanes into o_s in a fixed order: lanes of a warp by shuffles, then the four
 // warps pairwise through o_s and `spare`, a dead kG x kD buffer. Float atomics here added in
 // arrival order, so one step could give different bits from run to run, and greedy decoding
 // of a model with near-ties different tokens.
-template <int kD, int kG>
-__device__ __forceinline__ void SumTokenLanes(float (&acc)[kG][8], float (*o_s)[kD],
+template <int kD, int kG, int kE = 8>
+__device__ __forceinline__ void SumTokenLanes(float (&acc)[kG][kE], float (*o_s)[kD],
                                               float (*spare)[kD]) {
   static_assert(kThreads == 128, "four warps");
-  constexpr int kLanesPerToken = kD / 8;
+  constexpr int kLanesPerToken = kD / kE;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, chunk = tid % kLanesPerToken;
 #pragma unroll
   for (int o = kLanesPerToken; o < 32; o <<= 1) {
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+      for (int e = 0; e < kE; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
     }
   }
   const bool holder = lane < kLanesPerToken;  // one lane per column chunk holds the warp's sum
@@ -57,14 +60,14 @@ __device__ __forceinline__ void SumTokenLanes(float (&acc)[kG][8], float (*o_s)[
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) buf[g][chunk * 8 + e] = acc[g][e];
+      for (int e = 0; e < kE; ++e) buf[g][chunk * kE + e] = acc[g][e];
     }
   };
   auto add = [&](float(*buf)[kD]) {
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[g][e] += buf[g][chunk * 8 + e];
+      for (int e = 0; e < kE; ++e) acc[g][e] += buf[g][chunk * kE + e];
     }
   };
   __syncthreads();
@@ -175,25 +178,36 @@ __device__ void FinishSplit(const float (&o_s)[kG][kD], const float* m_s, const 
   }
 }
 
-// Large batches: one block per split of up to 256 keys, three phases (all scores, softmax, PV)
-// with few registers, so that many blocks stay resident and their loads overlap.
+// Elements of a row per lane in the two-phase kernel: 16 for a quantized cache when the
+// block's heads leave room in registers (q and the accumulator are kG x kE floats a lane), else
+// 8. Measured on the H200 (B=64, ctx 1024, d 128, G=1): with 8 elements a lane every cache dtype
+// took the same time per row (bf16 0.275, fp8 0.285, int4 0.331 ms): the per-row work of a
+// lane, not the bytes, bounded the 8-bit and 4-bit caches.
 template <typename Kv, int kD, int kG>
-__global__ void __launch_bounds__(kThreads)
-    DecodeTwoPhaseKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
-                         const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
-                         const float* __restrict__ v_scales,
-                         const int32_t* __restrict__ query_start,
-                         const int32_t* __restrict__ context_lens,
-                         const int32_t* __restrict__ block_tables,
-                         const int32_t* __restrict__ table_rows, int max_blocks_per_seq,
-                         int block_size, int num_heads, int num_kv_heads, int partition,
-                         float scale_log2, unsigned* __restrict__ counters,
-                         float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
-  constexpr int kLanesPerToken = kD / 8;                     // 8-element chunks per row
+inline constexpr int kTwoPhaseLaneElems =
+    Kv::kQuantized&& kG <= 2 && kKvGroup<Kv, kD> % 16 == 0 ? 16 : 8;
+
+// Large batches: one block per split of up to kMaxTwoPhasePartition keys, three phases (all
+// scores, softmax, PV) with few registers, so that many blocks stay resident and their loads
+// overlap. `block_shift`: log2(block_size) when it is a power of two (page math by shifts),
+// else -1.
+template <typename Kv, int kD, int kG>
+__global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
+    const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
+    const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
+    const float* __restrict__ v_scales, const int32_t* __restrict__ query_start,
+    const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
+    const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
+    int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
+    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift) {
+  constexpr int kE = kTwoPhaseLaneElems<Kv, kD, kG>;
+  using Lane = KvLane<Kv, kE>;
+  constexpr int kLanesPerToken = kD / kE;                    // kE-element chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // tokens read per block step
-  // Loads in flight per thread: 4 of 16 bytes for bf16, 8 of 8 or 4 bytes for codes.
+  // Loads in flight per thread: 4 of 16 bytes for bf16, 8 of 8 or 16 bytes for codes.
   constexpr int kUnroll = Kv::kQuantized ? 8 : 4;
   constexpr int kGroup = kKvGroup<Kv, kD>;
+  static_assert(kGroup % kE == 0, "a lane's elements lie in one scale group");
   __shared__ float q_s[kG][kD];
   __shared__ float p_s[kG][kMaxTwoPhasePartition];
   __shared__ float o_s[kG][kD];
@@ -230,45 +244,53 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   const int chunk = tid % kLanesPerToken, tok_lane = tid / kLanesPerToken;
-  // Element offset of this lane's chunk of key `tok`.
-  auto row_off = [&](int tok) -> int64_t {
-    int pos = start + tok;
-    int64_t page = table[pos / block_size];
-    int64_t slot = page * block_size + pos % block_size;
-    return (slot * num_kv_heads + kv_head) * kD + chunk * 8;
+  // Pool row (slot * num_kv_heads + kv_head) of key `tok` of the partition.
+  auto pool_row = [&](int tok) -> int64_t {
+    const int pos = start + tok;
+    int page_idx, in_page;
+    if (block_shift >= 0) {
+      page_idx = pos >> block_shift;
+      in_page = pos & (block_size - 1);
+    } else {
+      page_idx = pos / block_size;
+      in_page = pos - page_idx * block_size;
+    }
+    return (static_cast<int64_t>(table[page_idx]) * block_size + in_page) * num_kv_heads + kv_head;
   };
+  constexpr int kRowScales = kD / kGroup;
+  const int scale_col = chunk * kE / kGroup;
 
   // Phase 1: scores (log2 domain) of the partition's keys.
-  float qf[kG][8];
+  float qf[kG][kE];
 #pragma unroll
   for (int g = 0; g < kG; ++g) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) qf[g][e] = q_s[g][chunk * 8 + e];
+    for (int e = 0; e < kE; ++e) qf[g][e] = q_s[g][chunk * kE + e];
   }
   for (int base = 0; base < n; base += kTokensPerStep * kUnroll) {
-    typename Kv::Vec8 kv[kUnroll];
+    Lane kv[kUnroll];
     float ks[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       int tok = base + u * kTokensPerStep + tok_lane;
-      kv[u] = typename Kv::Vec8{};
+      kv[u].Clear();
       ks[u] = 0.0f;
       if (tok < n) {
-        const int64_t off = row_off(tok);
-        kv[u] = Kv::Load8(k_cache + KvBytes<Kv>(off));
-        if constexpr (Kv::kQuantized) ks[u] = __ldg(k_scales + KvScaleIndex<kGroup>(off));
+        const int64_t row = pool_row(tok);
+        kv[u].Load(k_cache + row * (kD * Kv::kBits / 8) + chunk * Lane::kBytes);
+        if constexpr (Kv::kQuantized) ks[u] = __ldg(k_scales + row * kRowScales + scale_col);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       int tok = base + u * kTokensPerStep + tok_lane;
-      float kf[8];
-      Kv::Decode8(kv[u], kf);
+      float kf[kE];
+      kv[u].Decode(kf);
 #pragma unroll
       for (int g = 0; g < kG; ++g) {
         float s = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) s = fmaf(qf[g][e], kf[e], s);
+        for (int e = 0; e < kE; ++e) s = fmaf(qf[g][e], kf[e], s);
         if constexpr (Kv::kQuantized) s *= ks[u];  // the chunk lies in one scale group
 #pragma unroll
         for (int o = kLanesPerToken / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -299,43 +321,43 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   // Phase 3: o = sum_t p_t v_t; token groups accumulate in registers, then in shared memory.
-  float acc[kG][8];
+  float acc[kG][kE];
 #pragma unroll
   for (int g = 0; g < kG; ++g) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
+    for (int e = 0; e < kE; ++e) acc[g][e] = 0.0f;
   }
   for (int base = 0; base < n; base += kTokensPerStep * kUnroll) {
-    typename Kv::Vec8 vv[kUnroll];
+    Lane vv[kUnroll];
     float vs[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       int tok = base + u * kTokensPerStep + tok_lane;
-      vv[u] = typename Kv::Vec8{};
+      vv[u].Clear();
       vs[u] = 0.0f;
       if (tok < n) {
-        const int64_t off = row_off(tok);
-        vv[u] = Kv::Load8(v_cache + KvBytes<Kv>(off));
-        if constexpr (Kv::kQuantized) vs[u] = __ldg(v_scales + KvScaleIndex<kGroup>(off));
+        const int64_t row = pool_row(tok);
+        vv[u].Load(v_cache + row * (kD * Kv::kBits / 8) + chunk * Lane::kBytes);
+        if constexpr (Kv::kQuantized) vs[u] = __ldg(v_scales + row * kRowScales + scale_col);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       int tok = base + u * kTokensPerStep + tok_lane;
       if (tok < n) {
-        float vf[8];
-        Kv::Decode8(vv[u], vf);
+        float vf[kE];
+        vv[u].Decode(vf);
 #pragma unroll
         for (int g = 0; g < kG; ++g) {
           float p = p_s[g][tok];
           if constexpr (Kv::kQuantized) p *= vs[u];  // p v = (p scale) code
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
+          for (int e = 0; e < kE; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
         }
       }
     }
   }
-  SumTokenLanes<kD, kG>(acc, o_s, q_s);  // q_s is dead: q is in registers
+  SumTokenLanes<kD, kG, kE>(acc, o_s, q_s);  // q_s is dead: q is in registers
   FinishSplit<kD, kG>(o_s, m_s, l_s, used, split, num_splits, seq, group, num_heads, q_row,
                       counters, records, out);
 }
@@ -345,17 +367,14 @@ __global__ void __launch_bounds__(kThreads)
 // sub-tile before using any (32 KB in flight per block at head_dim 128), scores go to shared
 // memory, and the softmax is online across sub-tiles.
 template <typename Kv, int kD, int kG>
-__global__ void __launch_bounds__(kThreads)
-    DecodePartitionKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
-                          const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
-                          const float* __restrict__ v_scales,
-                          const int32_t* __restrict__ query_start,
-                          const int32_t* __restrict__ context_lens,
-                          const int32_t* __restrict__ block_tables,
-                          const int32_t* __restrict__ table_rows, int max_blocks_per_seq,
-                          int block_size, int num_heads, int num_kv_heads, int partition,
-                          float scale_log2, unsigned* __restrict__ counters,
-                          float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
+    const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
+    const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
+    const float* __restrict__ v_scales, const int32_t* __restrict__ query_start,
+    const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
+    const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
+    int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
+    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int /*block_shift*/) {
   constexpr int kLanesPerToken = kD / 8;                     // 8-element chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // rows read per block step
   constexpr int kUnroll = kSub / kTokensPerStep;
@@ -520,24 +539,58 @@ __global__ void __launch_bounds__(kThreads)
                       counters, records, out);
 }
 
+// Which kernel and how many keys per split a launch uses. Deterministic mode keeps its fixed
+// partition and the kernel it implies (results must not depend on the batch). Otherwise: under
+// 128 (sequence, head group) pairs the sub-tile kernel with 64-key splits, from there the
+// two-phase kernel with 128- or 256-key splits (DecodePartition); TPSERVE_DECODE_KERNEL and
+// TPSERVE_DECODE_PARTITION (SetDecodeOverride) force either.
+struct DecodePlan {
+  DecodeKernel kernel;
+  int partition;
+};
+DecodePlan PlanDecode(const DeviceBatch& b, int num_heads, int num_kv_heads) {
+  if (b.decode_partition > 0) {
+    return {b.decode_partition == kSub ? DecodeKernel::kSubTile : DecodeKernel::kTwoPhase,
+            b.decode_partition};
+  }
+  const int auto_p = DecodePartition(b.num_seqs, num_heads, num_kv_heads);
+  DecodeKernel kernel = DecodeKernelOverride();
+  if (kernel == DecodeKernel::kAuto) {
+    kernel = auto_p == kSub ? DecodeKernel::kSubTile : DecodeKernel::kTwoPhase;
+  }
+  int p = DecodePartitionOverride();
+  if (p == 0) p = auto_p;
+  if (kernel == DecodeKernel::kTwoPhase) p = std::min(p, kMaxTwoPhasePartition);
+  return {kernel, p};
+}
+
 template <typename Kv, int kD, int kG>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                  int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
                  unsigned* counters, Tensor out, cudaStream_t stream) {
-  int partition = DecodeBatchPartition(b, num_heads, num_kv_heads);
-  auto kernel =
-      partition == kSub ? DecodePartitionKernel<Kv, kD, kG> : DecodeTwoPhaseKernel<Kv, kD, kG>;
+  const DecodePlan plan = PlanDecode(b, num_heads, num_kv_heads);
+  const int partition = plan.partition;
+  auto kernel = plan.kernel == DecodeKernel::kSubTile ? DecodePartitionKernel<Kv, kD, kG>
+                                                      : DecodeTwoPhaseKernel<Kv, kD, kG>;
+  const size_t smem = 0;
+  const int block_shift = (b.block_size & (b.block_size - 1)) == 0
+                              ? __builtin_ctz(static_cast<unsigned>(b.block_size))
+                              : -1;
   const auto* kc = static_cast<const uint8_t*>(k_cache.data);
   const auto* vc = static_cast<const uint8_t*>(v_cache.data);
   const auto* k_scales = static_cast<const float*>(k_cache.scales);
   const auto* v_scales = static_cast<const float*>(v_cache.scales);
+  auto splits = [&](const DeviceBatch& bb) {
+    const int cap = bb.max_blocks_per_seq * bb.block_size;
+    return cap <= 0 ? 1 : (cap + partition - 1) / partition;
+  };
   if (b.num_tokens == b.num_seqs) {
-    dim3 grid(DecodeNumSplits(b, num_heads, num_kv_heads), num_heads / kG, b.num_seqs);
-    LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
+    dim3 grid(splits(b), num_heads / kG, b.num_seqs);
+    LaunchPdl(kernel, grid, dim3(kThreads), smem, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
               k_scales, v_scales, b.query_start, b.context_lens, b.block_tables,
               static_cast<const int32_t*>(nullptr), b.max_blocks_per_seq, b.block_size, num_heads,
               num_kv_heads, partition, scale * kLog2e, counters, workspace,
-              out.ptr<__nv_bfloat16>());
+              out.ptr<__nv_bfloat16>(), block_shift);
     TP_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -549,12 +602,12 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     const int n = std::min(kDecodeQueryChunk, b.num_tokens - t0);
     DeviceBatch chunk = b;
     chunk.num_seqs = chunk.num_tokens = n;
-    dim3 grid(DecodeNumSplits(chunk, num_heads, num_kv_heads), num_heads / kG, n);
-    LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
+    dim3 grid(splits(chunk), num_heads / kG, n);
+    LaunchPdl(kernel, grid, dim3(kThreads), smem, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
               k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
               b.block_tables, b.token_table_rows + t0, b.max_blocks_per_seq, b.block_size,
               num_heads, num_kv_heads, partition, scale * kLog2e, counters, workspace,
-              out.ptr<__nv_bfloat16>());
+              out.ptr<__nv_bfloat16>(), block_shift);
     TP_CUDA_CHECK_LAUNCH();
   }
 }
@@ -571,7 +624,31 @@ void LaunchForDim(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
   launch(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, counters, out, stream);
 }
 
+DecodeKernel ParseDecodeKernel(const std::string& name) {
+  return name == "subtile"    ? DecodeKernel::kSubTile
+         : name == "twophase" ? DecodeKernel::kTwoPhase
+                              : DecodeKernel::kAuto;
+}
+
+// The process-wide override (launchers.h), first read from the environment.
+struct DecodeOverrides {
+  std::atomic<int> kernel;
+  std::atomic<int> partition;
+};
+DecodeOverrides& Overrides() {
+  static DecodeOverrides o{{static_cast<int>(ParseDecodeKernel(EnvString(env::kDecodeKernel)))},
+                           {std::stoi(EnvString(env::kDecodePartition))}};
+  return o;
+}
+
 }  // namespace
+
+void SetDecodeOverride(DecodeKernel kernel, int partition) {
+  Overrides().kernel = static_cast<int>(kernel);
+  Overrides().partition = partition;
+}
+DecodeKernel DecodeKernelOverride() { return static_cast<DecodeKernel>(Overrides().kernel.load()); }
+int DecodePartitionOverride() { return Overrides().partition.load(); }
 
 void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                            int num_heads, int num_kv_heads, int head_dim, float scale,

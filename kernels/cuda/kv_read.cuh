@@ -109,6 +109,41 @@ struct KvI4 {
   }
 };
 
+// kE consecutive elements of a row (8 or 16) as one load of kE * bits / 8 bytes (16, 8 or 4):
+// a quantized cache read 16 elements a lane moves 16 bytes of codes per load instruction and
+// needs half the lanes per row, so the per-row work of a lane (page lookup, address, scale)
+// is spread over twice the bytes.
+template <typename Kv, int kE>
+struct KvLane {
+  static_assert(kE == 8 || kE == 16, "8 or 16 elements a lane");
+  static constexpr int kBytes = kE * Kv::kBits / 8;
+  typename Kv::Vec8 v[kE / 8];
+  __device__ __forceinline__ void Load(const uint8_t* p) {
+    if constexpr (kE == 8) {
+      v[0] = Kv::Load8(p);
+    } else if constexpr (kBytes == 32) {  // bf16: two 16-byte loads
+      v[0] = Kv::Load8(p);
+      v[1] = Kv::Load8(p + 16);
+    } else if constexpr (kBytes == 16) {  // 8-bit codes
+      const uint4 w = LoadStreaming(p);
+      v[0] = make_uint2(w.x, w.y);
+      v[1] = make_uint2(w.z, w.w);
+    } else {  // int4 codes
+      const uint2 w = LoadStreaming8(p);
+      v[0] = w.x;
+      v[1] = w.y;
+    }
+  }
+  __device__ __forceinline__ void Clear() {
+#pragma unroll
+    for (int i = 0; i < kE / 8; ++i) v[i] = typename Kv::Vec8{};
+  }
+  __device__ __forceinline__ void Decode(float f[kE]) const {
+#pragma unroll
+    for (int i = 0; i < kE / 8; ++i) Kv::Decode8(v[i], f + 8 * i);
+  }
+};
+
 // Elements per scale (kernels/kv_quant.h) for head dimension kD; a group is a whole number of
 // 8-element chunks.
 template <typename Kv, int kD>

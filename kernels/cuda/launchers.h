@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common/dtype.h"
@@ -61,10 +62,23 @@ inline int DecodePartition(int num_seqs, int num_heads, int num_kv_heads) {
   int pairs = num_seqs * (num_heads / DecodeHeadsPerBlock(num_heads, num_kv_heads));
   return pairs >= 512 ? 256 : pairs >= 128 ? 128 : 64;
 }
-// The partition of this batch: fixed in deterministic mode, else by its size.
+// The decode-attention kernels (attention_decode.cu). kAuto: by the batch.
+enum class DecodeKernel { kAuto, kSubTile, kTwoPhase };
+// Benchmarks and tests: every later decode launch of this process uses `kernel` (kAuto: by the
+// batch) and `partition` keys per split (0: by the batch; else 64, 128, 256, 512 or 1024; the
+// two-phase kernel takes at most 512). Starts from TPSERVE_DECODE_KERNEL and
+// TPSERVE_DECODE_PARTITION. Deterministic mode's fixed partition is not overridden.
+void SetDecodeOverride(DecodeKernel kernel, int partition);
+DecodeKernel DecodeKernelOverride();
+int DecodePartitionOverride();
+// The partition of this batch: fixed in deterministic mode, else by its size or the override.
+// A launch never uses a smaller one (the two-phase kernel caps a forced one), so workspaces
+// sized with this one are large enough.
 inline int DecodeBatchPartition(const DeviceBatch& b, int num_heads, int num_kv_heads) {
-  return b.decode_partition > 0 ? b.decode_partition
-                                : DecodePartition(b.num_seqs, num_heads, num_kv_heads);
+  if (b.decode_partition > 0) return b.decode_partition;
+  const int forced = DecodePartitionOverride();
+  const int p = DecodePartition(b.num_seqs, num_heads, num_kv_heads);
+  return forced > 0 ? std::min(forced, p) : p;
 }
 // Deterministic mode: query tokens per launch when every token of a prefill is run as a decode
 // query (bounds the workspace: the launches reuse it).

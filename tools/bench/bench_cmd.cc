@@ -36,7 +36,7 @@ const CommandSpec& BenchSpec() {
       "tpserve bench",
       "Measures a running server: throughput and latency percentiles (presets, JSON).",
       {StringFlag("server", "ADDR", "server address (default: TPSERVE_SERVER, localhost:50051)"),
-       StringFlag("preset", "latency|batch32|batch64|chat|shared-prefix",
+       StringFlag("preset", "latency|batch32|batch64|batch128|chat|shared-prefix",
                   "a named workload (--list-presets)"),
        IntFlag("concurrency", 0, 1 << 20, "requests in flight (open loop: a cap; default 1)"),
        StringFlag("request-rate", "R|inf", "open loop: Poisson arrivals at R requests/s"),

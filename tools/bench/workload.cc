@@ -171,6 +171,8 @@ const std::vector<Preset>& Presets() {
        64},
       {"batch64", "dynamic batching under load: 64 concurrent clients, 512 / 512", 512, 512, 64,
        128},
+      {"batch128", "dynamic batching under load: 128 concurrent clients, 512 / 512", 512, 512, 128,
+       256},
       {"chat",
        "multi-turn chat: 16 conversations (8 at a time) of 4 turns; each turn resends the history "
        "(previous prompt + previous output) + a 128-token user turn; 256-token first prompt, 128 "

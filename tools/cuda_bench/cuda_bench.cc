@@ -2,8 +2,9 @@
 // ceiling for decode), skinny GEMM vs cuBLASLt at decode sizes for the DeepSeek-Coder-6.7B
 // shapes, prefill attention TFLOP/s and decode attention GB/s. Times are medians of CUDA-event
 // timed repetitions after warm-up; weights rotate over copies larger than the L2 cache.
-//   tpserve-cuda-bench [--m1 | --attention]   (--m1: only the batch-1 decode kernels, a short
-//   run; --attention: copy bandwidth and the attention kernels)
+//   tpserve-cuda-bench [--m1 | --attention | --decode]   (--m1: only the batch-1 decode kernels,
+//   a short run; --attention: copy bandwidth and the attention kernels; --decode: the same with
+//   every decode-attention kernel and partition for each KV-cache dtype)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,6 +19,8 @@
 #include "common/check.h"
 #include "kernels/cuda/bench_knobs.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/launchers.h"
+#include "kernels/kv_quant.h"
 
 namespace tpserve {
 namespace {
@@ -81,7 +84,7 @@ std::string Fmt(const char* f, double a, double b = 0) {
   return buf;
 }
 
-int Main(bool m1_only, bool attention_only) {
+int Main(bool m1_only, bool attention_only, bool decode_sweep) {
   if (CudaDeviceCount() == 0) {
     std::printf("no CUDA device\n");
     return 0;
@@ -223,28 +226,69 @@ int Main(bool m1_only, bool attention_only) {
         Fmt("%.0f TFLOP/s (causal FLOPs)", flops / ms / 1e9));
     for (void* p : {kc, vc, q, o}) ops.Free(p);
   }
-  for (auto [B, ctx] : {std::pair{1, 1024}, std::pair{8, 1024}, std::pair{32, 1024},
-                        std::pair{64, 1024}, std::pair{1, 4096}, std::pair{8, 4096}}) {
+  // Decode attention: each KV-cache dtype through the kernel and partition the batch picks
+  // (auto), and with --decode every kernel variant (TPSERVE_DECODE_KERNEL/PARTITION's choices).
+  struct Variant {
+    const char* name;
+    cuda::DecodeKernel kernel;
+    int partition;
+  };
+  std::vector<Variant> variants = {{"auto", cuda::DecodeKernel::kAuto, 0}};
+  if (decode_sweep) {
+    variants.push_back({"subtile p64", cuda::DecodeKernel::kSubTile, 64});
+    variants.push_back({"twophase p128", cuda::DecodeKernel::kTwoPhase, 128});
+    variants.push_back({"twophase p256", cuda::DecodeKernel::kTwoPhase, 256});
+    variants.push_back({"twophase p512", cuda::DecodeKernel::kTwoPhase, 512});
+  }
+  const DType kv_dtypes[] = {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4};
+  for (auto [B, ctx] :
+       {std::pair{1, 1024}, std::pair{8, 1024}, std::pair{32, 1024}, std::pair{64, 1024},
+        std::pair{128, 1024}, std::pair{1, 4096}, std::pair{8, 4096}}) {
     if (m1_only && B != 1 && B != 64) continue;
+    if (!decode_sweep && B == 128) continue;
     BatchMeta m = batch(B, 1, ctx);
-    size_t cache_bytes = size_t{2} * B * m.max_blocks_per_seq * bs * hk * d;
-    void *kc = ops.Alloc(cache_bytes), *vc = ops.Alloc(cache_bytes);
+    const int64_t rows = int64_t{B} * m.max_blocks_per_seq * bs * hk;
     void *q = ops.Alloc(size_t{2} * B * hq * d), *o = ops.Alloc(size_t{2} * B * hq * d);
-    FillRandom(kc, cache_bytes, 1.0f);
-    FillRandom(vc, cache_bytes, 1.0f);
     FillRandom(q, size_t{2} * B * hq * d, 1.0f);
     ops.SetBatch(m);
     Tensor tq(q, {B, hq * d}, DType::kBF16, Device::kCuda),
         to(o, {B, hq * d}, DType::kBF16, Device::kCuda);
-    Tensor tk(kc, {B * m.max_blocks_per_seq, bs, hk, d}, DType::kBF16, Device::kCuda),
-        tv(vc, {B * m.max_blocks_per_seq, bs, hk, d}, DType::kBF16, Device::kCuda);
-    double ms =
-        MedianMs(s, 50, [&](int) { ops.AttentionDecode(tq, tk, tv, hq, hk, d, 0.0884f, to); });
-    double bytes = 2.0 * cache_bytes;
-    Add("decode attention B=" + std::to_string(B) + " ctx " + std::to_string(ctx), ms,
-        Fmt("%.0f GB/s KV = %.1f%% of copy", bytes / ms / 1e6,
-            100.0 * bytes / ms / 1e6 / copy_gbs));
-    for (void* p : {kc, vc, q, o}) ops.Free(p);
+    for (DType kv : kv_dtypes) {
+      if (m1_only && kv != DType::kBF16) continue;
+      const size_t code_bytes = static_cast<size_t>(rows * d * DTypeBits(kv) / 8);
+      const size_t scale_bytes = static_cast<size_t>(rows * KvScaleGroups(kv, d)) * sizeof(float);
+      void *kc = ops.Alloc(code_bytes), *vc = ops.Alloc(code_bytes);
+      void *ks = nullptr, *vs = nullptr;
+      FillRandom(kc, code_bytes, 1.0f);
+      FillRandom(vc, code_bytes, 1.0f);
+      if (scale_bytes > 0) {
+        ks = ops.Alloc(scale_bytes);
+        vs = ops.Alloc(scale_bytes);
+        std::vector<float> ones(scale_bytes / sizeof(float), 0.01f);
+        ops.CopyToDevice(ks, ones.data(), scale_bytes);
+        ops.CopyToDevice(vs, ones.data(), scale_bytes);
+      }
+      Tensor tk(kc, {B * m.max_blocks_per_seq, bs, hk, d}, kv, Device::kCuda),
+          tv(vc, {B * m.max_blocks_per_seq, bs, hk, d}, kv, Device::kCuda);
+      tk.scales = ks;
+      tv.scales = vs;
+      const double bytes = 2.0 * (code_bytes + scale_bytes);
+      for (const Variant& v : variants) {
+        cuda::SetDecodeOverride(v.kernel, v.partition);
+        double ms =
+            MedianMs(s, 50, [&](int) { ops.AttentionDecode(tq, tk, tv, hq, hk, d, 0.0884f, to); });
+        Add("decode attention B=" + std::to_string(B) + " ctx " + std::to_string(ctx) + " " +
+                std::string(KvCacheDTypeName(kv)) + " " + v.name,
+            ms,
+            Fmt("%.0f GB/s KV = %.1f%% of copy", bytes / ms / 1e6,
+                100.0 * bytes / ms / 1e6 / copy_gbs));
+      }
+      cuda::SetDecodeOverride(cuda::DecodeKernel::kAuto, 0);
+      for (void* p : {kc, vc, ks, vs}) {
+        if (p != nullptr) ops.Free(p);
+      }
+    }
+    for (void* p : {q, o}) ops.Free(p);
   }
 
   std::printf("\n==== summary (copy %.0f GB/s) ====\n", copy_gbs);
@@ -258,5 +302,6 @@ int Main(bool m1_only, bool attention_only) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  return tpserve::Main(mode == "--m1", mode == "--attention");
+  return tpserve::Main(mode == "--m1", mode == "--attention" || mode == "--decode",
+                       mode == "--decode");
 }

@@ -17,6 +17,7 @@
 #include "common/bf16.h"
 #include "kernels/cuda/bench_knobs.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/launchers.h"
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 #include "kernels/philox.h"
@@ -1106,6 +1107,41 @@ TEST_F(CudaAttentionTest, DecodeQuantizedKvCache) {
       Run(cases[i], /*decode=*/true, kv);
     }
   }
+}
+
+// Every decode kernel (sub-tile, two-phase) at forced partitions, for each cache dtype (the
+// two-phase kernel reads 16 elements a lane from a quantized cache at G <= 2, 8 at G = 8):
+// contexts of one key, of part of a partition and of many, padding, a block size that is not
+// a power of two (page math by division instead of shifts).
+TEST_F(CudaAttentionTest, DecodeEveryKernelAndPartition) {
+  const std::vector<AttnCase> cases = {
+      {{{1, 1}, {1, 63}, {1, 0}, {1, 129}, {1, 700}, {1, 1500}}, 32, 32, 128, 16},  // G=1
+      {{{1, 257}, {1, 1024}, {1, 1025}}, 16, 2, 64, 16},                            // G=8
+      {{{1, 100}, {1, 0}, {1, 777}}, 8, 4, 128, 32},                                // G=2, bs 32
+      {{{1, 300}, {1, 31}, {1, 2049}}, 8, 8, 32, 16},                               // head_dim 32
+      {{{1, 300}, {1, 24}, {1, 1100}}, 8, 8, 128, 24},  // block size 24 (not a power of two)
+  };
+  struct Variant {
+    cuda::DecodeKernel kernel;
+    int partition;
+  };
+  const Variant variants[] = {
+      {cuda::DecodeKernel::kSubTile, 64},   {cuda::DecodeKernel::kSubTile, 256},
+      {cuda::DecodeKernel::kTwoPhase, 128}, {cuda::DecodeKernel::kTwoPhase, 256},
+      {cuda::DecodeKernel::kTwoPhase, 512},
+  };
+  for (DType kv : {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4}) {
+    for (const Variant& v : variants) {
+      cuda::SetDecodeOverride(v.kernel, v.partition);
+      for (size_t i = 0; i < cases.size(); ++i) {
+        SCOPED_TRACE(std::string(KvCacheDTypeName(kv)) + " kernel " +
+                     std::to_string(static_cast<int>(v.kernel)) + " partition " +
+                     std::to_string(v.partition) + " case " + std::to_string(i));
+        Run(cases[i], /*decode=*/true, kv);
+      }
+    }
+  }
+  cuda::SetDecodeOverride(cuda::DecodeKernel::kAuto, 0);
 }
 
 // A decode step captured once replays correctly for new contexts and tokens (same sizes).
