@@ -161,8 +161,10 @@ struct Comparison {
   int64_t capacity_tokens = 0;
   std::vector<double> errors;  // one per teacher-forced row, every prompt
   int64_t top1_equal = 0;
-  std::vector<int> first_divergence;  // per prompt, steps if none
-  int64_t tokens_equal = 0;           // free-running tokens equal position by position
+  std::vector<int> first_divergence;                      // per prompt, steps if none
+  std::vector<std::vector<int32_t>> greedy_tokens;        // [prompt][steps], free-running
+  std::vector<std::vector<int64_t>> teacher_forced_top1;  // [prompt][steps + 1] argmax per row
+  int64_t tokens_equal = 0;  // free-running tokens equal position by position
   double load_s = 0, teacher_forced_s = 0, free_running_s = 0;
 };
 
@@ -185,11 +187,14 @@ nlohmann::json ComparisonJson(const Comparison& c, int steps) {
   j["stored_kv_cache_dtype"] = c.stored;
   j["kv_capacity_tokens"] = c.capacity_tokens;
   j["rows"] = n;
+  j["rel_error_min"] = sorted.front();
   j["rel_error_median"] = median;
   j["rel_error_mean"] = sum / n;
   j["rel_error_max"] = sorted.back();
   j["top1_agreement"] = static_cast<double>(c.top1_equal) / n;
   j["greedy_first_divergence"] = c.first_divergence;
+  j["greedy_tokens"] = c.greedy_tokens;
+  j["teacher_forced_top1_tokens"] = c.teacher_forced_top1;
   j["greedy_first_divergence_mean"] = divergence_sum / prompts;
   j["greedy_all_match_fraction"] = static_cast<double>(all_match) / prompts;
   j["greedy_token_match_fraction"] =
@@ -266,10 +271,13 @@ absl::Status RunKvCompareCommand(const std::vector<std::string>& args) {
   }
   {
     TP_ASSIGN_OR_RETURN(std::unique_ptr<Ops> ops, MakeOps(device));
-    TP_RETURN_IF_ERROR(ResolveKvCacheDType(*ops, baseline_dtype, config.head_dim).status());
-    for (const KvChoice& c : compared) {
-      TP_RETURN_IF_ERROR(ResolveKvCacheDType(*ops, c.dtype, config.head_dim).status());
-    }
+    // The engine's own check, named after this command's flag.
+    auto check = [&](const std::optional<DType>& t, const char* flag) -> absl::Status {
+      const absl::Status s = ResolveKvCacheDType(*ops, t, config.head_dim).status();
+      return s.ok() ? s : absl::Status(s.code(), absl::StrCat(flag, ": ", s.message()));
+    };
+    TP_RETURN_IF_ERROR(check(baseline_dtype, "--baseline-kv-cache-dtype"));
+    for (const KvChoice& c : compared) TP_RETURN_IF_ERROR(check(c.dtype, "--kv-cache-dtypes"));
   }
 
   std::mt19937_64 rng(seed);
@@ -331,10 +339,13 @@ absl::Status RunKvCompareCommand(const std::vector<std::string>& args) {
                         RunPrompts(*engine, prompts, steps - 1, nullptr, next_seq_id));
     c.free_running_s = SecondsSince(t2);
     for (int p = 0; p < num_prompts; ++p) {
+      std::vector<int64_t> top1;
       for (int r = 0; r <= steps; ++r) {
         c.errors.push_back(RelativeError(teacher[p].rows.at(r), base[p].rows.at(r)));
-        c.top1_equal += ArgMax(teacher[p].rows[r]) == ArgMax(base[p].rows[r]);
+        top1.push_back(ArgMax(teacher[p].rows[r]));
+        c.top1_equal += top1.back() == ArgMax(base[p].rows[r]);
       }
+      c.teacher_forced_top1.push_back(std::move(top1));
       int first = steps;
       for (int s = 0; s < steps; ++s) {
         const bool equal = free[p].tokens.at(s) == base[p].tokens.at(s);
@@ -342,6 +353,7 @@ absl::Status RunKvCompareCommand(const std::vector<std::string>& args) {
         if (!equal && first == steps) first = s;
       }
       c.first_divergence.push_back(first);
+      c.greedy_tokens.push_back(free[p].tokens);
     }
     std::fprintf(
         stderr, "[kv-compare] %s (stores %s): load %.2f s, teacher-forced %.2f s, greedy %.2f s\n",
@@ -357,6 +369,13 @@ absl::Status RunKvCompareCommand(const std::vector<std::string>& args) {
   j["steps"] = steps;
   j["seed"] = seed;
   j["baseline_kv_cache_dtype"] = base_stored;
+  // For a check against `tpserve run`: the prompts and the baseline's S greedy tokens.
+  j["prompt_ids"] = prompts;
+  j["baseline_greedy_tokens"] = nlohmann::json::array();
+  for (const Trace& t : base) {
+    j["baseline_greedy_tokens"].push_back(
+        std::vector<int32_t>(t.tokens.begin(), t.tokens.begin() + steps));
+  }
   j["results"] = nlohmann::json::array();
   for (const Comparison& c : results) j["results"].push_back(ComparisonJson(c, steps));
   if (a.Flag("json")) {
