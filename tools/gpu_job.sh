@@ -11,8 +11,9 @@
 #   presets: `tpserve bench` presets against `tpserve serve` in each SERVE_AB configuration)
 #   kvq: tiny-coder held-out perplexity with each --kv-cache-dtype (the files listed in
 #   .carry/heldout.txt, made by tools/tiny_coder_heldout.py --copy-to .carry/heldout), then the
-#   engine benchmark of the 6.7B shape with each KV dtype in KVQ_DTYPES (KVQ_BENCH_ARGS);
-#   KVQ_PPL=0 skips the perplexities.
+#   engine benchmark of the 6.7B shape with each KV dtype in KVQ_DTYPES (KVQ_BENCH_ARGS), then
+#   `tpserve kv-compare` of the 6.7B shape (fp8, int8, int4 vs bf16 KV: logits error, greedy
+#   agreement; kv_compare.json); KVQ_PPL=0 skips the perplexities, KVQ_COMPARE=0 kv-compare.
 #   BENCH_ARGS adds arguments to the engine benchmark (e.g. --profile); CUDA_BENCH_ARGS to
 #   tpserve-cuda-bench (e.g. --decode: every decode-attention kernel for each KV dtype).
 #   BENCH_AB="VAR=value ...[;VAR=value ...]" runs the engine benchmark again with each of those
@@ -116,6 +117,25 @@ if has kvq; then
       tee -a "$out/summary.txt"
     grep -o '"kv_capacity_tokens":[0-9]*' "$out/engine_bench_kv_$d.json" | tee -a "$out/summary.txt"
   done
+fi
+if has kvq && [ "${KVQ_COMPARE:-1}" = 1 ]; then
+  log "tpserve kv-compare: bf16 (itself), fp8, int8, int4 vs bf16 KV, 4 prompts of 512 tokens, 64 steps"
+  timeout 300 "$stage/bin/tpserve" kv-compare --model $ds --device cuda \
+    --kv-cache-dtypes bf16,fp8,int8,int4 --prompts 4 --prompt-len 512 --steps 64 --json \
+    >"$out/kv_compare.json" 2>"$out/kv_compare.log"
+  log "rc=$?"
+  grep -E "kv-compare" "$out/kv_compare.log" | tee -a "$out/summary.txt"
+  python3 -c '
+import json, sys
+j = json.load(open(sys.argv[1]))
+for r in j["results"]:
+    print("kv-compare %s (stores %s) vs %s: rel err median %.3g mean %.3g max %.3g over %d rows, "
+          "top-1 %.4f; greedy first divergence mean %.1f of %d, all-match %.2f, tokens equal %.4f"
+          % (r["kv_cache_dtype"], r["stored_kv_cache_dtype"], j["baseline_kv_cache_dtype"],
+             r["rel_error_median"], r["rel_error_mean"], r["rel_error_max"], r["rows"],
+             r["top1_agreement"], r["greedy_first_divergence_mean"], j["steps"],
+             r["greedy_all_match_fraction"], r["greedy_token_match_fraction"]))
+' "$out/kv_compare.json" 2>&1 | tee -a "$out/summary.txt"
 fi
 if has trace; then
   # Nsight Systems timeline of batch-1 decode with every CUDA-graph node traced: the time of each

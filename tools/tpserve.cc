@@ -11,6 +11,7 @@
 #include "common/logging.h"
 #include "tools/bench/bench_cmd.h"
 #include "tools/client_cmd.h"
+#include "tools/kv_compare_cmd.h"
 #include "tools/perplexity_cmd.h"
 #include "tools/random_model.h"
 #include "tools/run_cmd.h"
@@ -54,6 +55,8 @@ const Command kCommands[] = {
     {"run", "generate a completion in this process", tpserve::RunRunCommand},
     {"perplexity", "measure a model's perplexity on text files in this process",
      tpserve::RunPerplexityCommand},
+    {"kv-compare", "measure how far quantized KV caches move logits and greedy tokens",
+     tpserve::RunKvCompareCommand},
     {"random-model", "write a model directory with random weights for a config",
      tpserve::RunRandomModelCommand},
     {"tokenize", "print the token ids of stdin as a JSON array", tpserve::RunTokenizeCommand},
