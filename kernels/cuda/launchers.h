@@ -80,6 +80,8 @@ inline int DecodeBatchPartition(const DeviceBatch& b, int num_heads, int num_kv_
   const int p = DecodePartition(b.num_seqs, num_heads, num_kv_heads);
   return forced > 0 ? std::min(forced, p) : p;
 }
+// The keys per split a decode launch over a cache of dtype `kv` uses (>= DecodeBatchPartition).
+int DecodeLaunchPartition(const DeviceBatch& b, int num_heads, int num_kv_heads, DType kv);
 // Deterministic mode: query tokens per launch when every token of a prefill is run as a decode
 // query (bounds the workspace: the launches reuse it).
 inline constexpr int kDecodeQueryChunk = 256;

@@ -1084,19 +1084,20 @@ TEST_F(CudaAttentionTest, PrefillQuantizedKvCache) {
   }
 }
 
-// Quantized caches through every decode variant: the sub-tile kernel (one and several 64-key
-// partitions merged in-kernel), the two-phase kernel with 128- and 256-key partitions.
+// Quantized caches through the kernels the batch picks: the sub-tile kernel (one and several
+// 64-key partitions merged in-kernel), the two-phase kernel with 512-key partitions (16
+// elements a lane at G <= 2); DecodeEveryKernelAndPartition forces the other partitions.
 TEST_F(CudaAttentionTest, DecodeQuantizedKvCache) {
   std::vector<AttnCase> cases = {
       {{{1, 1}, {1, 16}, {1, 0}, {1, 17}, {1, 300}, {1, 1023}}, 8, 2, 128, 16},  // sub-tile, G=4
       {{{1, 257}, {1, 512}, {1, 513}}, 16, 2, 64, 16},                           // G=8
       {{{1, 100}, {1, 0}, {1, 700}}, 12, 4, 128, 32},                            // G=3, bs 32
       {{{1, 768}}, 32, 32, 128, 16},  // batch 1 of the 6.7B shape: 12 splits merged in-kernel
-      // 192 sequence-head pairs: the two-phase kernel with 128-key splits.
+      // 192 sequence-head pairs: the two-phase kernel.
       {{{1, 1}, {1, 129}, {1, 0}, {1, 640}, {1, 128}, {1, 1000}}, 32, 32, 128, 16},
       {{{1, 1}, {1, 40}, {1, 127}}, 8, 2, 32, 16},  // head_dim 32
   };
-  // >= 512 sequence-head pairs: the two-phase kernel with 256-key partitions.
+  // >= 512 sequence-head pairs: the two-phase kernel.
   AttnCase big{{}, 32, 32, 64, 16};
   std::uniform_int_distribution<int> ctx_dist(1, 1500);
   for (int i = 0; i < 20; ++i) big.seqs.push_back({1, ctx_dist(rng_)});
