@@ -9,9 +9,12 @@
 // per group of consecutive elements of one token's head:
 //   fp8 (e4m3, finite, max 448) and int8: one scale per token and head (group = D);
 //   int4: one scale per kKvInt4Group elements (see kernels/cuda/NOTES.md for why).
-// Every group is symmetric: scale = absmax / qmax, q = Encode(x * (qmax / absmax)), and an
-// element reads back as Decode(q) * scale. Encode rounds to nearest even: int8 and int4 clamp to
-// [-qmax, qmax] (int4 stores q + 8 in its nibble); fp8 rounds to the nearest e4m3 value and
+// Every element reads back as Decode(q) * scale, q = Encode(x * inv) with the group's scale and
+// its inverse inv from the group's extreme m (KvExtreme: the element of largest magnitude):
+//   fp8 and int8: symmetric, scale = |m| / qmax (448, 127), q in [-qmax, qmax];
+//   int4: all 16 levels, q in [-8, 7]: m maps to -8, scale = -m / 8 (negative when m > 0), so
+//     the grid is [-8, 7] * scale with the longer side towards m (int4 stores q + 8).
+// Encode rounds to nearest even and clamps (int8, int4); fp8 rounds to the nearest e4m3 value and
 // saturates at 448. An all-zero group has scale 0 and reads back as zeros.
 #pragma once
 
@@ -45,9 +48,9 @@ TP_KVQ_HD int KvScaleGroups(DType t, int head_dim) {
   return IsQuantizedKv(t) ? head_dim / KvScaleGroup(t, head_dim) : 0;
 }
 
-// The largest magnitude a group's absmax maps to.
+// The magnitude a group's extreme maps to (int4: to -8; the positive side ends at 7).
 TP_KVQ_HD float KvQuantMax(DType t) {
-  return t == DType::kF8E4M3 ? 448.0f : (t == DType::kI8 ? 127.0f : 7.0f);
+  return t == DType::kF8E4M3 ? 448.0f : (t == DType::kI8 ? 127.0f : 8.0f);
 }
 
 // float -> e4m3 (the "fn" variant: no infinities, 0x7f/0xff are NaN), round to nearest even,
@@ -91,20 +94,35 @@ TP_KVQ_HD float E4M3ToFloat(uint8_t c) {
   return (c & 0x80) ? -v : v;
 }
 
-// The scale of a group whose largest magnitude is `absmax`, and the factor that maps elements to
-// the quantized range (0 for an all-zero group).
-TP_KVQ_HD float KvScale(DType t, float absmax) { return absmax / KvQuantMax(t); }
-TP_KVQ_HD float KvInvScale(DType t, float absmax) {
+// A group's extreme, reduced pairwise in any order: of two elements the one of larger magnitude,
+// of equal magnitudes the smaller (the negative) one. It is the maximum of a total order on the
+// values (NaNs are skipped), so a sequential loop (QuantizeKvHead) and a warp's shuffle tree
+// (kv_quant.cuh) find the same element; the extreme of an empty or all-zero group is 0.
+TP_KVQ_HD float KvExtreme(float a, float b) {
+  const float fa = fabsf(a), fb = fabsf(b);
+  return fa > fb ? a : (fb > fa ? b : fminf(a, b));
+}
+
+// The scale of a group whose extreme is `m`, and the factor that maps its elements to the
+// quantized range (both 0 for an all-zero group). int4's scale is 0 - m / 8 (exact: a power of
+// two), the 0 - keeping +0 for m = 0 or -0.
+TP_KVQ_HD float KvScale(DType t, float m) {
+  return t == DType::kI4 ? 0.0f - m * 0.125f : fabsf(m) / KvQuantMax(t);
+}
+TP_KVQ_HD float KvInvScale(DType t, float m) {
+  if (t == DType::kI4) return m != 0.0f ? -8.0f / m : 0.0f;
+  const float absmax = fabsf(m);
   return absmax > 0.0f ? KvQuantMax(t) / absmax : 0.0f;
 }
 
 // One element, already multiplied by the inverse scale, in its stored code: the e4m3 byte, the
-// int8 byte, or the int4 nibble (q + 8, in [1, 15]).
+// int8 byte (q in [-127, 127]), or the int4 nibble (q + 8, q in [-8, 7]).
 TP_KVQ_HD uint8_t KvEncode(DType t, float v) {
   if (t == DType::kF8E4M3) return FloatToE4M3(v);
-  const float qmax = KvQuantMax(t);
+  const float qmax = t == DType::kI8 ? 127.0f : 7.0f;
+  const float qmin = t == DType::kI8 ? -127.0f : -8.0f;
   float r = rintf(v);
-  r = r > qmax ? qmax : (r < -qmax ? -qmax : r);
+  r = r > qmax ? qmax : (r < qmin ? qmin : r);
   const int q = static_cast<int>(r);
   return t == DType::kI8 ? static_cast<uint8_t>(static_cast<int8_t>(q))
                          : static_cast<uint8_t>(q + 8);
@@ -123,14 +141,14 @@ TP_KVQ_HD int64_t KvByteOffset(DType t, int64_t e) { return t == DType::kI4 ? e 
 // Host reference of one token's head (n = head_dim elements of x, f32): writes the codes of
 // elements [0, n) at `dst` (element 0 of the head; n / 2 bytes for int4) and the head's
 // KvScaleGroups scales at `scales`. The CPU ops and the tests use it; CUDA kernels quantize
-// with the same KvInvScale / KvEncode per element.
+// with the same KvExtreme / KvScale / KvInvScale / KvEncode.
 inline void QuantizeKvHead(DType t, const float* x, int n, uint8_t* dst, float* scales) {
   const int group = KvScaleGroup(t, n);
   for (int g0 = 0; g0 < n; g0 += group) {
-    float absmax = 0.0f;
-    for (int i = g0; i < g0 + group; ++i) absmax = fmaxf(absmax, fabsf(x[i]));
-    const float inv = KvInvScale(t, absmax);
-    scales[g0 / group] = KvScale(t, absmax);
+    float m = 0.0f;
+    for (int i = g0; i < g0 + group; ++i) m = KvExtreme(m, x[i]);
+    const float inv = KvInvScale(t, m);
+    scales[g0 / group] = KvScale(t, m);
     for (int i = g0; i < g0 + group; ++i) {
       const uint8_t code = KvEncode(t, x[i] * inv);
       if (t == DType::kI4) {

@@ -1,7 +1,7 @@
 // Device side of the quantized KV-cache writes (KvWrite, RopeKvWrite): a warp holds one token's
 // head (32 lanes x kEpl consecutive elements, head_dim = 32 * kEpl), reduces each scale group's
-// absmax with shuffles and stores codes and scales with kernels/kv_quant.h's functions, so that
-// the bits equal QuantizeKvHead's on the host.
+// extreme (KvExtreme) with shuffles and stores codes and scales with kernels/kv_quant.h's
+// functions, so that the bits equal QuantizeKvHead's on the host.
 #pragma once
 
 #include <type_traits>
@@ -151,8 +151,9 @@ __device__ __forceinline__ void StoreBytes(uint8_t* p, uint64_t w) {
 
 // Quantizes one token's head held by a full warp (lane l holds elements [l * kEpl, (l + 1) *
 // kEpl) in f, fp32) into `codes` (element 0 of the head in the pool) and `scales` (the head's
-// KvScaleGroups scales), as QuantizeKvHead: per group absmax, KvScale, KvEncode(x * KvInvScale).
-// Every lane of the warp must call it (shuffles).
+// KvScaleGroups scales), as QuantizeKvHead: per group the extreme m (KvExtreme, whose result does
+// not depend on the order of the reduction), KvScale(m), KvEncode(x * KvInvScale(m)). Every lane
+// of the warp must call it (shuffles).
 template <DType kT, int kEpl>
 __device__ __forceinline__ void QuantizeHeadWarp(const float (&f)[kEpl], int lane,
                                                  uint8_t* __restrict__ codes,
@@ -160,15 +161,15 @@ __device__ __forceinline__ void QuantizeHeadWarp(const float (&f)[kEpl], int lan
   constexpr int kHeadDim = 32 * kEpl;
   // A group is a power of two >= kEpl elements here: lanes_per_group lanes, aligned.
   const int lanes_per_group = KvScaleGroup(kT, kHeadDim) / kEpl;
-  float amax = 0.0f;
+  float m = 0.0f;
 #pragma unroll
-  for (int e = 0; e < kEpl; ++e) amax = fmaxf(amax, fabsf(f[e]));
+  for (int e = 0; e < kEpl; ++e) m = KvExtreme(m, f[e]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    if (o < lanes_per_group) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (o < lanes_per_group) m = KvExtreme(m, __shfl_xor_sync(0xffffffffu, m, o));
   }
-  if (lane % lanes_per_group == 0) scales[lane / lanes_per_group] = KvScale(kT, amax);
-  const float inv = KvInvScale(kT, amax);
+  if (lane % lanes_per_group == 0) scales[lane / lanes_per_group] = KvScale(kT, m);
+  const float inv = KvInvScale(kT, m);
   uint32_t c[kEpl];
 #pragma unroll
   for (int e = 0; e < kEpl; ++e) c[e] = KvEncode(kT, f[e] * inv);

@@ -77,46 +77,166 @@ TEST(KvQuantTest, E4M3EncodesToTheNearestValueTiesToEvenSaturating) {
   }
 }
 
-TEST(KvQuantTest, EveryElementIsWithinHalfAStepOfItsGroupScale) {
+// The extreme of x[begin, end) by brute force: the largest magnitude, the negative one of a tie.
+float GroupExtreme(const std::vector<float>& x, int begin, int end) {
+  float m = 0.0f;
+  for (int i = begin; i < end; ++i) {
+    if (std::fabs(x[i]) > std::fabs(m) || (std::fabs(x[i]) == std::fabs(m) && x[i] < m)) m = x[i];
+  }
+  return m;
+}
+
+// fp8 / int8: scale = absmax / qmax, every element within half a step (fp8: half an e4m3 ulp).
+// int4: the extreme m reads back exactly as code 0 (q = -8), scale = -m / 8, every element
+// within half a step |scale| / 2, except the other side's elements past 7.5 steps, which clamp
+// to 7 steps: within one step.
+TEST(KvQuantTest, EveryElementIsWithinItsBoundOfItsGroupScale) {
   std::mt19937 rng(3);
   std::normal_distribution<float> dist(0.0f, 2.0f);
   for (DType t : {DType::kI8, DType::kI4, DType::kF8E4M3}) {
-    for (int d : {64, 128}) {
-      std::vector<float> x(d), back(d);
-      for (float& v : x) v = dist(rng);
-      x[5] = 40.0f;  // an outlier channel, as keys have
-      const int groups = KvScaleGroups(t, d), group = KvScaleGroup(t, d);
-      ASSERT_EQ(groups * group, d);
-      EXPECT_EQ(groups, t == DType::kI4 ? d / kKvInt4Group : 1);
-      std::vector<uint8_t> codes(d);
-      std::vector<float> scales(groups);
-      QuantizeKvHead(t, x.data(), d, codes.data(), scales.data());
-      DequantizeKvHead(t, codes.data(), scales.data(), d, back.data());
-      for (int g = 0; g < groups; ++g) {
-        float absmax = 0;
-        for (int i = g * group; i < (g + 1) * group; ++i)
-          absmax = std::max(absmax, std::fabs(x[i]));
-        EXPECT_FLOAT_EQ(scales[g], absmax / KvQuantMax(t));
-        for (int i = g * group; i < (g + 1) * group; ++i) {
-          // int: half a step of the scale (plus the f32 rounding of x * inv); fp8: half an
-          // e4m3 ulp of the scaled value (2^-4 relative), or half a subnormal step.
-          const float bound = t == DType::kF8E4M3
-                                  ? std::max(std::fabs(x[i]) / 16.0f, scales[g] * 0x1p-10f) * 1.001f
-                                  : scales[g] * 0.5001f;
-          EXPECT_LE(std::fabs(back[i] - x[i]), bound) << DTypeName(t) << " d " << d << " element "
-                                                      << i << ": " << x[i] << " -> " << back[i];
+    for (int d : {32, 64, 128}) {
+      for (float outlier : {40.0f, -40.0f}) {  // an outlier channel, as keys have
+        std::vector<float> x(d), back(d);
+        for (float& v : x) v = dist(rng);
+        x[5] = outlier;
+        if (d == 128) {  // int4: a group whose extreme is a tie of both signs
+          x[70] = x[80] = std::fabs(x[70]) + 20.0f;
+          x[100] = -x[70];
+        }
+        const int groups = KvScaleGroups(t, d), group = KvScaleGroup(t, d);
+        ASSERT_EQ(groups * group, d);
+        EXPECT_EQ(groups, t == DType::kI4 ? std::max(1, d / kKvInt4Group) : 1);
+        std::vector<uint8_t> codes(d);
+        std::vector<float> scales(groups);
+        QuantizeKvHead(t, x.data(), d, codes.data(), scales.data());
+        DequantizeKvHead(t, codes.data(), scales.data(), d, back.data());
+        for (int g = 0; g < groups; ++g) {
+          const float m = GroupExtreme(x, g * group, (g + 1) * group);
+          SCOPED_TRACE(testing::Message()
+                       << DTypeName(t) << " d " << d << " group " << g << " extreme " << m);
+          if (t == DType::kI4) {
+            EXPECT_EQ(scales[g], -m / 8);  // exact
+          } else {
+            EXPECT_FLOAT_EQ(scales[g], std::fabs(m) / KvQuantMax(t));
+          }
+          const float step = std::fabs(scales[g]);
+          for (int i = g * group; i < (g + 1) * group; ++i) {
+            if (t == DType::kI4 && x[i] == m) {
+              EXPECT_EQ((codes[i / 2] >> (4 * (i & 1))) & 15, 0) << "the extreme is q = -8";
+              EXPECT_EQ(back[i], m);
+            }
+            // int: half a step of the scale (plus the f32 rounding of x * inv), a clamped int4
+            // element one step; fp8: half an e4m3 ulp of the scaled value (2^-4 relative), or
+            // half a subnormal step.
+            float bound = step * 0.5001f;
+            if (t == DType::kF8E4M3) {
+              bound = std::max(std::fabs(x[i]) / 16.0f, step * 0x1p-10f) * 1.001f;
+            } else if (t == DType::kI4 && x[i] / scales[g] > 7.5f) {
+              bound = step * 1.0001f;
+              EXPECT_EQ(back[i], 7 * scales[g]);
+            }
+            EXPECT_LE(std::fabs(back[i] - x[i]), bound)
+                << "element " << i << ": " << x[i] << " -> " << back[i];
+          }
+        }
+        if (t == DType::kI4 && d == 128) {
+          // Group 1's extreme is the tie of x[70] = x[80] and x[100] = -x[70]: the negative one
+          // maps to -8 (a positive scale), the positive ones clamp to 7.
+          EXPECT_GT(scales[1], 0.0f);
+          EXPECT_EQ(back[100], x[100]);
+          EXPECT_EQ(back[70], 7 * scales[1]);
         }
       }
     }
   }
-  // An all-zero group: scale 0, reads back as zeros.
-  std::vector<float> zeros(64, 0.0f), back(64, 1.0f);
-  std::vector<uint8_t> codes(64);
-  float scale = -1;
-  QuantizeKvHead(DType::kI8, zeros.data(), 64, codes.data(), &scale);
-  DequantizeKvHead(DType::kI8, codes.data(), &scale, 64, back.data());
-  EXPECT_EQ(scale, 0.0f);
-  EXPECT_EQ(back, zeros);
+  // An all-zero group: scale +0 (not -0), reads back as zeros.
+  for (DType t : {DType::kI8, DType::kI4}) {
+    std::vector<float> zeros(64, 0.0f), back(64, 1.0f);
+    zeros[3] = -0.0f;
+    std::vector<uint8_t> codes(64);
+    float scale = -1;
+    QuantizeKvHead(t, zeros.data(), 64, codes.data(), &scale);
+    DequantizeKvHead(t, codes.data(), &scale, 64, back.data());
+    EXPECT_EQ(scale, 0.0f);
+    EXPECT_FALSE(std::signbit(scale)) << DTypeName(t);
+    EXPECT_EQ(back, std::vector<float>(64, 0.0f));
+  }
+}
+
+// KvExtreme is order-free: a sequential fold (QuantizeKvHead), the same fold backwards and a
+// warp's xor-shuffle tree over 32 lanes of 1, 2 or 4 elements (kv_quant.cuh) give the same
+// bits, with ties of both signs, repeated values, zeros of both signs and NaNs mixed in.
+TEST(KvQuantTest, ExtremeIsTheSameInAnyReductionOrder) {
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> pick(-6, 6);
+  for (int epl : {1, 2, 4}) {
+    for (int trial = 0; trial < 2000; ++trial) {
+      const int n = 32 * epl;
+      std::vector<float> x(n);
+      for (float& v : x) {
+        const int p = pick(rng);  // a few magnitudes only: many ties
+        v = p == 0 ? (rng() % 2 ? -0.0f : 0.0f) : static_cast<float>(p) * 0.75f;
+      }
+      if (trial % 7 == 0) x[rng() % n] = NAN;
+      float forward = 0.0f, backward = 0.0f;
+      for (int i = 0; i < n; ++i) forward = KvExtreme(forward, x[i]);
+      for (int i = n - 1; i >= 0; --i) backward = KvExtreme(backward, x[i]);
+      std::vector<float> lane(32, 0.0f);
+      for (int l = 0; l < 32; ++l)
+        for (int e = 0; e < epl; ++e) lane[l] = KvExtreme(lane[l], x[l * epl + e]);
+      for (int o = 16; o > 0; o >>= 1) {
+        std::vector<float> next(32);
+        for (int l = 0; l < 32; ++l) next[l] = KvExtreme(lane[l], lane[l ^ o]);
+        lane = next;
+      }
+      std::vector<float> finite;
+      for (float v : x)
+        if (!std::isnan(v)) finite.push_back(v);
+      const float want = GroupExtreme(finite, 0, static_cast<int>(finite.size()));
+      ASSERT_EQ(std::fabs(forward), std::fabs(want));
+      if (want != 0.0f) {
+        ASSERT_EQ(forward, want);
+      }
+      for (float got : {backward, lane[0], lane[31]}) {
+        // Bit for bit, except the sign of a zero extreme (fminf(+0, -0) may be either), which
+        // KvScale and KvInvScale map to +0 and 0 alike.
+        if (want == 0.0f) {
+          ASSERT_EQ(got, 0.0f);
+          ASSERT_EQ(KvScale(DType::kI4, got), 0.0f);
+          ASSERT_FALSE(std::signbit(KvScale(DType::kI4, got)));
+        } else {
+          ASSERT_EQ(std::memcmp(&got, &forward, sizeof(float)), 0)
+              << "epl " << epl << " trial " << trial << ": " << got << " vs " << forward;
+        }
+      }
+    }
+  }
+}
+
+// Why int4 maps the extreme to -8: 16 levels instead of the 15 of a symmetric [-7, 7] grid.
+// Over many Gaussian groups of 32 the squared error is about 0.8 of the symmetric grid's (the
+// step shrinks by 7/8; the other side's elements past 7.5 steps clamp).
+TEST(KvQuantTest, Int4SixteenLevelsBeatTheSymmetricGrid) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  double err16 = 0, err15 = 0;
+  std::vector<float> x(32), back(32);
+  std::vector<uint8_t> codes(16);
+  for (int trial = 0; trial < 4000; ++trial) {
+    for (float& v : x) v = dist(rng);
+    float scale;
+    QuantizeKvHead(DType::kI4, x.data(), 32, codes.data(), &scale);
+    DequantizeKvHead(DType::kI4, codes.data(), &scale, 32, back.data());
+    float absmax = 0;
+    for (float v : x) absmax = std::max(absmax, std::fabs(v));
+    for (int i = 0; i < 32; ++i) {
+      err16 += (back[i] - x[i]) * static_cast<double>(back[i] - x[i]);
+      const float sym = std::clamp(std::rint(x[i] * 7 / absmax), -7.0f, 7.0f) * (absmax / 7);
+      err15 += (sym - x[i]) * static_cast<double>(sym - x[i]);
+    }
+  }
+  std::printf("int4 squared error: 16 levels / symmetric 15 levels = %.3f\n", err16 / err15);
+  EXPECT_LT(err16, 0.85 * err15);
 }
 
 TEST(KvQuantTest, PoolSizesCountScalesAndGiveTheCapacityGains) {
@@ -325,8 +445,9 @@ TEST_P(QuantizedKvOpsTest, AttentionReadsTheDequantizedValues) {
   ops_->AttentionPrefill(qt, f32(kexact), f32(vexact), heads, kv_heads, d, scale, view(out_exact));
   EXPECT_EQ(out, out_dq);
   // The quantization error of the output, measured on this data: int8 0.0083, fp8 0.032,
-  // int4 0.143 (random normal keys spread attention thinly; bounds 2x above).
-  const double bound = t == DType::kI8 ? 0.017 : (t == DType::kF8E4M3 ? 0.065 : 0.28);
+  // int4 0.121 (16 levels; 0.143 with the symmetric 15 it had before); random normal keys spread
+  // attention thinly; bounds 2x above.
+  const double bound = t == DType::kI8 ? 0.017 : (t == DType::kF8E4M3 ? 0.065 : 0.25);
   const double err = RelErr(out, out_exact);
   EXPECT_LT(err, bound) << DTypeName(t);
   std::printf("%s: attention output relative error vs the f32 cache %.4f\n",
