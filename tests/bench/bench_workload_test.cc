@@ -143,7 +143,7 @@ TEST(PresetsTest, TheGuideScenarios) {
   EXPECT_EQ(latency->output_len, 512);
   EXPECT_EQ(latency->concurrency, 1);
   EXPECT_EQ(latency->turns, 0);
-  for (int n : {32, 64}) {
+  for (int n : {32, 64, 128}) {
     auto p = FindPreset("batch" + std::to_string(n));
     ASSERT_TRUE(p.ok());
     EXPECT_EQ(p->concurrency, n);
@@ -167,7 +167,7 @@ TEST(PresetsTest, TheGuideScenarios) {
   auto bad = FindPreset("nope");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("latency"), std::string::npos);
-  EXPECT_EQ(Presets().size(), 5u);
+  EXPECT_EQ(Presets().size(), 6u);
 }
 
 WorkloadSpec Spec() {
