@@ -3,7 +3,8 @@
 # binaries staged by tools/gpu_stage.sh): the same greedy prompt through `tpserve run` (engine,
 # CUDA graphs) and through `tpserve serve` + `tpserve generate` must give the same tokens; then
 # the latency preset's TPOT. Logs under $OUT (or ./serve-check-out). MODEL (default /tmp/ds67,
-# made if missing); TPSERVE_WORKER_CUDA_GRAPHS=0 serves without the workers' decode graphs.
+# made if missing); TPSERVE_WORKER_CUDA_GRAPHS=0 serves without the workers' decode graphs;
+# KV_CACHE_DTYPE (default auto) runs both sides with that --kv-cache-dtype.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/serve-check-out}
@@ -17,9 +18,10 @@ model=${MODEL:-/tmp/ds67}
   --config tests/data/deepseek-coder-6.7b-instruct.config.json --out "$model" --seed 1 --dtype bf16 >/dev/null
 vocab=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$model/config.json")
 ids=$(python3 -c 'import random,sys; r=random.Random(7); print(",".join(str(r.randrange(int(sys.argv[1]))) for _ in range(48)))' "$vocab")
+kv=(--kv-cache-dtype "${KV_CACHE_DTYPE:-auto}")
 "$b/tpserve" run --model "$model" --device cuda --prompt-ids "$ids" --max-new-tokens 64 --ignore-eos \
-  --kv-cache-mb 4096 --json > "$out/engine.json" 2>"$out/engine.log"
-TPSERVE_WORKER_CUDA_GRAPHS=${TPSERVE_WORKER_CUDA_GRAPHS:-1} "$b/tpserve" serve --model "$model" --device cuda --port 50077 --kv-cache-mb 8192 \
+  --kv-cache-mb 4096 "${kv[@]}" --json > "$out/engine.json" 2>"$out/engine.log"
+TPSERVE_WORKER_CUDA_GRAPHS=${TPSERVE_WORKER_CUDA_GRAPHS:-1} "$b/tpserve" serve --model "$model" --device cuda --port 50077 --kv-cache-mb 8192 "${kv[@]}" \
   --worker-binary "$b/tpserve-worker" --ready-file "$out/ready" >"$out/serve.log" 2>&1 &
 pid=$!
 for _ in $(seq 240); do [ -f "$out/ready" ] && break; sleep 0.5; done
