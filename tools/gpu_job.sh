@@ -2,7 +2,7 @@
 # The one-GPU job: runs on the GPU machine over binaries built elsewhere (tools/gpu_stage.sh
 # puts them under .carry/gpu/). Runs the gpu-tier tests, makes a random DeepSeek-Coder-6.7B-shaped
 # checkpoint, compares it with transformers bf16, runs the engine benchmark and the HF
-# baselines. Logs and JSON go to $OUT (or ./gpu-out).
+# baselines. Logs and JSON go to $OUT (or ./gpu-out) as gpu-job.tgz, beside summary.txt.
 # Usage: bash tools/gpu_job.sh [tests] [ds67] [refs] [bench] [hf] [pp] [kernels] [serve] [trace]
 #          [presets] [kvq]
 #   (default: tests ds67 bench hf; refs: the transformers references alone, without tpserve's
@@ -20,8 +20,12 @@
 #   environments (baselines of an A/B comparison in the same job), with BENCH_AB_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-$PWD/gpu-out}
-mkdir -p "$out"
+# Logs and JSON are written to a work folder and leave as one archive (gpu-job.tgz) plus
+# summary.txt in $OUT: the device tool returns only a few files of a call.
+final=${OUT:-$PWD/gpu-out}
+mkdir -p "$final"
+out=$(mktemp -d /tmp/gpu-job.XXXXXX)
+trap 'cp "$out/summary.txt" "$final/" 2>/dev/null; tar czf "$final/gpu-job.tgz" -C "$out" .' EXIT
 stage=.carry/gpu
 find "$stage" -name '*.xz' -exec xz -d -T0 {} +  # tools/gpu_stage.sh compressed the big files
 chmod +x "$stage"/bin/* 2>/dev/null
