@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools", "scaling"))
 
 import hf_peers  # noqa: E402
 import run_scaling  # noqa: E402
+import tp_model  # noqa: E402
 
 # The fields `tpserve bench --json` writes (tools/bench/bench_cmd.cc ReportJson).
 BENCH_FIELDS = {
@@ -148,6 +149,52 @@ class RunScalingTest(unittest.TestCase):
                     self.assertGreater(os.path.getsize(p), 1000)
             except ImportError:
                 self.assertEqual(paths, [])
+
+
+class TpModelTest(unittest.TestCase):
+    """tools/scaling/tp_model.py: calibrated to the measured TP = 1 figures, and the shape its
+    terms must give (sub-linear speedups, a faster all-reduce never predicting slower)."""
+
+    def test_tp1_reproduces_the_measurement(self):
+        m = tp_model.MEASURED
+        rows = {(r["config"], r["all_reduce"]): r for r in tp_model.table()}
+        self.assertAlmostEqual(rows[("tp1", "-")]["batch1_ms"], m["batch1_ms"], places=9)
+        self.assertAlmostEqual(tp_model.batch1_ms(m, 1, 123.0), m["batch1_ms"], places=9)
+        self.assertAlmostEqual(tp_model.batch64_tps(m, 1, 99.0), 64 / m["batch64_ms"] * 1e3,
+                               places=6)
+
+    def test_speedups_are_sublinear_and_ordered(self):
+        rows = {(r["config"], r["all_reduce"]): r for r in tp_model.table()}
+        for impl in ("custom", "vllm"):
+            prev = 1.0
+            for tp in (2, 4, 8):
+                r = rows[(f"tp{tp}", impl)]
+                self.assertGreater(r["batch1_speedup"], prev)
+                self.assertLess(r["batch1_speedup"], tp)
+                self.assertLess(r["batch64_speedup"], tp)
+                prev = r["batch1_speedup"]
+        for tp in (2, 4, 8):
+            self.assertGreater(rows[(f"tp{tp}", "custom")]["batch1_speedup"],
+                               rows[(f"tp{tp}", "vllm")]["batch1_speedup"])
+        for pp in (2, 4):  # a pipeline does not speed up one sequence
+            self.assertLess(rows[(f"pp{pp}", "-")]["batch1_speedup"], 1.0)
+            self.assertGreater(rows[(f"pp{pp}", "-")]["batch64_speedup"], 1.0)
+
+    def test_all_reduce_interpolation(self):
+        t = tp_model.PUBLISHED_AR_US["custom"][8]
+        self.assertEqual(tp_model.ar_us("custom", 8, 4096), t[4096])
+        self.assertEqual(tp_model.ar_us("custom", 8, 524288), t[524288])
+        mid = tp_model.ar_us("custom", 8, 8192)  # a third of the way in log2 from 4 KB to 32 KB
+        self.assertAlmostEqual(mid, t[4096] + (t[32768] - t[4096]) / 3, places=9)
+        with self.assertRaises(ValueError):
+            tp_model.ar_us("custom", 8, 1 << 30)
+
+    def test_cli_json(self):
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "scaling", "tp_model.py"),
+                              "--json"], capture_output=True, text=True, check=True).stdout
+        j = json.loads(out)
+        self.assertEqual(len(j["rows"]), 1 + 2 * 3 + 2)
+        self.assertGreater(j["fixed_layer_us"], 0)
 
 
 if __name__ == "__main__":
