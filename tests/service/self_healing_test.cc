@@ -414,6 +414,7 @@ class ExternalLauncherTest : public ::testing::Test {
   void StartCoordinator(std::vector<std::string> extra) {
     const fs::path dir =
         fs::path(::testing::TempDir()) / absl::StrCat("tpserve_heal_", getpid(), "_", counter_++);
+    fs::remove_all(dir);  // an earlier run's folder (same pid) would hold a stale ready file
     fs::create_directories(dir);
     dir_ = dir.string();
     secret_ = (dir / "secret").string();

@@ -169,6 +169,9 @@ class ServerProcess {
     const fs::path tmp =
         fs::path(::testing::TempDir()) /
         ("tpserve_server_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
+    // A folder of an earlier run whose process had the same pid would hold a stale ready file
+    // (an address nobody listens on): start from an empty one.
+    fs::remove_all(tmp);
     fs::create_directories(tmp);
     p->ready_file_ = (tmp / "ready").string();
     p->log_file_ = (tmp / "log").string();
