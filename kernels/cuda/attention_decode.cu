@@ -184,13 +184,13 @@ __device__ void FinishSplit(const float (&o_s)[kG][kD], const float* m_s, const 
 // took the same time per row (bf16 0.275, fp8 0.285, int4 0.331 ms): the per-row work of a
 // lane, not the bytes, bounded the 8-bit and 4-bit caches.
 template <typename Kv, int kD, int kG>
-inline constexpr int kTwoPhaseLaneElems =
-    Kv::kQuantized&& kG <= 2 && kKvGroup<Kv, kD> % 16 == 0 ? 16 : 8;
+inline constexpr int kTwoPhaseLaneElems = (Kv::kQuantized && kG <= 2 && kKvGroup<Kv, kD> % 16 == 0)
+                                              ? 16
+                                              : 8;
 
 // Large batches: one block per split of up to kMaxTwoPhasePartition keys, three phases (all
 // scores, softmax, PV) with few registers, so that many blocks stay resident and their loads
-// overlap. `block_shift`: log2(block_size) when it is a power of two (page math by shifts),
-// else -1.
+// overlap. `block_shift`: KvBlockShift(block_size).
 template <typename Kv, int kD, int kG>
 __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
     const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
@@ -244,21 +244,11 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
   __syncthreads();
 
   const int chunk = tid % kLanesPerToken, tok_lane = tid / kLanesPerToken;
-  // Pool row (slot * num_kv_heads + kv_head) of key `tok` of the partition.
-  auto pool_row = [&](int tok) -> int64_t {
-    const int pos = start + tok;
-    int page_idx, in_page;
-    if (block_shift >= 0) {
-      page_idx = pos >> block_shift;
-      in_page = pos & (block_size - 1);
-    } else {
-      page_idx = pos / block_size;
-      in_page = pos - page_idx * block_size;
-    }
-    return (static_cast<int64_t>(table[page_idx]) * block_size + in_page) * num_kv_heads + kv_head;
+  // Element offset of this lane's chunk of key `tok` of the partition.
+  auto elem_off = [&](int tok) -> int64_t {
+    return KvPoolRow(table, start + tok, block_size, block_shift, num_kv_heads, kv_head) * kD +
+           chunk * kE;
   };
-  constexpr int kRowScales = kD / kGroup;
-  const int scale_col = chunk * kE / kGroup;
 
   // Phase 1: scores (log2 domain) of the partition's keys.
   float qf[kG][kE];
@@ -276,9 +266,9 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
       kv[u].Clear();
       ks[u] = 0.0f;
       if (tok < n) {
-        const int64_t row = pool_row(tok);
-        kv[u].Load(k_cache + row * (kD * Kv::kBits / 8) + chunk * Lane::kBytes);
-        if constexpr (Kv::kQuantized) ks[u] = __ldg(k_scales + row * kRowScales + scale_col);
+        const int64_t off = elem_off(tok);
+        kv[u].Load(k_cache + KvBytes<Kv>(off));
+        if constexpr (Kv::kQuantized) ks[u] = __ldg(k_scales + KvScaleIndex<kGroup>(off));
       }
     }
 #pragma unroll
@@ -336,9 +326,9 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
       vv[u].Clear();
       vs[u] = 0.0f;
       if (tok < n) {
-        const int64_t row = pool_row(tok);
-        vv[u].Load(v_cache + row * (kD * Kv::kBits / 8) + chunk * Lane::kBytes);
-        if constexpr (Kv::kQuantized) vs[u] = __ldg(v_scales + row * kRowScales + scale_col);
+        const int64_t off = elem_off(tok);
+        vv[u].Load(v_cache + KvBytes<Kv>(off));
+        if constexpr (Kv::kQuantized) vs[u] = __ldg(v_scales + KvScaleIndex<kGroup>(off));
       }
     }
 #pragma unroll
@@ -374,7 +364,7 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
     const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
     const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
     int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
-    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int /*block_shift*/) {
+    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift) {
   constexpr int kLanesPerToken = kD / 8;                     // 8-element chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // rows read per block step
   constexpr int kUnroll = kSub / kTokensPerStep;
@@ -412,8 +402,8 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
   typename Kv::Vec8 kv[kUnroll], vv[kUnroll];
   float ks[kUnroll], vs[kUnroll];
   auto load_row = [&](int u, int pos) {
-    int64_t slot = static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
-    int64_t off = (slot * num_kv_heads + kv_head) * kD + chunk * 8;
+    const int64_t off =
+        KvPoolRow(table, pos, block_size, block_shift, num_kv_heads, kv_head) * kD + chunk * 8;
     kv[u] = Kv::Load8(k_cache + KvBytes<Kv>(off));
     vv[u] = Kv::Load8(v_cache + KvBytes<Kv>(off));
     if constexpr (Kv::kQuantized) {
@@ -579,21 +569,14 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   const int partition = plan.partition;
   auto kernel = plan.kernel == DecodeKernel::kSubTile ? DecodePartitionKernel<Kv, kD, kG>
                                                       : DecodeTwoPhaseKernel<Kv, kD, kG>;
-  const size_t smem = 0;
-  const int block_shift = (b.block_size & (b.block_size - 1)) == 0
-                              ? __builtin_ctz(static_cast<unsigned>(b.block_size))
-                              : -1;
+  const int block_shift = KvBlockShift(b.block_size);
   const auto* kc = static_cast<const uint8_t*>(k_cache.data);
   const auto* vc = static_cast<const uint8_t*>(v_cache.data);
   const auto* k_scales = static_cast<const float*>(k_cache.scales);
   const auto* v_scales = static_cast<const float*>(v_cache.scales);
-  auto splits = [&](const DeviceBatch& bb) {
-    const int cap = bb.max_blocks_per_seq * bb.block_size;
-    return cap <= 0 ? 1 : (cap + partition - 1) / partition;
-  };
   if (b.num_tokens == b.num_seqs) {
-    dim3 grid(splits(b), num_heads / kG, b.num_seqs);
-    LaunchPdl(kernel, grid, dim3(kThreads), smem, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
+    dim3 grid(DecodeSplits(b, partition), num_heads / kG, b.num_seqs);
+    LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
               k_scales, v_scales, b.query_start, b.context_lens, b.block_tables,
               static_cast<const int32_t*>(nullptr), b.max_blocks_per_seq, b.block_size, num_heads,
               num_kv_heads, partition, scale * kLog2e, counters, workspace,
@@ -609,8 +592,8 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     const int n = std::min(kDecodeQueryChunk, b.num_tokens - t0);
     DeviceBatch chunk = b;
     chunk.num_seqs = chunk.num_tokens = n;
-    dim3 grid(splits(chunk), num_heads / kG, n);
-    LaunchPdl(kernel, grid, dim3(kThreads), smem, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
+    dim3 grid(DecodeSplits(chunk, partition), num_heads / kG, n);
+    LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
               k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
               b.block_tables, b.token_table_rows + t0, b.max_blocks_per_seq, b.block_size,
               num_heads, num_kv_heads, partition, scale * kLog2e, counters, workspace,

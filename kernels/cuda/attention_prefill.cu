@@ -142,7 +142,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int32_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks_per_seq;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t q_stride = static_cast<int64_t>(num_heads) * kD;
-  const int64_t kv_stride = static_cast<int64_t>(num_kv_heads) * kD;
 
   // Each thread copies one 16-byte chunk column of every kRowsPerPass-th row, so the page
   // lookup (a shift for power-of-two block sizes) is done once per row for K and V together.
@@ -157,19 +156,12 @@ __global__ void __launch_bounds__(kWarps * 32)
     CpAsync16(SmemAddr(q_s + Swizzle<kD>(r, my_chunk)), src, valid);
   }
   // The element offset in the cache of this thread's chunk of `key` (0 past the context).
-  auto kv_offset = [&](int key) -> int64_t {
-    if (key >= ctx) return 0;
-    int page = block_shift >= 0 ? key >> block_shift : key / block_size;
-    int in_page = block_shift >= 0 ? key & (block_size - 1) : key % block_size;
-    int64_t slot = static_cast<int64_t>(table[page]) * block_size + in_page;
-    return slot * kv_stride + kv_head * kD + my_chunk * 8;
-  };
   // The cache row (slot * Hk + kv head) of `key` (0 past the context).
   auto kv_row = [&](int key) -> int64_t {
-    if (key >= ctx) return 0;
-    int page = block_shift >= 0 ? key >> block_shift : key / block_size;
-    int in_page = block_shift >= 0 ? key & (block_size - 1) : key % block_size;
-    return (static_cast<int64_t>(table[page]) * block_size + in_page) * num_kv_heads + kv_head;
+    return key >= ctx ? 0 : KvPoolRow(table, key, block_size, block_shift, num_kv_heads, kv_head);
+  };
+  auto kv_offset = [&](int key) -> int64_t {
+    return key >= ctx ? 0 : kv_row(key) * kD + my_chunk * 8;
   };
   // K and V of a tile into `stage` (bf16: the tiles; quantized: the codes and scales).
   auto load_tile = [&](int tile, int stage) {
@@ -407,10 +399,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     return true;
   }();
   (void)configured;
-  int block_shift = -1;  // log2(block_size) when a power of two, else -1 (division)
-  for (int sh = 0; sh < 31; ++sh) {
-    if ((1 << sh) == b.block_size) block_shift = sh;
-  }
+  const int block_shift = KvBlockShift(b.block_size);
   dim3 grid(b.num_prefill_work, num_heads);
   PrefillAttentionKernel<Kv, kD, kWarps><<<grid, kWarps * 32, kSmem, stream>>>(
       q.ptr<const __nv_bfloat16>(), static_cast<const uint8_t*>(k_cache.data),

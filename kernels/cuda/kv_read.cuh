@@ -149,6 +149,22 @@ struct KvLane {
 template <typename Kv, int kD>
 inline constexpr int kKvGroup = KvScaleGroup(Kv::kDType, kD);
 
+// The pool row (slot * num_kv_heads + kv_head) of position `pos` of a sequence whose block-table
+// row is `table`: the page by a shift when block_shift >= 0 (KvBlockShift), else by a division.
+__device__ __forceinline__ int64_t KvPoolRow(const int32_t* __restrict__ table, int pos,
+                                             int block_size, int block_shift, int num_kv_heads,
+                                             int kv_head) {
+  int page, in_page;
+  if (block_shift >= 0) {
+    page = pos >> block_shift;
+    in_page = pos & (block_size - 1);
+  } else {
+    page = pos / block_size;
+    in_page = pos - page * block_size;
+  }
+  return (static_cast<int64_t>(table[page]) * block_size + in_page) * num_kv_heads + kv_head;
+}
+
 // Byte offset of element `e` (a multiple of 8) in a pool of Kv.
 template <typename Kv>
 __device__ __forceinline__ int64_t KvBytes(int64_t e) {

@@ -85,10 +85,21 @@ int DecodeLaunchPartition(const DeviceBatch& b, int num_heads, int num_kv_heads,
 // Deterministic mode: query tokens per launch when every token of a prefill is run as a decode
 // query (bounds the workspace: the launches reuse it).
 inline constexpr int kDecodeQueryChunk = 256;
+// Splits of `partition` keys that cover the batch's block-table capacity.
+inline int DecodeSplits(const DeviceBatch& b, int partition) {
+  const int cap = b.max_blocks_per_seq * b.block_size;
+  return cap <= 0 ? 1 : (cap + partition - 1) / partition;
+}
 inline int DecodeNumSplits(const DeviceBatch& b, int num_heads, int num_kv_heads) {
-  int cap = b.max_blocks_per_seq * b.block_size;
-  int p = DecodeBatchPartition(b, num_heads, num_kv_heads);
-  return cap <= 0 ? 1 : (cap + p - 1) / p;
+  return DecodeSplits(b, DecodeBatchPartition(b, num_heads, num_kv_heads));
+}
+// log2(block_size) when it is a power of two (the kernels' page math by shifts), else -1
+// (by division); see KvPoolRow.
+inline int KvBlockShift(int block_size) {
+  for (int sh = 0; sh < 31; ++sh) {
+    if ((1 << sh) == block_size) return sh;
+  }
+  return -1;
 }
 
 // Decode attention: the partial results of the splits [seq][head][split] -> (o[head_dim], max,
