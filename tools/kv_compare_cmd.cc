@@ -24,7 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "common/model_files.h"
 #include "common/status.h"
-#include "kernels/head_dims.h"
+#include "tools/bench/stats.h"
 #include "worker/engine.h"
 #include "worker/shard_loader.h"
 
@@ -169,12 +169,8 @@ struct Comparison {
 };
 
 nlohmann::json ComparisonJson(const Comparison& c, int steps) {
-  std::vector<double> sorted = c.errors;
-  std::sort(sorted.begin(), sorted.end());
-  const size_t n = sorted.size();
-  const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
-  double sum = 0;
-  for (double e : sorted) sum += e;
+  const bench::Summary errors = bench::Summarize(c.errors);
+  const int64_t n = errors.count;
   const size_t prompts = c.first_divergence.size();
   double divergence_sum = 0;
   int all_match = 0;
@@ -187,10 +183,10 @@ nlohmann::json ComparisonJson(const Comparison& c, int steps) {
   j["stored_kv_cache_dtype"] = c.stored;
   j["kv_capacity_tokens"] = c.capacity_tokens;
   j["rows"] = n;
-  j["rel_error_min"] = sorted.front();
-  j["rel_error_median"] = median;
-  j["rel_error_mean"] = sum / n;
-  j["rel_error_max"] = sorted.back();
+  j["rel_error_min"] = errors.min;
+  j["rel_error_median"] = errors.median;
+  j["rel_error_mean"] = errors.mean;
+  j["rel_error_max"] = errors.max;
   j["top1_agreement"] = static_cast<double>(c.top1_equal) / n;
   j["greedy_first_divergence"] = c.first_divergence;
   j["greedy_tokens"] = c.greedy_tokens;
@@ -264,11 +260,7 @@ absl::Status RunKvCompareCommand(const std::vector<std::string>& args) {
                                                    steps, " exceeds the model's context of ",
                                                    config.max_position_embeddings, " tokens"));
   }
-  std::string device = ResolveDevice(a.GetOr("device", "auto"));
-  if (a.GetOr("device", "auto") == "auto" && device == "cuda" &&
-      !CudaSupportsHeadDim(config.head_dim)) {
-    device = "cpu";  // as Engine::Create does for auto
-  }
+  const std::string device = ResolveModelDevice(a.GetOr("device", "auto"), config.head_dim);
   {
     TP_ASSIGN_OR_RETURN(std::unique_ptr<Ops> ops, MakeOps(device));
     // The engine's own check, named after this command's flag.

@@ -24,6 +24,12 @@ std::string ResolveDevice(const std::string& device) {
   return "cpu";
 }
 
+std::string ResolveModelDevice(const std::string& device, int head_dim) {
+  const std::string resolved = ResolveDevice(device);
+  return device == "auto" && resolved == "cuda" && !CudaSupportsHeadDim(head_dim) ? "cpu"
+                                                                                  : resolved;
+}
+
 absl::StatusOr<std::unique_ptr<Ops>> MakeOps(const std::string& device, int gpu_index) {
   const std::string resolved = ResolveDevice(device);
   if (resolved == "cpu") return MakeCpuOps();
@@ -103,11 +109,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::string& model_
   if (options.ops != nullptr) {
     engine->ops_ = options.ops;
   } else {
-    std::string device = ResolveDevice(options.device);
-    if (options.device == "auto" && device == "cuda" && !CudaSupportsHeadDim(config.head_dim)) {
+    const std::string device = ResolveModelDevice(options.device, config.head_dim);
+    if (device != ResolveDevice(options.device)) {
       TP_LOG(WARNING) << "head_dim " << config.head_dim
                       << " has no CUDA attention kernel: running on the CPU";
-      device = "cpu";
     }
     TP_ASSIGN_OR_RETURN(engine->owned_ops_, MakeOps(device));
     engine->ops_ = engine->owned_ops_.get();

@@ -105,6 +105,9 @@ class Engine {
 
 // The device `options.device` names, resolved: "auto" becomes "cuda" when a GPU is present.
 std::string ResolveDevice(const std::string& device);
+// The device an engine for a model of head dimension `head_dim` runs on: ResolveDevice(device),
+// except that "auto" stays on the CPU when the CUDA attention kernels lack that head size.
+std::string ResolveModelDevice(const std::string& device, int head_dim);
 // Creates ops for "cpu" or "cuda" (error when CUDA is not built in or no GPU is present).
 absl::StatusOr<std::unique_ptr<Ops>> MakeOps(const std::string& device, int gpu_index = 0);
 

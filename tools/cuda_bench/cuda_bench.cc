@@ -264,9 +264,9 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep) {
       if (scale_bytes > 0) {
         ks = ops.Alloc(scale_bytes);
         vs = ops.Alloc(scale_bytes);
-        std::vector<float> ones(scale_bytes / sizeof(float), 0.01f);
-        ops.CopyToDevice(ks, ones.data(), scale_bytes);
-        ops.CopyToDevice(vs, ones.data(), scale_bytes);
+        const std::vector<float> scales(scale_bytes / sizeof(float), 0.01f);
+        ops.CopyToDevice(ks, scales.data(), scale_bytes);
+        ops.CopyToDevice(vs, scales.data(), scale_bytes);
       }
       Tensor tk(kc, {B * m.max_blocks_per_seq, bs, hk, d}, kv, Device::kCuda),
           tv(vc, {B * m.max_blocks_per_seq, bs, hk, d}, kv, Device::kCuda);
