@@ -89,6 +89,15 @@ const EnvVar kDecodePartition = {"TPSERVE_DECODE_PARTITION",
                                  0,
                                  0,
                                  "0|64|128|256|512|1024"};
+const EnvVar kDecodeOrder = {"TPSERVE_DECODE_ORDER",
+                             EnvType::kChoice,
+                             "split",
+                             "decode attention: block order, split (a sequence's splits and heads "
+                             "together) or seq (the same keys of many sequences together: shared "
+                             "prefix blocks hit L2)",
+                             0,
+                             0,
+                             "split|seq"};
 const EnvVar kCublasLtAutotune = {"TPSERVE_CUBLASLT_AUTOTUNE", EnvType::kBool, "0",
                                   "time cuBLASLt's candidate algorithms for M <= 256 instead of "
                                   "taking its heuristic (faster, not bitwise reproducible across "
@@ -101,6 +110,16 @@ const EnvVar kDeterministicGemmM = {
     "GEMM of that shape uses, whatever its M",
     1,
     8192};
+const EnvVar kDeterministicGemm = {
+    "TPSERVE_DETERMINISTIC_GEMM",
+    EnvType::kChoice,
+    "cublaslt",
+    "--deterministic on CUDA: cublaslt (one unsplit cuBLASLt algorithm per shape, chosen at "
+    "TPSERVE_DETERMINISTIC_GEMM_M) or fixed-order (our GEMM, one arithmetic for every M: faster "
+    "at batches up to 8, slower above)",
+    0,
+    0,
+    "cublaslt|fixed-order"};
 const EnvVar kDeterministicPartition = {
     "TPSERVE_DETERMINISTIC_PARTITION",
     EnvType::kChoice,
@@ -288,7 +307,9 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kPrefillTile,
       &env::kDecodeKernel,
       &env::kDecodePartition,
+      &env::kDecodeOrder,
       &env::kCublasLtAutotune,
+      &env::kDeterministicGemm,
       &env::kDeterministicGemmM,
       &env::kDeterministicPartition,
       &env::kLoadThreads,

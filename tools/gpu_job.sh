@@ -182,16 +182,17 @@ if has serve; then
 fi
 if has presets; then
   # Served presets on the 6.7B shape, each server configuration in SERVE_AB
-  # ("label:serve flags[:presets];..."), beside the engine figures of the `bench` step of the same
+  # ("label:serve flags[:presets[:VAR=value ...]];...", the last field the server's environment),
+  # beside the engine figures of the `bench` step of the same
   # job. PRESETS names the default presets; PRESET_ARGS_<preset> adds `tpserve bench` arguments
   # (e.g. PRESET_ARGS_latency="--compare-engine /tmp/ds67 --engine-device cuda").
   IFS=';' read -ra configs <<<"${SERVE_AB:-default:}"
   for c in "${configs[@]}"; do
-    IFS=':' read -r label flags config_presets <<<"$c"
+    IFS=':' read -r label flags config_presets config_env <<<"$c"
     config_presets=${config_presets:-${PRESETS:-latency batch64 chat}}
-    log "serve $label (${flags:-no extra flags}): presets $config_presets"
+    log "serve $label (${flags:-no extra flags}${config_env:+, env $config_env}): presets $config_presets"
     rm -f "$out/ready_$label"
-    "$stage/bin/tpserve" serve --model $ds --device cuda --port 50078 --http-port 0 \
+    env $config_env "$stage/bin/tpserve" serve --model $ds --device cuda --port 50078 --http-port 0 \
       --worker-binary "$stage/bin/tpserve-worker" --ready-file "$out/ready_$label" $flags \
       >"$out/serve_$label.log" 2>&1 &
     spid=$!

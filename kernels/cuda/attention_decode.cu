@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
     const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
     const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
     int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
-    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift) {
+    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift, bool seq_major) {
   constexpr int kE = kTwoPhaseLaneElems<Kv, kD, kG>;
   using Lane = KvLane<Kv, kE>;
   constexpr int kLanesPerToken = kD / kE;                    // kE-element chunks per row
@@ -214,8 +214,11 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
   __shared__ float m_s[kG], l_s[kG];
 
   PdlLaunchDependents();
-  const int split = blockIdx.x, group = blockIdx.y, seq = blockIdx.z;
-  const int num_splits = gridDim.x;
+  // Split-major grid (splits, groups, seqs) or sequence-major (seqs, groups, splits): see
+  // DecodeGrid.
+  const int split = seq_major ? blockIdx.z : blockIdx.x, group = blockIdx.y;
+  const int seq = seq_major ? blockIdx.x : blockIdx.z;
+  const int num_splits = seq_major ? gridDim.z : gridDim.x;
   const int ctx = context_lens[seq];
   const int start = split * partition;
   const int head0 = group * kG;
@@ -364,7 +367,7 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
     const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
     const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
     int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
-    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift) {
+    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift, bool seq_major) {
   constexpr int kLanesPerToken = kD / 8;                     // 8-element chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // rows read per block step
   constexpr int kUnroll = kSub / kTokensPerStep;
@@ -375,8 +378,11 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
   __shared__ float m_s[kG], l_s[kG], alpha_s[kG];
 
   PdlLaunchDependents();
-  const int split = blockIdx.x, group = blockIdx.y, seq = blockIdx.z;
-  const int num_splits = gridDim.x;
+  // Split-major grid (splits, groups, seqs) or sequence-major (seqs, groups, splits): see
+  // DecodeGrid.
+  const int split = seq_major ? blockIdx.z : blockIdx.x, group = blockIdx.y;
+  const int seq = seq_major ? blockIdx.x : blockIdx.z;
+  const int num_splits = seq_major ? gridDim.z : gridDim.x;
   const int ctx = context_lens[seq];
   const int start = split * partition;
   const int head0 = group * kG;
@@ -561,6 +567,16 @@ DecodePlan PlanDecode(const DeviceBatch& b, int num_heads, int num_kv_heads) {
   return {kernel, p};
 }
 
+// The order of a decode launch's blocks. Split-major (the default): blockIdx.x is the split,
+// so the blocks that run together cover few sequences, all their splits and heads.
+// Sequence-major (TPSERVE_DECODE_ORDER=seq): blockIdx.x is the sequence, so the blocks that run
+// together read the same key range of the same heads of many sequences; where those sequences
+// share cached prefix blocks (prefix caching), most of their reads hit L2.
+bool DecodeSeqMajor();
+dim3 DecodeGrid(int splits, int groups, int seqs) {
+  return DecodeSeqMajor() ? dim3(seqs, groups, splits) : dim3(splits, groups, seqs);
+}
+
 template <typename Kv, int kD, int kG>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                  int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
@@ -575,12 +591,12 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   const auto* k_scales = static_cast<const float*>(k_cache.scales);
   const auto* v_scales = static_cast<const float*>(v_cache.scales);
   if (b.num_tokens == b.num_seqs) {
-    dim3 grid(DecodeSplits(b, partition), num_heads / kG, b.num_seqs);
+    const dim3 grid = DecodeGrid(DecodeSplits(b, partition), num_heads / kG, b.num_seqs);
     LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
               k_scales, v_scales, b.query_start, b.context_lens, b.block_tables,
               static_cast<const int32_t*>(nullptr), b.max_blocks_per_seq, b.block_size, num_heads,
               num_kv_heads, partition, scale * kLog2e, counters, workspace,
-              out.ptr<__nv_bfloat16>(), block_shift);
+              out.ptr<__nv_bfloat16>(), block_shift, DecodeSeqMajor());
     TP_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -592,12 +608,12 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     const int n = std::min(kDecodeQueryChunk, b.num_tokens - t0);
     DeviceBatch chunk = b;
     chunk.num_seqs = chunk.num_tokens = n;
-    dim3 grid(DecodeSplits(chunk, partition), num_heads / kG, n);
+    const dim3 grid = DecodeGrid(DecodeSplits(chunk, partition), num_heads / kG, n);
     LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
               k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
               b.block_tables, b.token_table_rows + t0, b.max_blocks_per_seq, b.block_size,
               num_heads, num_kv_heads, partition, scale * kLog2e, counters, workspace,
-              out.ptr<__nv_bfloat16>(), block_shift);
+              out.ptr<__nv_bfloat16>(), block_shift, DecodeSeqMajor());
     TP_CUDA_CHECK_LAUNCH();
   }
 }
@@ -629,6 +645,11 @@ DecodeOverrides& Overrides() {
   static DecodeOverrides o{{static_cast<int>(ParseDecodeKernel(EnvString(env::kDecodeKernel)))},
                            {std::stoi(EnvString(env::kDecodePartition))}};
   return o;
+}
+
+bool DecodeSeqMajor() {
+  static const bool seq_major = EnvString(env::kDecodeOrder) == "seq";
+  return seq_major;
 }
 
 }  // namespace

@@ -258,6 +258,7 @@ void CudaOps::SetDeterministic(bool on) {
   if (on == deterministic_) return;
   Ops::SetDeterministic(on);
   lt_->set_fixed_algorithm(on);
+  det_fixed_order_gemm_ = EnvString(env::kDeterministicGemm) == "fixed-order";
   det_partition_ = on ? static_cast<int>(std::stoi(EnvString(env::kDeterministicPartition))) : 0;
   ++generation_;  // graphs captured before bake in the other kernels
 }
@@ -460,14 +461,23 @@ void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor 
   if (w.dim(0) == w.dim(1) && Ablated("Gemm.square")) return;
   int64_t k = x.dim(-1);
   int64_t m = k == 0 ? 0 : x.numel() / k;
-  // Deterministic mode: cuBLASLt's fixed algorithm for every M (the skinny kernel sums in
-  // another order).
+  // Deterministic mode: cuBLASLt's fixed algorithm (or the fixed-order GEMM) for every M; the
+  // skinny kernel's order is not the one of larger M. The fixed-order GEMM's condition
+  // (K % 8 == 0, aligned rows) holds for every M of a weight or for none.
+  const bool fixed_order =
+      deterministic_ && det_fixed_order_gemm_ && m > 0 && cuda::FixedOrderGemmFits(x, w, y);
   const bool skinny = !deterministic_ && m > 0 && m <= skinny_max_m_ && k % 8 == 0 &&
                       Aligned16(x.data) && Aligned16(w.data);
   OpScope scope(
-      this, skinny ? "Gemm.skinny" : "Gemm.cublasLt", [&] { return GemmShape(m, w.dim(0), k); },
+      this,
+      fixed_order ? "Gemm.fixedOrder"
+      : skinny    ? "Gemm.skinny"
+                  : "Gemm.cublasLt",
+      [&] { return GemmShape(m, w.dim(0), k); },
       double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
-  if (skinny) {
+  if (fixed_order) {
+    cuda::LaunchFixedOrderGemm(x, w, bias, y, stream_);
+  } else if (skinny) {
     cuda::LaunchSkinnyGemm(x, w, bias, y, stream_);
   } else {
     lt_->Run(x, w, bias, y, stream_);

@@ -71,7 +71,9 @@ class CudaOps final : public Ops {
 
   void SetBatch(const BatchMeta& meta) override;
   // Deterministic mode (Ops::SetDeterministic): every GEMM through cuBLASLt with one algorithm
-  // per weight shape and no split-K (no skinny kernel, no small-M fusions), the attention of
+  // per weight shape and no split-K (or, with TPSERVE_DETERMINISTIC_GEMM=fixed-order, the
+  // fixed-order kernel of kernels/cuda/gemm_fixed_order.cu: one arithmetic per output for every
+  // M), no skinny kernel and no small-M fusions, the attention of
   // prefill and decode tokens alike through the decode kernel with a fixed key partition
   // (TPSERVE_DETERMINISTIC_PARTITION), each query token reading its own context. Call before
   // Reserve.
@@ -229,6 +231,9 @@ class CudaOps final : public Ops {
   unsigned* decode_counters_ = nullptr;  // their arrival counters (zero between launches)
   size_t decode_counters_cap_ = 0;
   int det_partition_ = 0;  // deterministic mode: keys per decode-attention split (else 0)
+  // Deterministic mode's GEMM: cuBLASLt's fixed algorithm (the default) or the fixed-order
+  // kernel (TPSERVE_DETERMINISTIC_GEMM=fixed-order).
+  bool det_fixed_order_gemm_ = false;
   int reserve_heads_ = 0;
   int reserve_kv_heads_ = 0;
   int reserve_head_dim_ = 0;

@@ -156,6 +156,23 @@ void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor&
                            const DeviceBatch& b, float* workspace, unsigned* counters, Tensor out,
                            cudaStream_t stream);
 
+// Fixed-order GEMM y[M, N] = x[M, K] w[N, K]^T (+ bias) for deterministic serving: every output
+// is computed with the same instructions in the same order for every M and every variant
+// (gemm_fixed_order.cu says which), so a row's bits do not depend on the rows beside it. kSplit
+// streams w once per 8-32 tokens (decode sizes, close to copy bandwidth at M = 1); kSliced
+// splits K over a cluster of blocks (batches); kTiled stages tiles through shared memory
+// (prefill sizes); kAuto picks kSplit up to kFixedOrderSplitMaxM rows, kSliced up to
+// kFixedOrderSlicedMaxM. Needs K % 8 == 0 and 16-byte aligned x and w (FixedOrderGemmFits).
+enum class FixedOrderGemmVariant { kAuto, kSplit, kSliced, kTiled };
+// By the H200 sweep (tpserve-cuda-bench --det-gemm, 6.7B shapes): split is the fastest up to
+// M = 32, sliced at 64-128, tiled from 256.
+inline constexpr int64_t kFixedOrderSplitMaxM = 32;
+inline constexpr int64_t kFixedOrderSlicedMaxM = 128;
+bool FixedOrderGemmFits(const Tensor& x, const Tensor& w, const Tensor& y);
+void LaunchFixedOrderGemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                          cudaStream_t stream,
+                          FixedOrderGemmVariant variant = FixedOrderGemmVariant::kAuto);
+
 // Skinny GEMM y[M, N] = x[M, K] w[N, K]^T (+ bias) for small M, streaming w once.
 inline constexpr int kSkinnyMaxM = 16;
 // config 0 = automatic; others pick (rows per block, K unroll) for benchmarking.

@@ -2,9 +2,10 @@
 // ceiling for decode), skinny GEMM vs cuBLASLt at decode sizes for the DeepSeek-Coder-6.7B
 // shapes, prefill attention TFLOP/s and decode attention GB/s. Times are medians of CUDA-event
 // timed repetitions after warm-up; weights rotate over copies larger than the L2 cache.
-//   tpserve-cuda-bench [--m1 | --attention | --decode]   (--m1: only the batch-1 decode kernels,
-//   a short run; --attention: copy bandwidth and the attention kernels; --decode: the same with
-//   every decode-attention kernel and partition for each KV-cache dtype)
+//   tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm]   (--m1: only the batch-1
+//   decode kernels, a short run; --attention: copy bandwidth and the attention kernels; --decode:
+//   the same with every decode-attention kernel and partition for each KV-cache dtype;
+//   --det-gemm: the GEMMs of deterministic mode against the default path at M = 1 .. 2048)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include "common/check.h"
 #include "kernels/cuda/bench_knobs.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/gemm.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/kv_quant.h"
 
@@ -84,7 +86,81 @@ std::string Fmt(const char* f, double a, double b = 0) {
   return buf;
 }
 
-int Main(bool m1_only, bool attention_only, bool decode_sweep) {
+int PrintSummary(double copy_gbs) {
+  std::printf("\n==== summary (copy %.0f GB/s) ====\n", copy_gbs);
+  for (const Row& r : g_rows)
+    std::printf("| %-44s | %8.4f ms | %s |\n", r.what.c_str(), r.ms, r.metric.c_str());
+  return 0;
+}
+
+// Deterministic mode's GEMMs (issue 22) on the 6.7B shapes: the default path (skinny kernel up to
+// M = 16, cuBLASLt's heuristic above), cuBLASLt's fixed unsplit algorithm, and the fixed-order
+// kernel (automatic variant, and both variants forced where either could run). Weights rotate
+// over >= 1 GiB of copies; GB/s counts the weight bytes, TFLOP/s 2 M N K.
+void DeterministicGemms(CudaOps& ops, double copy_gbs) {
+  cudaStream_t s = ops.stream();
+  cuda::LtGemm fixed_lt;
+  fixed_lt.set_fixed_algorithm(true);
+  struct Shape {
+    const char* name;
+    int n, k;
+  };
+  const Shape shapes[] = {{"qkv 12288x4096", 12288, 4096},
+                          {"o 4096x4096", 4096, 4096},
+                          {"gate_up 22016x4096", 22016, 4096},
+                          {"down 4096x11008", 4096, 11008},
+                          {"lm_head 32256x4096", 32256, 4096}};
+  const int kMaxM = 2048;
+  void* xbuf = ops.Alloc(size_t{2} * kMaxM * 11008);
+  void* ybuf = ops.Alloc(size_t{2} * kMaxM * 32256);
+  FillRandom(xbuf, size_t{2} * kMaxM * 11008, 1.0f);
+  for (const Shape& sh : shapes) {
+    const size_t wbytes = size_t{2} * sh.n * sh.k;
+    const int copies = static_cast<int>(std::max<size_t>(2, (size_t{1} << 30) / wbytes + 1));
+    void* w = ops.Alloc(wbytes * copies);
+    FillRandom(w, wbytes * copies, 0.02f);
+    auto wt = [&](int i) {
+      return Tensor(static_cast<char*>(w) + (i % copies) * wbytes, {sh.n, sh.k}, DType::kBF16,
+                    Device::kCuda);
+    };
+    for (int m : {1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 2048}) {
+      Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
+      Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
+      const int iters = m >= 1024 ? 20 : 50;
+      auto report = [&](const std::string& label, double ms) {
+        const double gbs = wbytes / ms / 1e6;
+        Add(std::string(sh.name) + " M=" + std::to_string(m) + " " + label, ms,
+            Fmt("%.0f GB/s = %.1f%% of copy, ", gbs, 100.0 * gbs / copy_gbs) +
+                Fmt("%.0f TFLOP/s", 2.0 * m * sh.n * double(sh.k) / ms / 1e9));
+      };
+      report("default", MedianMs(s, iters, [&](int i) { ops.Gemm(x, wt(i), nullptr, y); }));
+      report("fixed cublasLt",
+             MedianMs(s, iters, [&](int i) { fixed_lt.Run(x, wt(i), nullptr, y, s); }));
+      report("fixed-order", MedianMs(s, iters, [&](int i) {
+               cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s);
+             }));
+      if (m >= 8) {
+        report("fixed-order split", MedianMs(s, iters, [&](int i) {
+                 cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s,
+                                            cuda::FixedOrderGemmVariant::kSplit);
+               }));
+        report("fixed-order sliced", MedianMs(s, iters, [&](int i) {
+                 cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s,
+                                            cuda::FixedOrderGemmVariant::kSliced);
+               }));
+        report("fixed-order tiled", MedianMs(s, iters, [&](int i) {
+                 cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s,
+                                            cuda::FixedOrderGemmVariant::kTiled);
+               }));
+      }
+    }
+    ops.Free(w);
+  }
+  ops.Free(xbuf);
+  ops.Free(ybuf);
+}
+
+int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm) {
   if (CudaDeviceCount() == 0) {
     std::printf("no CUDA device\n");
     return 0;
@@ -111,6 +187,10 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep) {
   Add("d2d copy 1 GiB", copy_ms, Fmt("%.0f GB/s (read+write)", copy_gbs));
   ops.Free(src);
   ops.Free(dst);
+  if (det_gemm) {
+    DeterministicGemms(ops, copy_gbs);
+    return PrintSummary(copy_gbs);
+  }
 
   // 2. GEMMs at decode sizes, 6.7B shapes. Weights rotate over >= 1 GiB of copies.
   struct Shape {
@@ -291,10 +371,7 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep) {
     for (void* p : {q, o}) ops.Free(p);
   }
 
-  std::printf("\n==== summary (copy %.0f GB/s) ====\n", copy_gbs);
-  for (const Row& r : g_rows)
-    std::printf("| %-44s | %8.4f ms | %s |\n", r.what.c_str(), r.ms, r.metric.c_str());
-  return 0;
+  return PrintSummary(copy_gbs);
 }
 
 }  // namespace
@@ -302,6 +379,12 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
+  if (!mode.empty() && mode != "--m1" && mode != "--attention" && mode != "--decode" &&
+      mode != "--det-gemm") {
+    std::fprintf(stderr,
+                 "usage: tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm]\n");
+    return 2;
+  }
   return tpserve::Main(mode == "--m1", mode == "--attention" || mode == "--decode",
-                       mode == "--decode");
+                       mode == "--decode", mode == "--det-gemm");
 }

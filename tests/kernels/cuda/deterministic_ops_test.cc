@@ -15,6 +15,7 @@
 
 #include "common/bf16.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/launchers.h"
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 
@@ -92,7 +93,9 @@ class DeterministicOpsTest : public ::testing::Test {
 };
 
 // The GEMMs of the 6.7B shape and of tiny-coder (with a bias, as Qwen2's q/k/v), M = 1..256 at
-// a random first row, and M = 2048: every row equals the same row of one 256-row GEMM.
+// a random first row, and M = 2048: every row equals the same row of one 256-row GEMM (through
+// Ops::Gemm: the fixed-order kernel, or cuBLASLt's fixed algorithm with
+// TPSERVE_DETERMINISTIC_GEMM=cublaslt).
 TEST_F(DeterministicOpsTest, GemmRowsDoNotDependOnM) {
   struct Shape {
     int64_t n, k;
@@ -138,6 +141,73 @@ TEST_F(DeterministicOpsTest, GemmRowsDoNotDependOnM) {
     ops_->Gemm(x, w, bias, y);  // a prefill of 2048 rows
     const std::vector<uint16_t> got = Bits(y, 0, kRows * s.n);
     EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 2), 0) << "M=2048";
+    bufs_.clear();
+  }
+}
+
+// The fixed-order GEMM itself: each row of every M, through either variant, has the bits of the
+// same row computed alone (M = 1, split variant), and the values are the product: against an
+// fp64 host sum, |y - ref| <= 2^-7 |ref| + 2^-12 sum_k |x w| (bf16 output rounding is 2^-9
+// relative; the rest is fp32 accumulation over up to 11008 terms). The shapes cover N not a
+// multiple of 16 or 128, K not a multiple of 32 (a zero-filled last chunk), fewer than 8 chunks
+// (fewer slices than warps), and a bias.
+TEST_F(DeterministicOpsTest, FixedOrderGemmVariantsAgreeAndAreExact) {
+  struct Shape {
+    int64_t n, k;
+    bool bias;
+  };
+  const Shape shapes[] = {{4096, 4096, false}, {4096, 11008, false}, {384, 256, true},
+                          {1000, 4104, false}, {24, 72, true},       {200, 8, false}};
+  constexpr int64_t kRows = 300;
+  const int64_t ms[] = {1, 2, 3, 8, 9, 16, 17, 31, 32, 33, 48, 64, 65, 130, 300};
+  cudaStream_t stream = static_cast<CudaOps*>(ops_.get())->stream();
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE("N=" + std::to_string(s.n) + " K=" + std::to_string(s.k));
+    const std::vector<uint16_t> xh = RandomBf16Bits(rng_, size_t{kRows} * s.k, 1.0f);
+    const std::vector<uint16_t> wh = RandomBf16Bits(rng_, size_t{1} * s.n * s.k, 0.05f);
+    const std::vector<uint16_t> bh = RandomBf16Bits(rng_, s.n, 0.5f);
+    Tensor x = Upload(xh, {kRows, s.k});
+    Tensor w = Upload(wh, {s.n, s.k});
+    Tensor bias_t = Upload(bh, {s.n});
+    const Tensor* bias = s.bias ? &bias_t : nullptr;
+    auto rows = [&](Tensor t, int64_t r0, int64_t m, int64_t width) {
+      return Tensor(static_cast<uint16_t*>(t.data) + r0 * width, {m, width}, DType::kBF16,
+                    Device::kCuda);
+    };
+    // Every row alone.
+    Tensor alone = Out({kRows, s.n});
+    for (int64_t r = 0; r < kRows; ++r) {
+      cuda::LaunchFixedOrderGemm(rows(x, r, 1, s.k), w, bias, rows(alone, r, 1, s.n), stream,
+                                 cuda::FixedOrderGemmVariant::kSplit);
+    }
+    const std::vector<uint16_t> want = Bits(alone, 0, kRows * s.n);
+    // The values, for a few rows.
+    for (int64_t r : {int64_t{0}, int64_t{137}, kRows - 1}) {
+      for (int64_t n = 0; n < s.n; ++n) {
+        double ref = s.bias ? Bf16ToF32(bh[n]) : 0.0, mag = std::fabs(ref);
+        for (int64_t k = 0; k < s.k; ++k) {
+          const double p = double(Bf16ToF32(xh[r * s.k + k])) * Bf16ToF32(wh[n * s.k + k]);
+          ref += p;
+          mag += std::fabs(p);
+        }
+        const double got = Bf16ToF32(want[r * s.n + n]);
+        ASSERT_LE(std::fabs(got - ref), std::ldexp(std::fabs(ref), -7) + std::ldexp(mag, -12))
+            << "row " << r << " column " << n;
+      }
+    }
+    Tensor y = Out({kRows, s.n});
+    for (int64_t m : ms) {
+      for (auto variant :
+           {cuda::FixedOrderGemmVariant::kAuto, cuda::FixedOrderGemmVariant::kSplit,
+            cuda::FixedOrderGemmVariant::kSliced, cuda::FixedOrderGemmVariant::kTiled}) {
+        const int64_t r0 = static_cast<int64_t>(rng_() % (kRows - m + 1));
+        cuda::LaunchFixedOrderGemm(rows(x, r0, m, s.k), w, bias, rows(y, r0, m, s.n), stream,
+                                   variant);
+        const std::vector<uint16_t> got = Bits(y, r0 * s.n, m * s.n);
+        EXPECT_EQ(std::memcmp(got.data(), want.data() + r0 * s.n, got.size() * 2), 0)
+            << "M=" << m << " rows from " << r0 << ", variant " << static_cast<int>(variant);
+      }
+    }
     bufs_.clear();
   }
 }
