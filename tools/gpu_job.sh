@@ -264,6 +264,7 @@ for d in c["differences"]:
     kinds[d["divergence"]] = kinds.get(d["divergence"], 0) + 1
 keep["divergences"] = kinds
 keep["seconds"] = [round(c["concurrent"]["duration_s"], 2), round(c["sequential"]["duration_s"], 2)]
+keep["server_steps"] = [c["concurrent"]["server_steps"], c["sequential"]["server_steps"]]
 print(json.dumps({"detserve": sys.argv[2], **keep}))
 PY
     log "detserve $mode rc=$rc (0: every answer identical; 1: some differ or failed)"

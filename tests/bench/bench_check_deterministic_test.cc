@@ -63,6 +63,9 @@ TEST(BenchCheckDeterministicServiceTest, DeterministicServerGivesIdenticalAnswer
   EXPECT_EQ(c["logprob_tokens"], kRequests * kOut);  // logprobs compared for every token
   EXPECT_EQ(c["concurrent"]["completed"], kRequests);
   EXPECT_EQ(c["sequential"]["completed"], kRequests);
+  // The requests did share steps: one at a time, each needs at least its kOut decode steps.
+  EXPECT_GE(c["sequential"]["server_steps"].get<int>(), kRequests * kOut);
+  EXPECT_LT(c["concurrent"]["server_steps"].get<int>(), kRequests * kOut / 2);
   // The concurrent run's report, as any bench run's: every answer of full length.
   EXPECT_EQ(j["total_output_tokens"], kRequests * kOut);
   EXPECT_EQ(j["output_length_mismatches"], 0);

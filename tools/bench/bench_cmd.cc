@@ -539,13 +539,28 @@ std::vector<int32_t> IdsAround(const std::vector<int32_t>& ids, int64_t position
   return std::vector<int32_t>(ids.begin() + lo, ids.begin() + hi);
 }
 
-nlohmann::json RunJson(const bench::Report& r) {
-  return {{"duration_s", r.duration_s},
-          {"completed", r.completed},
-          {"failed", r.failed},
-          {"output_throughput", r.output_throughput},
-          {"tpot_ms", SummaryJson(r.tpot_ms)},
-          {"e2e_ms", SummaryJson(r.e2e_ms)}};
+nlohmann::json RunJson(const bench::Report& r, const bench::ServerSteps& steps) {
+  nlohmann::json j = {{"duration_s", r.duration_s},
+                      {"completed", r.completed},
+                      {"failed", r.failed},
+                      {"output_throughput", r.output_throughput},
+                      {"tpot_ms", SummaryJson(r.tpot_ms)},
+                      {"e2e_ms", SummaryJson(r.e2e_ms)},
+                      {"server_steps", nullptr},
+                      {"server_tokens", nullptr}};
+  if (steps.known) {
+    j["server_steps"] = steps.steps;
+    j["server_tokens"] = steps.tokens;
+  }
+  return j;
+}
+
+// ", 530 server steps (61.9 tokens a step)", or nothing when the counters could not be read.
+std::string StepsText(const bench::ServerSteps& s) {
+  if (!s.known || s.steps <= 0) return "";
+  return absl::StrCat(", ", s.steps, " server steps (",
+                      absl::SixDigits(static_cast<double>(s.tokens) / static_cast<double>(s.steps)),
+                      " tokens a step)");
 }
 
 // --check-deterministic: both runs, the comparison, the report (table or JSON); an error status
@@ -621,8 +636,8 @@ absl::Status RunCheck(const BenchFlags& f, const v1::ModelInfo& info,
       // Answers whose token ids differ (or one ends first), and where.
       {"ids_differing", token_positions.size()},
       {"first_token_difference", SummaryJson(bench::Summarize(token_positions))},
-      {"concurrent", RunJson(concurrent)},
-      {"sequential", RunJson(sequential)},
+      {"concurrent", RunJson(concurrent, run->concurrent_steps)},
+      {"sequential", RunJson(sequential, run->sequential_steps)},
       {"differences", differences}};
   if (f.per_request) check["answers"] = std::move(answers);
   j["deterministic_check"] = std::move(check);
@@ -651,12 +666,14 @@ absl::Status RunCheck(const BenchFlags& f, const v1::ModelInfo& info,
       std::printf("%-30s the server runs at most %d sequences a step: not all %lld share one\n",
                   "note", info.max_num_seqs(), static_cast<long long>(d.requests));
     }
-    std::printf("%-30s %.3f s, output %.1f tok/s, TPOT median %.2f ms, %lld failed\n",
+    std::printf("%-30s %.3f s, output %.1f tok/s, TPOT median %.2f ms, %lld failed%s\n",
                 "all at once", concurrent.duration_s, concurrent.output_throughput,
-                concurrent.tpot_ms.median, static_cast<long long>(concurrent.failed));
-    std::printf("%-30s %.3f s, output %.1f tok/s, TPOT median %.2f ms, %lld failed\n",
+                concurrent.tpot_ms.median, static_cast<long long>(concurrent.failed),
+                StepsText(run->concurrent_steps).c_str());
+    std::printf("%-30s %.3f s, output %.1f tok/s, TPOT median %.2f ms, %lld failed%s\n",
                 "one at a time", sequential.duration_s, sequential.output_throughput,
-                sequential.tpot_ms.median, static_cast<long long>(sequential.failed));
+                sequential.tpot_ms.median, static_cast<long long>(sequential.failed),
+                StepsText(run->sequential_steps).c_str());
     std::printf(
         "%-30s %lld of %lld (sampled %lld of %lld, greedy %lld of %lld); %lld differ (token "
         "ids in %zu), %lld failed\n",

@@ -25,6 +25,16 @@ bool SameLogprobs(const OutputLogprobs& x, const OutputLogprobs& y) {
   return true;
 }
 
+ServerSteps StepsBetween(const absl::StatusOr<v1::ModelInfo>& a,
+                         const absl::StatusOr<v1::ModelInfo>& b) {
+  ServerSteps s;
+  if (!a.ok() || !b.ok()) return s;
+  s.known = true;
+  s.steps = b->steps().steps() - a->steps().steps();
+  s.tokens = b->steps().tokens() - a->steps().tokens();
+  return s;
+}
+
 }  // namespace
 
 std::vector<v1::SamplingOptions> DeterminismCheckSampling(const v1::SamplingOptions& sampled,
@@ -141,11 +151,18 @@ absl::StatusOr<DeterminismRun> RunDeterminismCheck(const LoadOptions& options,
   run.sampling = DeterminismCheckSampling(options.sampling, static_cast<int64_t>(plan.size()));
   o.request_sampling = run.sampling;
 
+  constexpr double kInfoTimeout = 10;
+  absl::StatusOr<v1::ModelInfo> before = absl::UnknownError("not read");
+  o.before_run = [&] {
+    if (options.before_run) options.before_run();
+    before = FetchModelInfo(o.server, kInfoTimeout);
+  };
   o.concurrency = static_cast<int64_t>(plan.size());
   o.cache_salt = "tpserve-bench-check-concurrent";
   absl::StatusOr<LoadResult> concurrent = RunLoad(o, plan, progress);
   if (!concurrent.ok()) return concurrent.status();
   run.concurrent = *std::move(concurrent);
+  const absl::StatusOr<v1::ModelInfo> between = FetchModelInfo(o.server, kInfoTimeout);
 
   o.concurrency = 1;
   o.warmup = 0;
@@ -154,6 +171,10 @@ absl::StatusOr<DeterminismRun> RunDeterminismCheck(const LoadOptions& options,
   absl::StatusOr<LoadResult> sequential = RunLoad(o, plan, progress);
   if (!sequential.ok()) return sequential.status();
   run.sequential = *std::move(sequential);
+  const absl::StatusOr<v1::ModelInfo> after = FetchModelInfo(o.server, kInfoTimeout);
+
+  run.concurrent_steps = StepsBetween(before, between);
+  run.sequential_steps = StepsBetween(between, after);
 
   run.report = CompareRuns(run.concurrent.records, run.sequential.records);
   return run;

@@ -63,10 +63,19 @@ struct DeterminismReport {
 DeterminismReport CompareRuns(const std::vector<RequestRecord>& a,
                               const std::vector<RequestRecord>& b);
 
+// The server's step counters over one run (GetModelInfo before and after it): how many requests
+// shared a step.
+struct ServerSteps {
+  bool known = false;  // both readings succeeded
+  int64_t steps = 0;
+  int64_t tokens = 0;  // prompt and generated tokens the steps computed
+};
+
 struct DeterminismRun {
   std::vector<v1::SamplingOptions> sampling;  // of each request, by plan index
   LoadResult concurrent;                      // every request in flight at once
   LoadResult sequential;                      // one at a time, no warm-up
+  ServerSteps concurrent_steps, sequential_steps;
   DeterminismReport report;
 };
 
