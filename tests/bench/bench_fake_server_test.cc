@@ -498,17 +498,20 @@ TEST_F(BenchFakeServerTest, CheckDeterministicPassesOnUnchangingAnswers) {
   const auto arrivals = service_.arrivals();
   ASSERT_EQ(arrivals.size(), 1u + 2 * kRequests);
   EXPECT_EQ(arrivals[0].first, "bench-warmup-0");
-  EXPECT_EQ(arrivals[0].second.cache_salt, "tpserve-bench-check-concurrent-warmup");
+  const std::string salt = arrivals[1].second.cache_salt;  // "tpserve-bench-check-<random>-"
+  ASSERT_TRUE(salt.starts_with("tpserve-bench-check-") && salt.ends_with("-concurrent")) << salt;
+  const std::string base = salt.substr(0, salt.size() - std::string("concurrent").size());
+  EXPECT_EQ(arrivals[0].second.cache_salt, salt + "-warmup");
   Clock::time_point first = arrivals[1].second.arrival, last = first;
   for (int i = 1; i <= kRequests; ++i) {
-    EXPECT_EQ(arrivals[i].second.cache_salt, "tpserve-bench-check-concurrent");
+    EXPECT_EQ(arrivals[i].second.cache_salt, salt);
     first = std::min(first, arrivals[i].second.arrival);
     last = std::max(last, arrivals[i].second.arrival);
   }
   // All in flight together: the last arrived before the first could have ended.
   EXPECT_LT(last - first, std::chrono::milliseconds(kTtftMs + kTokenMs * (kOut - 1)));
   for (int i = kRequests + 1; i < 1 + 2 * kRequests; ++i) {
-    EXPECT_EQ(arrivals[i].second.cache_salt, "tpserve-bench-check-sequential");
+    EXPECT_EQ(arrivals[i].second.cache_salt, base + "sequential");
     if (i > kRequests + 1) {  // one at a time: each after the previous one's last token
       EXPECT_GE(arrivals[i].second.arrival - arrivals[i - 1].second.arrival,
                 std::chrono::milliseconds(kTtftMs + kTokenMs * (kOut - 1)));
@@ -522,6 +525,10 @@ TEST_F(BenchFakeServerTest, CheckDeterministicPassesOnUnchangingAnswers) {
     EXPECT_EQ(s.seed(), 10u + static_cast<uint64_t>(i)) << i;
     EXPECT_EQ(s.logprobs(), 2) << i;
   }
+  // Another check draws other salts: nothing the first one cached is found.
+  Bench({"--check-deterministic", "--num-requests", "2", "--prompt-len", "8", "--output-len", "2",
+         "--warmup", "0"});
+  EXPECT_NE(service_.arrivals().back().second.cache_salt.substr(0, base.size()), base);
 }
 
 TEST_F(BenchFakeServerTest, CheckDeterministicNamesAnswersThatDependOnTheBatch) {

@@ -558,9 +558,10 @@ nlohmann::json RunJson(const bench::Report& r, const bench::ServerSteps& steps) 
 // ", 530 server steps (61.9 tokens a step)", or nothing when the counters could not be read.
 std::string StepsText(const bench::ServerSteps& s) {
   if (!s.known || s.steps <= 0) return "";
-  return absl::StrCat(", ", s.steps, " server steps (",
-                      absl::SixDigits(static_cast<double>(s.tokens) / static_cast<double>(s.steps)),
-                      " tokens a step)");
+  char per_step[32];
+  std::snprintf(per_step, sizeof(per_step), "%.1f",
+                static_cast<double>(s.tokens) / static_cast<double>(s.steps));
+  return absl::StrCat(", ", s.steps, " server steps (", per_step, " tokens a step)");
 }
 
 // --check-deterministic: both runs, the comparison, the report (table or JSON); an error status
@@ -666,14 +667,17 @@ absl::Status RunCheck(const BenchFlags& f, const v1::ModelInfo& info,
       std::printf("%-30s the server runs at most %d sequences a step: not all %lld share one\n",
                   "note", info.max_num_seqs(), static_cast<long long>(d.requests));
     }
-    std::printf("%-30s %.3f s, output %.1f tok/s, TPOT median %.2f ms, %lld failed%s\n",
-                "all at once", concurrent.duration_s, concurrent.output_throughput,
-                concurrent.tpot_ms.median, static_cast<long long>(concurrent.failed),
-                StepsText(run->concurrent_steps).c_str());
-    std::printf("%-30s %.3f s, output %.1f tok/s, TPOT median %.2f ms, %lld failed%s\n",
-                "one at a time", sequential.duration_s, sequential.output_throughput,
-                sequential.tpot_ms.median, static_cast<long long>(sequential.failed),
-                StepsText(run->sequential_steps).c_str());
+    auto run_line = [](const char* name, const bench::Report& r, const bench::ServerSteps& st) {
+      char tpot[48] = "";  // no TPOT without streaming
+      if (r.tpot_ms.count > 0) {
+        std::snprintf(tpot, sizeof(tpot), ", TPOT median %.2f ms", r.tpot_ms.median);
+      }
+      std::printf("%-30s %.3f s, output %.1f tok/s%s, %lld failed%s\n", name, r.duration_s,
+                  r.output_throughput, tpot, static_cast<long long>(r.failed),
+                  StepsText(st).c_str());
+    };
+    run_line("all at once", concurrent, run->concurrent_steps);
+    run_line("one at a time", sequential, run->sequential_steps);
     std::printf(
         "%-30s %lld of %lld (sampled %lld of %lld, greedy %lld of %lld); %lld differ (token "
         "ids in %zu), %lld failed\n",

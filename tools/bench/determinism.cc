@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 
@@ -158,7 +159,11 @@ absl::StatusOr<DeterminismRun> RunDeterminismCheck(const LoadOptions& options,
     before = FetchModelInfo(o.server, kInfoTimeout);
   };
   o.concurrency = static_cast<int64_t>(plan.size());
-  o.cache_salt = "tpserve-bench-check-concurrent";
+  // Salts of this check alone: a later check on the same server finds nothing of it cached.
+  std::random_device random;
+  const std::string salt = absl::StrCat("tpserve-bench-check-", absl::Hex(random()),
+                                        absl::Hex(random(), absl::kZeroPad8));
+  o.cache_salt = salt + "-concurrent";
   absl::StatusOr<LoadResult> concurrent = RunLoad(o, plan, progress);
   if (!concurrent.ok()) return concurrent.status();
   run.concurrent = *std::move(concurrent);
@@ -167,7 +172,7 @@ absl::StatusOr<DeterminismRun> RunDeterminismCheck(const LoadOptions& options,
   o.concurrency = 1;
   o.warmup = 0;
   o.before_run = nullptr;
-  o.cache_salt = "tpserve-bench-check-sequential";
+  o.cache_salt = salt + "-sequential";
   absl::StatusOr<LoadResult> sequential = RunLoad(o, plan, progress);
   if (!sequential.ok()) return sequential.status();
   run.sequential = *std::move(sequential);

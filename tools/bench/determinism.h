@@ -81,7 +81,8 @@ struct DeterminismRun {
 
 // Runs `plan` twice on `options.server` with the sampling of DeterminismCheckSampling (from
 // options.sampling): all requests at once (options.warmup first), then one at a time. Each run
-// (and the warm-up) has its own cache_salt, so no answer reads prompt blocks another run cached.
+// (and the warm-up) has a cache_salt of its own, drawn afresh by every check, so no answer reads
+// prompt blocks another run cached.
 // `progress` (optional) counts both runs.
 absl::StatusOr<DeterminismRun> RunDeterminismCheck(const LoadOptions& options,
                                                    const std::vector<PlannedRequest>& plan,
