@@ -21,7 +21,8 @@
 #   every answer compared token for token and logprob bit for bit (detserve_<mode>.json). Modes
 #   in DETSERVE_MODES (default "deterministic baseline"): the server with --deterministic (every
 #   answer must be identical: rc 0), and without it (differences expected, reported).
-#   DETSERVE_SERVE_ARGS / DETSERVE_ARGS add serve / bench arguments.
+#   DETSERVE_SERVE_ARGS / DETSERVE_ARGS add serve / bench arguments; DETSERVE_TIMEOUT (500 s)
+#   bounds each check (the one-at-a-time run takes most of it: 64 x 512 tokens at batch 1).
 #   BENCH_ARGS adds arguments to the engine benchmark (e.g. --profile); CUDA_BENCH_ARGS to
 #   tpserve-cuda-bench (e.g. --decode: every decode-attention kernel for each KV dtype).
 #   BENCH_AB="VAR=value ...[;VAR=value ...]" runs the engine benchmark again with each of those
@@ -242,7 +243,7 @@ if has detserve; then
       "${flags[@]}" ${DETSERVE_SERVE_ARGS:-} >"$out/detserve_serve_$mode.log" 2>&1 &
     spid=$!
     for _ in $(seq 240); do [ -f "$out/ready_detserve_$mode" ] && break; sleep 0.5; done
-    timeout ${DETSERVE_TIMEOUT:-560} "$stage/bin/tpserve" bench --server 127.0.0.1:50079 \
+    timeout ${DETSERVE_TIMEOUT:-500} "$stage/bin/tpserve" bench --server 127.0.0.1:50079 \
       --check-deterministic --num-requests $n --prompt-len $plen --output-len $olen \
       --logprobs ${DETSERVE_LOGPROBS:-1} --no-progress --label "detserve_$mode" \
       --json "$out/detserve_$mode.json" ${DETSERVE_ARGS:-} >"$out/detserve_$mode.log" 2>&1
