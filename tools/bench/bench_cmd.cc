@@ -531,7 +531,7 @@ class ProgressBar {
   std::thread thread_;
 };
 
-// A few ids on either side of `position` (where two answers part).
+// The ids from position - 3 to position + 3 (where two answers part), as far as they go.
 std::vector<int32_t> IdsAround(const std::vector<int32_t>& ids, int64_t position) {
   const int64_t n = static_cast<int64_t>(ids.size());
   const int64_t lo = std::clamp<int64_t>(position - 3, 0, n);
@@ -694,13 +694,18 @@ absl::Status RunCheck(const BenchFlags& f, const v1::ModelInfo& info,
         std::printf("%-30s failed: %s\n", who.c_str(), e["error"].get<std::string>().c_str());
         continue;
       }
-      std::string line =
-          absl::StrCat(what, " differ from position ", e["first_difference"].get<int64_t>());
+      const int64_t at = e["first_difference"].get<int64_t>();
+      std::string line = what == "length"
+                             ? absl::StrCat("lengths differ (", e["lengths"][0].get<int64_t>(),
+                                            " at once, ", e["lengths"][1].get<int64_t>(),
+                                            " alone), same ids up to position ", at)
+                             : absl::StrCat(what, " differ from position ", at);
       if (what == "logprobs" && e["first_token_difference"].get<int64_t>() >= 0) {
         absl::StrAppend(&line, ", token ids from ", e["first_token_difference"].get<int64_t>());
       }
-      if (what != "logprobs") {
-        absl::StrAppend(&line, " (ids there: ", e["concurrent_ids_around"].dump(), " at once, ",
+      if (what == "tokens") {
+        absl::StrAppend(&line, " (ids from position ", std::max<int64_t>(at - 3, 0), ": ",
+                        e["concurrent_ids_around"].dump(), " at once, ",
                         e["sequential_ids_around"].dump(), " alone)");
       }
       std::printf("%-30s %s\n", who.c_str(), line.c_str());
