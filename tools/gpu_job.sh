@@ -4,7 +4,7 @@
 # checkpoint, compares it with transformers bf16, runs the engine benchmark and the HF
 # baselines. Logs and JSON go to $OUT (or ./gpu-out) as gpu-job.tgz, beside summary.txt.
 # Usage: bash tools/gpu_job.sh [tests] [ds67] [refs] [bench] [hf] [pp] [kernels] [serve] [trace]
-#          [presets] [kvq]
+#          [presets] [kvq] [detserve]
 #   (default: tests ds67 bench hf; refs: the transformers references alone, without tpserve's
 #   test; `refs hf` needs no tpserve binary but `tpserve random-model`; kernels: the kernel
 #   benchmark tpserve-cuda-bench; serve: tools/serve_check.sh, served vs engine tokens;
@@ -14,6 +14,15 @@
 #   engine benchmark of the 6.7B shape with each KV dtype in KVQ_DTYPES (KVQ_BENCH_ARGS), then
 #   `tpserve kv-compare` of the 6.7B shape (fp8, int8, int4 vs bf16 KV: logits error, greedy
 #   agreement; kv_compare.json); KVQ_PPL=0 skips the perplexities, KVQ_COMPARE=0 kv-compare.
+#   detserve: `tpserve bench --check-deterministic` against `tpserve serve` on the 6.7B shape
+#   (made when /tmp/ds67 is missing): DETSERVE_REQUESTS (64) requests of DETSERVE_PROMPT_LEN /
+#   DETSERVE_OUTPUT_LEN (512 / 512) tokens, half sampled (temperature 1, seed per request), half
+#   greedy, logprobs (top DETSERVE_LOGPROBS, default 1), sent all at once, then one at a time;
+#   every answer compared token for token and logprob bit for bit (detserve_<mode>.json). Modes
+#   in DETSERVE_MODES (default "deterministic baseline"): the server with --deterministic (every
+#   answer must be identical: rc 0), and without it (differences expected, reported).
+#   DETSERVE_SERVE_ARGS / DETSERVE_ARGS add serve / bench arguments; DETSERVE_TIMEOUT (500 s)
+#   bounds each check (the one-at-a-time run takes most of it: 64 x 512 tokens at batch 1).
 #   BENCH_ARGS adds arguments to the engine benchmark (e.g. --profile); CUDA_BENCH_ARGS to
 #   tpserve-cuda-bench (e.g. --decode: every decode-attention kernel for each KV dtype).
 #   BENCH_AB="VAR=value ...[;VAR=value ...]" runs the engine benchmark again with each of those
@@ -60,7 +69,8 @@ if has kvq && [ "${KVQ_PPL:-1}" = 1 ] && [ -f .carry/heldout.txt ]; then
       2>"$out/ppl_$d.log" | tee -a "$out/summary.txt"
   done
 fi
-if has ds67 || has refs || has bench || has hf || has serve || has trace || has presets || has kvq; then
+if has ds67 || has refs || has bench || has hf || has serve || has trace || has presets || has kvq ||
+  { has detserve && [ ! -f $ds/config.json ]; }; then
   log "random DeepSeek-Coder-6.7B-shaped model"
   /usr/bin/time -v "$stage/bin/tpserve" random-model \
     --config tests/data/deepseek-coder-6.7b-instruct.config.json --out $ds --seed 1 --dtype bf16 \
@@ -217,6 +227,49 @@ print(json.dumps({"label": sys.argv[2], "preset": sys.argv[3], **keep}))
 PY
     done
     "$stage/bin/tpserve" info --server 127.0.0.1:50078 >"$out/info_$label.txt" 2>&1
+    kill -TERM $spid; wait $spid
+  done
+fi
+if has detserve; then
+  # Issue 22: "64 concurrent 512/512 served: all 64 answers identical to the same requests run one
+  # at a time" (with --deterministic); the same without it is the baseline, reported, not asserted.
+  n=${DETSERVE_REQUESTS:-64} plen=${DETSERVE_PROMPT_LEN:-512} olen=${DETSERVE_OUTPUT_LEN:-512}
+  for mode in ${DETSERVE_MODES:-deterministic baseline}; do
+    flags=()
+    [ "$mode" = deterministic ] && flags=(--deterministic)
+    log "detserve $mode: serve ${flags[*]:-(default)}; $n requests of $plen / $olen tokens at once, then one at a time"
+    rm -f "$out/ready_detserve_$mode"
+    "$stage/bin/tpserve" serve --model $ds --device cuda --port 50079 --http-port 0 \
+      --worker-binary "$stage/bin/tpserve-worker" --ready-file "$out/ready_detserve_$mode" \
+      "${flags[@]}" ${DETSERVE_SERVE_ARGS:-} >"$out/detserve_serve_$mode.log" 2>&1 &
+    spid=$!
+    for _ in $(seq 240); do [ -f "$out/ready_detserve_$mode" ] && break; sleep 0.5; done
+    timeout ${DETSERVE_TIMEOUT:-500} "$stage/bin/tpserve" bench --server 127.0.0.1:50079 \
+      --check-deterministic --num-requests $n --prompt-len $plen --output-len $olen \
+      --logprobs ${DETSERVE_LOGPROBS:-1} --no-progress --label "detserve_$mode" \
+      --json "$out/detserve_$mode.json" ${DETSERVE_ARGS:-} >"$out/detserve_$mode.log" 2>&1
+    rc=$?
+    grep -E "^(server|requests|lengths|all at once|one at a time|identical answers|  request|note|result)|tpserve bench:" \
+      "$out/detserve_$mode.log" | head -30 | tee -a "$out/summary.txt"
+    python3 - "$out/detserve_$mode.json" "$mode" <<'PY' | tee -a "$out/summary.txt"
+import json, sys
+try:
+    c = json.load(open(sys.argv[1]))["deterministic_check"]
+except Exception as e:
+    print(json.dumps({"detserve": sys.argv[2], "error": str(e)})); sys.exit()
+keep = {k: c[k] for k in ("passed", "server_deterministic", "requests", "identical", "differing",
+                          "failed", "sampled", "greedy")}
+for k in ("first_difference", "first_token_difference"):
+    keep[k] = {s: c[k][s] for s in ("count", "min", "median", "max")}
+kinds = {}
+for d in c["differences"]:
+    kinds[d["divergence"]] = kinds.get(d["divergence"], 0) + 1
+keep["divergences"] = kinds
+keep["seconds"] = [round(c["concurrent"]["duration_s"], 2), round(c["sequential"]["duration_s"], 2)]
+keep["server_steps"] = [c["concurrent"]["server_steps"], c["sequential"]["server_steps"]]
+print(json.dumps({"detserve": sys.argv[2], **keep}))
+PY
+    log "detserve $mode rc=$rc (0: every answer identical; 1: some differ or failed)"
     kill -TERM $spid; wait $spid
   done
 fi

@@ -1,16 +1,21 @@
 // `tpserve bench` against an in-process fake tpserve.v1.Inference server whose timings are
 // known (first token 50 ms after the request, then one token every 20 ms): the measured
 // percentiles must land on the known values; counts, error codes, open-loop pacing, chat history
-// and seeding are checked exactly.
+// and seeding are checked exactly; --check-deterministic passes on answers that never change and
+// names the request, position and kind of each answer that depends on the batch.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 #include <nlohmann/json.hpp>
@@ -36,6 +41,8 @@ class FakeInference final : public v1::Inference::Service {
     int max_new_tokens = 0;
     bool ignore_eos = false;
     Clock::time_point arrival;
+    v1::SamplingOptions sampling;
+    std::string cache_salt;
   };
 
   grpc::Status GetModelInfo(grpc::ServerContext*, const v1::GetModelInfoRequest*,
@@ -69,9 +76,10 @@ class FakeInference final : public v1::Inference::Service {
     const Clock::time_point start = Clock::now();
     grpc::Status st = Record(*req, start);
     if (!st.ok()) return st;
+    InFlight in_flight(this);
     const int n = req->stopping().max_new_tokens();
     std::this_thread::sleep_until(start + std::chrono::milliseconds(kTtftMs + kTokenMs * (n - 1)));
-    for (int i = 0; i < n; ++i) resp->add_token_ids(Token(i));
+    for (int i = 0; i < n; ++i) AddToken(*req, i, resp);
     Finish(*req, n, resp);
     return grpc::Status::OK;
   }
@@ -81,12 +89,13 @@ class FakeInference final : public v1::Inference::Service {
     const Clock::time_point start = Clock::now();
     grpc::Status st = Record(*req, start);
     if (!st.ok()) return st;
+    InFlight in_flight(this);
     const int n = req->stopping().max_new_tokens();
     for (int i = 0; i < n; ++i) {
       // Absolute schedule: one late write does not delay the following tokens.
       std::this_thread::sleep_until(start + std::chrono::milliseconds(kTtftMs + kTokenMs * i));
       v1::GenerateResponse msg;
-      msg.add_token_ids(Token(i));
+      AddToken(*req, i, &msg);
       msg.set_text(absl::StrCat("w", Token(i), " "));
       if (i == n - 1) Finish(*req, n, &msg);  // the last token rides on the final message
       writer->Write(msg);
@@ -102,9 +111,54 @@ class FakeInference final : public v1::Inference::Service {
     std::lock_guard<std::mutex> lock(mu_);
     return seen_;
   }
+  // Every request in arrival order (seen() keeps the last of each request id).
+  std::vector<std::pair<std::string, Seen>> arrivals() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return arrivals_;
+  }
+  // The answer of `request_id` changes at `position` when another request is in flight then: its
+  // token (+1), or with `logprob_only` the last bit of its logprob.
+  void PerturbWhenBatched(const std::string& request_id, int position, bool logprob_only) {
+    std::lock_guard<std::mutex> lock(mu_);
+    perturb_[request_id] = {position, logprob_only};
+  }
   static int32_t Token(int i) { return 500 + i; }
 
  private:
+  struct InFlight {
+    explicit InFlight(FakeInference* f) : f(f) { ++f->in_flight_; }
+    ~InFlight() { --f->in_flight_; }
+    FakeInference* f;
+  };
+
+  // Token i of `req`, with its logprobs when asked: the token's -0.25 (i + 1), then alternatives
+  // Token(i) + k at 1 less each.
+  void AddToken(const v1::GenerateRequest& req, int i, v1::GenerateResponse* msg) {
+    int32_t token = Token(i);
+    float logprob = -0.25f * static_cast<float>(i + 1);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = perturb_.find(req.request_id());
+      if (it != perturb_.end() && it->second.first == i && in_flight_ > 1) {
+        if (it->second.second) {
+          logprob = std::nextafter(logprob, 0.0f);
+        } else {
+          token += 1;
+        }
+      }
+    }
+    msg->add_token_ids(token);
+    if (!req.sampling().has_logprobs()) return;
+    v1::TokenLogprobs* lp = msg->add_logprobs();
+    lp->set_token_id(token);
+    lp->set_logprob(logprob);
+    for (int k = 0; k < req.sampling().logprobs(); ++k) {
+      v1::TokenLogprob* alt = lp->add_top_logprobs();
+      alt->set_token_id(token + k);
+      alt->set_logprob(logprob - static_cast<float>(k));
+    }
+  }
+
   grpc::Status Record(const v1::GenerateRequest& req, Clock::time_point arrival) {
     std::lock_guard<std::mutex> lock(mu_);
     Seen s;
@@ -113,8 +167,11 @@ class FakeInference final : public v1::Inference::Service {
     s.max_new_tokens = req.stopping().max_new_tokens();
     s.ignore_eos = req.stopping().ignore_eos();
     s.arrival = arrival;
+    s.sampling = req.sampling();
+    s.cache_salt = req.cache_salt();
     cache_queries_ += static_cast<int64_t>(s.ids.size());
     seen_[req.request_id()] = s;
+    arrivals_.emplace_back(req.request_id(), s);
     auto it = failures_.find(req.request_id());
     if (it != failures_.end()) return grpc::Status(it->second, "injected failure");
     if (s.max_new_tokens < 1) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "max_new");
@@ -133,6 +190,9 @@ class FakeInference final : public v1::Inference::Service {
   std::mutex mu_;
   std::map<std::string, grpc::StatusCode> failures_;
   std::map<std::string, Seen> seen_;
+  std::vector<std::pair<std::string, Seen>> arrivals_;
+  std::map<std::string, std::pair<int, bool>> perturb_;
+  std::atomic<int> in_flight_{0};
   int64_t cache_queries_ = 0;
 };
 
@@ -408,6 +468,124 @@ TEST_F(BenchFakeServerTest, PresetsAndBadFlags) {
     absl::Status status;
     Bench(bad, &status);
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad[0] << ": " << status;
+  }
+}
+
+TEST_F(BenchFakeServerTest, CheckDeterministicPassesOnUnchangingAnswers) {
+  constexpr int kRequests = 6, kOut = 6;
+  const nlohmann::json j =
+      Bench({"--check-deterministic", "--num-requests", std::to_string(kRequests), "--prompt-len",
+             "8", "--output-len", std::to_string(kOut), "--logprobs", "2", "--temperature", "0.5",
+             "--sampling-seed", "10"});
+  ASSERT_FALSE(j.is_null());
+  const nlohmann::json& c = j["deterministic_check"];
+  EXPECT_EQ(c["passed"], true);
+  EXPECT_EQ(c["requests"], kRequests);
+  EXPECT_EQ(c["identical"], kRequests);
+  EXPECT_EQ(c["differing"], 0);
+  EXPECT_EQ(c["failed"], 0);
+  EXPECT_EQ(c["logprob_tokens"], kRequests * kOut);
+  EXPECT_EQ(c["sampled"]["requests"], 3);
+  EXPECT_EQ(c["greedy"]["identical"], 3);
+  EXPECT_TRUE(c["differences"].empty());
+  EXPECT_EQ(c["first_difference"]["count"], 0);
+  EXPECT_EQ(c["concurrent"]["completed"], kRequests);
+  EXPECT_EQ(c["sequential"]["completed"], kRequests);
+  EXPECT_EQ(j["config"]["concurrency"], kRequests);
+  EXPECT_EQ(j["config"]["sampling"]["logprobs"], 2);
+
+  // The warm-up, then every request at once, then one at a time, each run with its own salt.
+  const auto arrivals = service_.arrivals();
+  ASSERT_EQ(arrivals.size(), 1u + 2 * kRequests);
+  EXPECT_EQ(arrivals[0].first, "bench-warmup-0");
+  const std::string salt = arrivals[1].second.cache_salt;  // "tpserve-bench-check-<random>-"
+  ASSERT_TRUE(salt.starts_with("tpserve-bench-check-") && salt.ends_with("-concurrent")) << salt;
+  const std::string base = salt.substr(0, salt.size() - std::string("concurrent").size());
+  EXPECT_EQ(arrivals[0].second.cache_salt, salt + "-warmup");
+  Clock::time_point first = arrivals[1].second.arrival, last = first;
+  for (int i = 1; i <= kRequests; ++i) {
+    EXPECT_EQ(arrivals[i].second.cache_salt, salt);
+    first = std::min(first, arrivals[i].second.arrival);
+    last = std::max(last, arrivals[i].second.arrival);
+  }
+  // All in flight together: the last arrived before the first could have ended.
+  EXPECT_LT(last - first, std::chrono::milliseconds(kTtftMs + kTokenMs * (kOut - 1)));
+  for (int i = kRequests + 1; i < 1 + 2 * kRequests; ++i) {
+    EXPECT_EQ(arrivals[i].second.cache_salt, base + "sequential");
+    if (i > kRequests + 1) {  // one at a time: each after the previous one's last token
+      EXPECT_GE(arrivals[i].second.arrival - arrivals[i - 1].second.arrival,
+                std::chrono::milliseconds(kTtftMs + kTokenMs * (kOut - 1)));
+    }
+  }
+  // Even requests sample at the given temperature, odd ones are greedy; seeds 10 + index.
+  const auto seen = service_.seen();
+  for (int i = 0; i < kRequests; ++i) {
+    const v1::SamplingOptions& s = seen.at(absl::StrCat("bench-", i)).sampling;
+    EXPECT_FLOAT_EQ(s.temperature(), i % 2 == 0 ? 0.5f : 0.0f) << i;
+    EXPECT_EQ(s.seed(), 10u + static_cast<uint64_t>(i)) << i;
+    EXPECT_EQ(s.logprobs(), 2) << i;
+  }
+  // Another check draws other salts: nothing the first one cached is found.
+  Bench({"--check-deterministic", "--num-requests", "2", "--prompt-len", "8", "--output-len", "2",
+         "--warmup", "0"});
+  EXPECT_NE(service_.arrivals().back().second.cache_salt.substr(0, base.size()), base);
+}
+
+TEST_F(BenchFakeServerTest, CheckDeterministicNamesAnswersThatDependOnTheBatch) {
+  // bench-3's token 2 and bench-1's logprob 4 change while other requests are in flight.
+  service_.PerturbWhenBatched("bench-3", 2, /*logprob_only=*/false);
+  service_.PerturbWhenBatched("bench-1", 4, /*logprob_only=*/true);
+  absl::Status status;
+  const nlohmann::json j = Bench({"--check-deterministic", "--num-requests", "6", "--prompt-len",
+                                  "8", "--output-len", "6", "--logprobs", "1", "--warmup", "0"},
+                                 &status);
+  EXPECT_EQ(status.code(), absl::StatusCode::kAborted) << status;
+  EXPECT_NE(status.message().find("2 of 6 answers differ"), std::string::npos) << status;
+  ASSERT_FALSE(j.is_null());
+  const nlohmann::json& c = j["deterministic_check"];
+  EXPECT_EQ(c["passed"], false);
+  EXPECT_EQ(c["identical"], 4);
+  EXPECT_EQ(c["differing"], 2);
+  ASSERT_EQ(c["differences"].size(), 2u);
+  const nlohmann::json& lp = c["differences"][0];
+  EXPECT_EQ(lp["index"], 1);
+  EXPECT_EQ(lp["sampling"], "greedy");
+  EXPECT_EQ(lp["divergence"], "logprobs");
+  EXPECT_EQ(lp["first_difference"], 4);
+  EXPECT_EQ(lp["first_token_difference"], -1);
+  const nlohmann::json& tok = c["differences"][1];
+  EXPECT_EQ(tok["index"], 3);
+  EXPECT_EQ(tok["divergence"], "tokens");
+  EXPECT_EQ(tok["first_difference"], 2);
+  EXPECT_EQ(tok["first_token_difference"], 2);
+  // The ids around the difference: positions 0..5 at once (one changed), alone.
+  EXPECT_EQ(
+      tok["concurrent_ids_around"],
+      nlohmann::json({FakeInference::Token(0), FakeInference::Token(1), FakeInference::Token(2) + 1,
+                      FakeInference::Token(3), FakeInference::Token(4), FakeInference::Token(5)}));
+  EXPECT_EQ(tok["sequential_ids_around"][2], FakeInference::Token(2));
+  EXPECT_EQ(c["first_difference"]["min"], 2);
+  EXPECT_EQ(c["first_difference"]["max"], 4);
+  EXPECT_EQ(c["ids_differing"], 1);
+  EXPECT_EQ(c["first_token_difference"]["median"], 2);
+}
+
+TEST_F(BenchFakeServerTest, CheckDeterministicFlags) {
+  // A preset's concurrency is the number of requests sent at once.
+  const nlohmann::json j = Bench({"--check-deterministic", "--preset", "batch32", "--prompt-len",
+                                  "4", "--output-len", "1", "--warmup", "0"});
+  EXPECT_EQ(j["deterministic_check"]["requests"], 32);
+  EXPECT_EQ(j["deterministic_check"]["passed"], true);
+  EXPECT_EQ(j["config"]["prompt_len"], "4");
+  for (const std::vector<std::string>& bad :
+       {std::vector<std::string>{"--check-deterministic", "--concurrency", "2"},
+        std::vector<std::string>{"--check-deterministic", "--request-rate", "3"},
+        std::vector<std::string>{"--check-deterministic", "--temperature", "0"},
+        std::vector<std::string>{"--check-deterministic", "--preset", "chat"},
+        std::vector<std::string>{"--logprobs", "21"}}) {
+    absl::Status status;
+    Bench(bad, &status);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad[1] << ": " << status;
   }
 }
 

@@ -22,6 +22,7 @@
 #include "common/env.h"
 #include "common/flags.h"
 #include "common/status.h"
+#include "tools/bench/determinism.h"
 #include "tools/bench/load_gen.h"
 #include "tools/bench/workload.h"
 #include "worker/engine.h"
@@ -65,6 +66,13 @@ const CommandSpec& BenchSpec() {
        IntFlag("top-k", 0, int64_t{1} << 30, "sample among the K most likely tokens", "K"),
        IntFlag("sampling-seed", INT64_MIN, INT64_MAX, "sampling seed", "S"),
        FloatFlag("repetition-penalty", 0, 1e6, "penalty of tokens already present", "R"),
+       IntFlag("logprobs", 0, 20,
+               "ask for every token's logprob and the N most likely tokens (default: none)", "N"),
+       BoolFlag("check-deterministic",
+                "send the requests all at once, then one at a time, and compare every answer "
+                "(token ids; logprobs bit for bit with --logprobs); exit 1 when one differs. "
+                "Even requests sample (--temperature, default 1; seed --sampling-seed + index), "
+                "odd ones are greedy. --num-requests defaults to the preset's concurrency"),
        BoolFlag("no-ignore-eos", "stop at the end-of-sequence token"),
        BoolFlag("no-stream", "unary calls (no TTFT / ITL)"),
        StringFlag("json", "FILE|-", "write the JSON report (-: on stdout instead of the table)"),
@@ -96,6 +104,7 @@ struct BenchFlags {
   bool per_request = false;
   bool progress = false;
   bool allow_errors = false;
+  bool check_deterministic = false;
   std::string engine_model;  // --compare-engine
   std::string engine_device = "auto";
   double engine_gpu_memory_utilization = 0.4;
@@ -184,8 +193,12 @@ absl::StatusOr<BenchFlags> ParseFlags(const Flags& a) {
                       LengthFlag(a, "prompt-len", LengthDist::Fixed(preset.prompt_len)));
   TP_ASSIGN_OR_RETURN(s.output_len,
                       LengthFlag(a, "output-len", LengthDist::Fixed(preset.output_len)));
-  TP_ASSIGN_OR_RETURN(s.num_requests,
-                      PositiveInt(a, "num-requests", std::max<int64_t>(preset.num_requests, 1)));
+  f.check_deterministic = a.Flag("check-deterministic");
+  // The check sends every request at once: a named preset's concurrency is its request count.
+  const int64_t default_requests = f.check_deterministic && a.Has("preset")
+                                       ? preset.concurrency
+                                       : std::max<int64_t>(preset.num_requests, 1);
+  TP_ASSIGN_OR_RETURN(s.num_requests, PositiveInt(a, "num-requests", default_requests));
   TP_ASSIGN_OR_RETURN(s.turns, PositiveInt(a, "turns", preset.turns, 0));
   TP_ASSIGN_OR_RETURN(s.conversations, PositiveInt(a, "num-conversations",
                                                    std::max<int64_t>(preset.conversations, 1)));
@@ -250,6 +263,7 @@ absl::StatusOr<BenchFlags> ParseFlags(const Flags& a) {
     const double v = a.GetDouble("repetition-penalty", 1);
     l.sampling.set_repetition_penalty(static_cast<float>(v));
   }
+  if (a.Has("logprobs")) l.sampling.set_logprobs(static_cast<int32_t>(a.GetInt("logprobs", 0)));
   l.timeout_s = a.GetDouble("timeout", 600);
   if (!(l.timeout_s > 0)) return absl::InvalidArgumentError("--timeout must be > 0 (seconds)");
   TP_ASSIGN_OR_RETURN(l.warmup, PositiveInt(a, "warmup", 1, 0));
@@ -261,6 +275,26 @@ absl::StatusOr<BenchFlags> ParseFlags(const Flags& a) {
   f.engine_device = a.GetOr("engine-device", f.engine_device);
   f.engine_gpu_memory_utilization =
       a.GetDouble("engine-gpu-memory-utilization", f.engine_gpu_memory_utilization);
+  if (f.check_deterministic) {
+    for (const char* flag : {"concurrency", "request-rate", "compare-engine"}) {
+      if (a.Has(flag)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--check-deterministic sends all --num-requests at once, then one at a time: no --",
+            flag));
+      }
+    }
+    if (s.turns > 0) {
+      return absl::InvalidArgumentError(
+          "--check-deterministic compares single requests, not chat turns (no --turns)");
+    }
+    if (!a.Has("temperature")) l.sampling.set_temperature(1);
+    if (!(l.sampling.temperature() > 0)) {
+      return absl::InvalidArgumentError(
+          "--check-deterministic: --temperature must be > 0 (the odd requests are greedy)");
+    }
+    if (!l.sampling.has_seed()) l.sampling.set_seed(0);
+    l.concurrency = s.num_requests;
+  }
   return f;
 }
 
@@ -497,6 +531,200 @@ class ProgressBar {
   std::thread thread_;
 };
 
+// The ids from position - 3 to position + 3 (where two answers part), as far as they go.
+std::vector<int32_t> IdsAround(const std::vector<int32_t>& ids, int64_t position) {
+  const int64_t n = static_cast<int64_t>(ids.size());
+  const int64_t lo = std::clamp<int64_t>(position - 3, 0, n);
+  const int64_t hi = std::clamp<int64_t>(position + 4, lo, n);
+  return std::vector<int32_t>(ids.begin() + lo, ids.begin() + hi);
+}
+
+nlohmann::json RunJson(const bench::Report& r, const bench::ServerSteps& steps) {
+  nlohmann::json j = {{"duration_s", r.duration_s},
+                      {"completed", r.completed},
+                      {"failed", r.failed},
+                      {"output_throughput", r.output_throughput},
+                      {"tpot_ms", SummaryJson(r.tpot_ms)},
+                      {"e2e_ms", SummaryJson(r.e2e_ms)},
+                      {"server_steps", nullptr},
+                      {"server_tokens", nullptr}};
+  if (steps.known) {
+    j["server_steps"] = steps.steps;
+    j["server_tokens"] = steps.tokens;
+  }
+  return j;
+}
+
+// ", 530 server steps (61.9 tokens a step)", or nothing when the counters could not be read.
+std::string StepsText(const bench::ServerSteps& s) {
+  if (!s.known || s.steps <= 0) return "";
+  char per_step[32];
+  std::snprintf(per_step, sizeof(per_step), "%.1f",
+                static_cast<double>(s.tokens) / static_cast<double>(s.steps));
+  return absl::StrCat(", ", s.steps, " server steps (", per_step, " tokens a step)");
+}
+
+// --check-deterministic: both runs, the comparison, the report (table or JSON); an error status
+// when an answer differs or a request failed.
+absl::Status RunCheck(const BenchFlags& f, const v1::ModelInfo& info,
+                      const std::vector<bench::PlannedRequest>& plan) {
+  bench::Progress progress;
+  absl::StatusOr<bench::DeterminismRun> run;
+  {
+    std::unique_ptr<ProgressBar> bar;
+    if (f.progress) {
+      bar = std::make_unique<ProgressBar>(&progress, 2 * static_cast<int64_t>(plan.size()));
+    }
+    run = bench::RunDeterminismCheck(f.load, plan, &progress);
+  }
+  TP_RETURN_IF_ERROR(run.status());
+  const bench::DeterminismReport& d = run->report;
+  const bench::Report concurrent =
+      bench::ComputeReport(run->concurrent.records, run->concurrent.duration_s);
+  const bench::Report sequential =
+      bench::ComputeReport(run->sequential.records, run->sequential.duration_s);
+  int64_t greedy = 0, greedy_identical = 0, sampled_identical = 0;
+  std::vector<double> positions, token_positions;
+  nlohmann::json differences = nlohmann::json::array();
+  nlohmann::json answers = nlohmann::json::array();
+  for (size_t i = 0; i < d.answers.size(); ++i) {
+    const bench::AnswerComparison& c = d.answers[i];
+    const bool is_greedy = bench::IsGreedy(run->sampling[i]);
+    const bool identical = c.divergence == bench::Divergence::kNone;
+    greedy += is_greedy;
+    (is_greedy ? greedy_identical : sampled_identical) += identical;
+    nlohmann::json e = {{"index", c.index},
+                        {"sampling", is_greedy ? "greedy" : "sampled"},
+                        {"seed", run->sampling[i].seed()},
+                        {"divergence", bench::DivergenceName(c.divergence)},
+                        {"first_difference", c.first_difference},
+                        {"first_token_difference", c.first_token_difference},
+                        {"lengths", {c.length_a, c.length_b}}};
+    const std::vector<int32_t>& a = run->concurrent.records[i].output_ids;
+    const std::vector<int32_t>& b = run->sequential.records[i].output_ids;
+    if (c.divergence == bench::Divergence::kFailed) e["error"] = c.error;
+    if (c.first_difference >= 0) {
+      positions.push_back(static_cast<double>(c.first_difference));
+      if (c.first_token_difference >= 0) {
+        token_positions.push_back(static_cast<double>(c.first_token_difference));
+      }
+      e["concurrent_ids_around"] = IdsAround(a, c.first_difference);
+      e["sequential_ids_around"] = IdsAround(b, c.first_difference);
+    }
+    if (!identical) differences.push_back(e);
+    if (f.per_request) {
+      e["concurrent_ids"] = a;
+      e["sequential_ids"] = b;
+      answers.push_back(std::move(e));
+    }
+  }
+  const int64_t sampled = d.requests - greedy;
+  const bool passed = d.identical == d.requests;
+  nlohmann::json j = ReportJson(f, info, concurrent, run->concurrent, PrefixCacheReport());
+  j.erase("prefix_cache");
+  nlohmann::json check = {
+      {"passed", passed},
+      {"server_deterministic", info.deterministic()},
+      {"max_num_seqs", info.max_num_seqs()},
+      {"requests", d.requests},
+      {"identical", d.identical},
+      {"differing", d.differing},
+      {"failed", d.failed},
+      {"logprob_tokens", d.logprob_tokens},
+      {"sampled", {{"requests", sampled}, {"identical", sampled_identical}}},
+      {"greedy", {{"requests", greedy}, {"identical", greedy_identical}}},
+      {"first_difference", SummaryJson(bench::Summarize(positions))},
+      // Answers whose token ids differ (or one ends first), and where.
+      {"ids_differing", token_positions.size()},
+      {"first_token_difference", SummaryJson(bench::Summarize(token_positions))},
+      {"concurrent", RunJson(concurrent, run->concurrent_steps)},
+      {"sequential", RunJson(sequential, run->sequential_steps)},
+      {"differences", differences}};
+  if (f.per_request) check["answers"] = std::move(answers);
+  j["deterministic_check"] = std::move(check);
+
+  if (f.json_path == "-") {
+    std::cout << j.dump(2) << std::endl;
+  } else {
+    const bench::WorkloadSpec& s = f.spec;
+    std::printf("===== tpserve bench --check-deterministic%s%s =====\n",
+                f.preset.empty() ? "" : ": preset ", f.preset.c_str());
+    std::printf("%-30s %s (model %s, tp %d, pp %d), --deterministic %s, max_num_seqs %d\n",
+                "server", f.server.c_str(), info.model().c_str(), info.tp(), info.pp(),
+                info.deterministic() ? "on" : "off", info.max_num_seqs());
+    const v1::SamplingOptions& so = f.load.sampling;
+    std::printf(
+        "%-30s %lld: %lld sampled (temperature %g%s%s, seed %llu + index), %lld greedy; "
+        "logprobs %s\n",
+        "requests", static_cast<long long>(d.requests), static_cast<long long>(sampled),
+        so.temperature(), so.has_top_p() ? absl::StrCat(", top-p ", so.top_p()).c_str() : "",
+        so.has_top_k() ? absl::StrCat(", top-k ", so.top_k()).c_str() : "",
+        static_cast<unsigned long long>(so.seed()), static_cast<long long>(greedy),
+        so.has_logprobs() ? absl::StrCat("top ", so.logprobs()).c_str() : "off");
+    std::printf("%-30s prompt %s, output %s\n", "lengths (tokens)", s.prompt_len.ToString().c_str(),
+                s.output_len.ToString().c_str());
+    if (info.max_num_seqs() > 0 && d.requests > info.max_num_seqs()) {
+      std::printf("%-30s the server runs at most %d sequences a step: not all %lld share one\n",
+                  "note", info.max_num_seqs(), static_cast<long long>(d.requests));
+    }
+    auto run_line = [](const char* name, const bench::Report& r, const bench::ServerSteps& st) {
+      char tpot[48] = "";  // no TPOT without streaming
+      if (r.tpot_ms.count > 0) {
+        std::snprintf(tpot, sizeof(tpot), ", TPOT median %.2f ms", r.tpot_ms.median);
+      }
+      std::printf("%-30s %.3f s, output %.1f tok/s%s, %lld failed%s\n", name, r.duration_s,
+                  r.output_throughput, tpot, static_cast<long long>(r.failed),
+                  StepsText(st).c_str());
+    };
+    run_line("all at once", concurrent, run->concurrent_steps);
+    run_line("one at a time", sequential, run->sequential_steps);
+    std::printf(
+        "%-30s %lld of %lld (sampled %lld of %lld, greedy %lld of %lld); %lld differ (token "
+        "ids in %zu), %lld failed\n",
+        "identical answers", static_cast<long long>(d.identical),
+        static_cast<long long>(d.requests), static_cast<long long>(sampled_identical),
+        static_cast<long long>(sampled), static_cast<long long>(greedy_identical),
+        static_cast<long long>(greedy), static_cast<long long>(d.differing), token_positions.size(),
+        static_cast<long long>(d.failed));
+    for (const nlohmann::json& e : differences) {
+      const std::string who = absl::StrCat("  request ", e["index"].get<int64_t>(), " (",
+                                           e["sampling"].get<std::string>(), ")");
+      const std::string what = e["divergence"].get<std::string>();
+      if (what == "failed") {
+        std::printf("%-30s failed: %s\n", who.c_str(), e["error"].get<std::string>().c_str());
+        continue;
+      }
+      const int64_t at = e["first_difference"].get<int64_t>();
+      std::string line = what == "length"
+                             ? absl::StrCat("lengths differ (", e["lengths"][0].get<int64_t>(),
+                                            " at once, ", e["lengths"][1].get<int64_t>(),
+                                            " alone), same ids up to position ", at)
+                             : absl::StrCat(what, " differ from position ", at);
+      if (what == "logprobs" && e["first_token_difference"].get<int64_t>() >= 0) {
+        absl::StrAppend(&line, ", token ids from ", e["first_token_difference"].get<int64_t>());
+      }
+      if (what == "tokens") {
+        absl::StrAppend(&line, " (ids from position ", std::max<int64_t>(at - 3, 0), ": ",
+                        e["concurrent_ids_around"].dump(), " at once, ",
+                        e["sequential_ids_around"].dump(), " alone)");
+      }
+      std::printf("%-30s %s\n", who.c_str(), line.c_str());
+    }
+    std::printf("%-30s %s\n", "result", passed ? "PASS: every answer identical" : "FAIL");
+    if (!f.json_path.empty()) {
+      std::ofstream out(f.json_path);
+      out << j.dump(2) << "\n";
+      if (!out) return absl::InternalError(absl::StrCat("--json: cannot write ", f.json_path));
+    }
+  }
+  if (passed) return absl::OkStatus();
+  return absl::AbortedError(
+      absl::StrCat(d.differing, " of ", d.requests,
+                   " answers differ between the requests sent all at once and one at a time",
+                   d.failed > 0 ? absl::StrCat(", ", d.failed, " failed") : "",
+                   " (deterministic_check in the report)"));
+}
+
 }  // namespace
 
 absl::Status RunBenchCommand(const std::vector<std::string>& args) {
@@ -523,6 +751,7 @@ absl::Status RunBenchCommand(const std::vector<std::string>& args) {
   f.spec.vocab_size = info.vocab_size();
   f.spec.context_length = info.context_length();
   TP_ASSIGN_OR_RETURN(auto plan, bench::PlanRequests(f.spec));
+  if (f.check_deterministic) return RunCheck(f, info, plan);
 
   // The prefix cache counters right before the measured run (after the warm-up) and after it.
   absl::StatusOr<v1::ModelInfo> info_before = absl::UnknownError("not read");

@@ -83,13 +83,28 @@ struct Outgoing {
   int64_t max_new_tokens = 0;
   std::string request_id;
   int64_t seed_offset = 0;
+  // Sent as it is when set (LoadOptions::request_sampling); else the options' sampling.
+  const v1::SamplingOptions* sampling = nullptr;
+  std::string cache_salt;
 };
 
 struct Answer {
   RequestRecord record;
   std::vector<int32_t> output_ids;
+  std::vector<OutputLogprobs> output_logprobs;
   std::string output_text;
 };
+
+void AppendLogprobs(const v1::GenerateResponse& msg, std::vector<OutputLogprobs>* out) {
+  for (const v1::TokenLogprobs& t : msg.logprobs()) {
+    OutputLogprobs& o = out->emplace_back();
+    o.logprob = t.logprob();
+    for (const v1::TokenLogprob& alt : t.top_logprobs()) {
+      o.top_ids.push_back(alt.token_id());
+      o.top_logprobs.push_back(alt.logprob());
+    }
+  }
+}
 
 Answer Send(v1::Inference::Stub& stub, const LoadOptions& o, const Outgoing& out,
             Clock::time_point run_start) {
@@ -100,10 +115,15 @@ Answer Send(v1::Inference::Stub& stub, const LoadOptions& o, const Outgoing& out
   } else {
     req.mutable_token_ids()->mutable_ids()->Assign(out.ids.begin(), out.ids.end());
   }
-  *req.mutable_sampling() = o.sampling;
-  if (o.sampling.has_seed()) {
-    req.mutable_sampling()->set_seed(o.sampling.seed() + static_cast<uint64_t>(out.seed_offset));
+  if (out.sampling != nullptr) {
+    *req.mutable_sampling() = *out.sampling;
+  } else {
+    *req.mutable_sampling() = o.sampling;
+    if (o.sampling.has_seed()) {
+      req.mutable_sampling()->set_seed(o.sampling.seed() + static_cast<uint64_t>(out.seed_offset));
+    }
   }
+  req.set_cache_salt(out.cache_salt);
   req.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(out.max_new_tokens));
   req.mutable_stopping()->set_ignore_eos(o.ignore_eos);
 
@@ -134,6 +154,7 @@ Answer Send(v1::Inference::Stub& stub, const LoadOptions& o, const Outgoing& out
         last = now;
         a.output_ids.insert(a.output_ids.end(), msg.token_ids().begin(), msg.token_ids().end());
       }
+      AppendLogprobs(msg, &a.output_logprobs);
       a.output_text += msg.text();
       if (msg.finished()) {
         final = msg;
@@ -145,6 +166,7 @@ Answer Send(v1::Inference::Stub& stub, const LoadOptions& o, const Outgoing& out
     status = stub.Generate(&ctx, req, &final);
     have_final = status.ok();
     a.output_ids.assign(final.token_ids().begin(), final.token_ids().end());
+    AppendLogprobs(final, &a.output_logprobs);
     a.output_text = final.text();
   }
   r.e2e_s = Seconds(start, Clock::now());
@@ -166,6 +188,10 @@ Answer Send(v1::Inference::Stub& stub, const LoadOptions& o, const Outgoing& out
     r.server_queued_s = final.timings().queued_seconds();
   } else {
     r.output_tokens = static_cast<int64_t>(a.output_ids.size());
+  }
+  if (o.keep_outputs) {
+    r.output_ids = a.output_ids;
+    r.output_logprobs = a.output_logprobs;
   }
   return a;
 }
@@ -208,6 +234,8 @@ class Runner {
       if (o_.text_prompts) out.text = texts_[k];
       out.max_new_tokens = plan_[k].max_new_tokens;
       out.request_id = absl::StrCat("bench-warmup-", i);
+      out.sampling = SamplingOf(k);
+      out.cache_salt = o_.cache_salt.empty() ? "" : o_.cache_salt + "-warmup";
       Send(*stub_, o_, out, Clock::now());
     }
   }
@@ -238,6 +266,8 @@ class Runner {
       out.max_new_tokens = p.max_new_tokens;
       out.request_id = absl::StrCat("bench-", p.index);
       out.seed_offset = p.index;
+      out.sampling = SamplingOf(k);
+      out.cache_salt = o_.cache_salt;
       Answer a = Send(*stub_, o_, out, run_start);
       a.record.index = p.index;
       a.record.conversation = p.conversation;
@@ -300,6 +330,10 @@ class Runner {
   }
 
  private:
+  const v1::SamplingOptions* SamplingOf(size_t plan_index) const {
+    return plan_index < o_.request_sampling.size() ? &o_.request_sampling[plan_index] : nullptr;
+  }
+
   void Count(const RequestRecord& r) {
     if (progress_ == nullptr) return;
     progress_->output_tokens += r.ok ? r.output_tokens : 0;

@@ -29,10 +29,22 @@ struct LoadOptions {
   // Send the prompts as text (the random ids detokenized by the server before the run).
   bool text_prompts = false;
   v1::SamplingOptions sampling;  // per request; a set seed becomes seed + request index
-  double timeout_s = 600;        // per request
-  int64_t warmup = 0;            // requests sent (one at a time) before the measured run
+  // When not empty: the sampling of each planned request (by plan index), sent as it is
+  // (instead of `sampling`).
+  std::vector<v1::SamplingOptions> request_sampling;
+  std::string cache_salt;     // of every request (the warm-up's: this + "-warmup")
+  bool keep_outputs = false;  // keep each answer's token ids and logprobs in its record
+  double timeout_s = 600;     // per request
+  int64_t warmup = 0;         // requests sent (one at a time) before the measured run
   // Called after the warm-up, right before the measured run (e.g. to read server counters).
   std::function<void()> before_run;
+};
+
+// The log-probabilities of one generated token, as the server sent them (sampling.logprobs).
+struct OutputLogprobs {
+  float logprob = 0;
+  std::vector<int32_t> top_ids;
+  std::vector<float> top_logprobs;
 };
 
 // Client-side measurements of one request (seconds from the start of the run).
@@ -52,6 +64,9 @@ struct RequestRecord {
   int64_t max_new_tokens = 0;
   double server_ttft_s = -1;  // the server's own timings (final message)
   double server_queued_s = -1;
+  // With LoadOptions::keep_outputs: the answer (ids as received, even of a failed request).
+  std::vector<int32_t> output_ids;
+  std::vector<OutputLogprobs> output_logprobs;
 };
 
 struct Progress {
