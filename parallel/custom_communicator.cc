@@ -21,14 +21,6 @@
 
 namespace tpserve {
 
-absl::StatusOr<AllReduceImpl> ParseAllReduceImpl(const std::string& text) {
-  if (text == "nccl") return AllReduceImpl::kBackend;
-  if (text == "custom") return AllReduceImpl::kCustom;
-  if (text == "auto") return AllReduceImpl::kAuto;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--all-reduce must be auto, nccl or custom, got \"", text, "\""));
-}
-
 BytesAllGather MpiBytesAllGather(MPI_Comm comm, absl::Duration timeout, std::string what) {
   return [comm, timeout,
           what](const std::string& mine) -> absl::StatusOr<std::vector<std::string>> {

@@ -15,16 +15,9 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "parallel/communicator.h"
+#include "parallel/process_groups.h"  // AllReduceImpl
 
 namespace tpserve {
-
-// Which all-reduce a TP group uses (--all-reduce, TPSERVE_ALL_REDUCE).
-enum class AllReduceImpl {
-  kBackend,  // "nccl": the backend communicator's own (NCCL, or MPI staging through the host)
-  kCustom,   // "custom": the IPC kernel; refused with a reason when a rank cannot map a peer
-  kAuto,     // "auto": custom when every rank can map every peer's memory, else the backend
-};
-absl::StatusOr<AllReduceImpl> ParseAllReduceImpl(const std::string& text);
 
 // Every rank's `mine`, in rank order: a collective byte exchange over the group's ranks.
 using BytesAllGather =
