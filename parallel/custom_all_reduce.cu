@@ -112,7 +112,12 @@ struct Kernel {
       const uint64_t* flag = Flag(a.buffers[a.rank], phase, blockIdx.x, threadIdx.x);
       uint64_t seen = LoadAcquireSys(flag);
       while (seen < epoch) {
+        // Another thread of this block, or another block, gave up: this call is lost anyway.
         if (*reinterpret_cast<volatile int*>(abort_shared) != 0) break;
+        if (*reinterpret_cast<volatile uint32_t*>(a.abort) != 0) {
+          *reinterpret_cast<volatile int*>(abort_shared) = 1;
+          break;
+        }
         if (GlobalTimerNs() > deadline) {
           GiveUp(phase, threadIdx.x, seen);
           break;

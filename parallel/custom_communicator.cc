@@ -149,11 +149,18 @@ struct CustomAllReduceCommunicator::State {
   car::ErrorRecord* error_device = nullptr;  // its device address
   cudaEvent_t done = nullptr;
 
-  ~State() {
-    if (done != nullptr) cudaEventDestroy(done);
+  // CUDA IPC: every importer must close its mapping before the exporter frees the buffer, so
+  // the group closes, then passes a barrier, then frees.
+  void CloseImports() {
     for (int r = 0; r < size; ++r) {
       if (r != rank && buffers[r] != nullptr) cudaIpcCloseMemHandle(buffers[r]);
+      buffers[r] = nullptr;
     }
+  }
+
+  ~State() {
+    if (done != nullptr) cudaEventDestroy(done);
+    CloseImports();
     if (own != nullptr) cudaFree(own);
     if (epochs != nullptr) cudaFree(epochs);
     if (error_host != nullptr) cudaFreeHost(error_host);
@@ -164,7 +171,32 @@ CustomAllReduceCommunicator::CustomAllReduceCommunicator(std::unique_ptr<Communi
                                                          std::unique_ptr<State> state)
     : inner_(std::move(inner)), state_(std::move(state)) {}
 
-CustomAllReduceCommunicator::~CustomAllReduceCommunicator() = default;
+CustomAllReduceCommunicator::~CustomAllReduceCommunicator() {
+  // This rank's kernels finish (they give up at their deadline), then nothing here reads a
+  // peer's buffer any more; every rank closes its mappings and waits for the others to have
+  // done so (a barrier over the inner communicator, bounded by its timeout) before freeing its
+  // own buffer.
+  cudaDeviceSynchronize();
+  state_->CloseImports();
+  const int n = size();
+  // Heap, kept on failure: MPI may still write into the buffers of an abandoned operation.
+  auto* host = new int32_t[n + 1]();
+  absl::Status s =
+      inner_->AllGather(Tensor(host, {1}, DType::kI32), Tensor(host + 1, {n}, DType::kI32));
+  if (s.code() == absl::StatusCode::kInvalidArgument) {  // NCCL: device tensors only
+    int32_t* d = nullptr;
+    if (cudaMalloc(&d, (n + 1) * sizeof(int32_t)) == cudaSuccess) {
+      s = inner_->AllGather(Tensor(d, {1}, DType::kI32, Device::kCuda),
+                            Tensor(d + 1, {n}, DType::kI32, Device::kCuda));
+      if (s.ok()) cudaFree(d);
+    }
+  }
+  if (s.ok()) {
+    delete[] host;
+  } else {
+    TP_LOG(WARNING) << name() << ": rank " << state_->rank << " teardown barrier: " << s.message();
+  }
+}
 
 int CustomAllReduceCommunicator::rank() const { return inner_->rank(); }
 int CustomAllReduceCommunicator::size() const { return inner_->size(); }
@@ -306,17 +338,51 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCustomAllReduceCommunicator(
   state->rank = rank;
   state->size = size;
   state->options = options;
-  TP_CUDA_CHECK(cudaMalloc(&state->own, car::IpcBufferBytes(options.max_bytes)));
-  TP_CUDA_CHECK(cudaMemset(state->own, 0, car::kFlagBytes));
-  TP_CUDA_CHECK(cudaMalloc(&state->epochs, (car::kBlocks + 1) * sizeof(uint64_t)));
-  TP_CUDA_CHECK(cudaMemset(state->epochs, 0, (car::kBlocks + 1) * sizeof(uint64_t)));
-  TP_CUDA_CHECK(cudaHostAlloc(&state->error_host, sizeof(car::ErrorRecord), cudaHostAllocMapped));
-  std::memset(static_cast<void*>(state->error_host), 0, sizeof(car::ErrorRecord));
-  TP_CUDA_CHECK(cudaHostGetDevicePointer(&state->error_device, state->error_host, 0));
-  TP_CUDA_CHECK(cudaEventCreateWithFlags(&state->done, cudaEventDisableTiming));
-  TP_CUDA_CHECK(cudaDeviceSynchronize());  // the zeroed flags before any peer can write them
-  cudaIpcMemHandle_t handle;
-  TP_CUDA_CHECK(cudaIpcGetMemHandle(&handle, state->own));
+  // A failure here (out of memory, IPC not supported) is agreed on like a refusal, so that no
+  // rank waits for the handles of a rank that gave up.
+  cudaIpcMemHandle_t handle = {};
+  const char* step = "";
+  auto allocate = [&]() -> cudaError_t {
+    cudaError_t e;
+    step = "allocating its IPC buffer";
+    if ((e = cudaMalloc(&state->own, car::IpcBufferBytes(options.max_bytes))) != cudaSuccess) {
+      return e;
+    }
+    if ((e = cudaMemset(state->own, 0, car::kFlagBytes)) != cudaSuccess) return e;
+    if ((e = cudaMalloc(&state->epochs, (car::kBlocks + 1) * sizeof(uint64_t))) != cudaSuccess) {
+      return e;
+    }
+    if ((e = cudaMemset(state->epochs, 0, (car::kBlocks + 1) * sizeof(uint64_t))) != cudaSuccess) {
+      return e;
+    }
+    step = "allocating its mapped error record";
+    if ((e = cudaHostAlloc(&state->error_host, sizeof(car::ErrorRecord), cudaHostAllocMapped)) !=
+        cudaSuccess) {
+      return e;
+    }
+    std::memset(static_cast<void*>(state->error_host), 0, sizeof(car::ErrorRecord));
+    if ((e = cudaHostGetDevicePointer(&state->error_device, state->error_host, 0)) != cudaSuccess) {
+      return e;
+    }
+    if ((e = cudaEventCreateWithFlags(&state->done, cudaEventDisableTiming)) != cudaSuccess) {
+      return e;
+    }
+    step = "zeroing its flags";  // before any peer can write them
+    if ((e = cudaDeviceSynchronize()) != cudaSuccess) return e;
+    step = "exporting its IPC handle";
+    return cudaIpcGetMemHandle(&handle, state->own);
+  };
+  if (const cudaError_t e = allocate(); e != cudaSuccess) {
+    cudaGetLastError();
+    verdict =
+        Refuse(absl::StrCat("rank ", rank, " failed ", step, " (",
+                            car::IpcBufferBytes(options.max_bytes), " bytes): ", CudaErrorText(e)));
+  }
+  TP_ASSIGN_OR_RETURN(refusals, Agree(exchange, verdict));
+  if (!refusals.empty()) {
+    state.reset();
+    return refuse(refusals);
+  }
   TP_ASSIGN_OR_RETURN(std::vector<std::string> handles, exchange(Bytes(handle)));
   verdict = Verdict{};
   for (int s = 0; s < size; ++s) {
@@ -337,11 +403,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCustomAllReduceCommunicator(
   }
   TP_ASSIGN_OR_RETURN(refusals, Agree(exchange, verdict));
   if (!refusals.empty()) {
+    state->CloseImports();
+    TP_RETURN_IF_ERROR(Agree(exchange, Verdict{}).status());  // every rank closed: free
     state.reset();
     return refuse(refusals);
   }
-  // Nobody unmaps or frees before every rank mapped everything (the next exchange is the
-  // first all-reduce, which waits for everybody anyway).
   if (rank == 0) {
     TP_LOG(INFO) << inner->name() << ": custom all-reduce over CUDA IPC, " << size
                  << " ranks, up to " << (options.max_bytes >> 10) << " KiB";

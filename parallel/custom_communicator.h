@@ -43,6 +43,10 @@ struct CustomAllReduceOptions {
   AllReduceImpl impl = AllReduceImpl::kCustom;  // kAuto: return the inner one when impossible
 };
 
+// One stream: the calls of a communicator must stay ordered on options.stream (a kernel's
+// buffers are reused two calls later). Destruction is collective, like creation: every rank
+// closes its mappings of the peers' buffers, then a barrier over the inner communicator (bounded
+// by its timeout), then each frees its own (CUDA IPC forbids freeing a buffer still mapped).
 class CustomAllReduceCommunicator : public Communicator {
  public:
   ~CustomAllReduceCommunicator() override;

@@ -132,6 +132,9 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   go.backend = device == "cuda" ? CommBackend::kNccl : CommBackend::kMpi;
   if (a.comm_timeout_seconds() > 0) go.timeout = absl::Seconds(a.comm_timeout_seconds());
   go.all_reduce = all_reduce;
+  if (!a.all_reduce().empty()) {  // the coordinator's --all-reduce wins over the worker's own
+    TP_ASSIGN_OR_RETURN(go.all_reduce, ParseAllReduceImpl(a.all_reduce()));
+  }
 #ifdef TPSERVE_HAVE_CUDA
   // NCCL runs on the stream of the ops so that collectives are ordered with the kernels.
   if (device == "cuda") go.cuda_stream = static_cast<CudaOps*>(ops)->stream();

@@ -197,6 +197,11 @@ class CustomAllReduceTest : public ::testing::Test {
     ExpectSameOnEveryRank(got.data(), got.size(), "result");
   }
 
+  void Barrier() {
+    int32_t token = 0;
+    ASSERT_TRUE(world_->Broadcast(Tensor(&token, {1}, DType::kI32), 0).ok());
+  }
+
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<Communicator> world_;
 };
@@ -330,9 +335,7 @@ TEST_F(CustomAllReduceTest, ARankAloneGivesUpAfterTheTimeout) {
     EXPECT_FALSE(comm->Broadcast(Tensor(d, {1}, DType::kI32, Device::kCuda), 0).ok());
     cudaFree(d);
   }
-  // Nobody frees its buffer while rank 0's kernel may still write flags into it.
-  int32_t token = 0;
-  ASSERT_TRUE(world_->Broadcast(Tensor(&token, {1}, DType::kI32), 0).ok());
+  Barrier();  // nobody frees its buffer while rank 0's kernel may still write flags into it
 }
 
 // The process groups put the custom all-reduce in front of the TP group's backend when asked.
@@ -362,6 +365,7 @@ TEST_F(CustomAllReduceTest, ProcessGroupsWrapTheTpGroup) {
     ops.CopyToHost(back.data(), d, numel * 2);  // ordered after the kernel on the ops' stream
     for (int64_t i = 0; i < numel; i += 997) EXPECT_EQ(Bf16ToF32(back[i]), WorldSize()) << i;
     ops.Free(d);
+    Barrier();  // no rank unmaps its buffer while a peer's kernel may still read it
   }
   GroupOptions o;
   o.tp = WorldSize();
