@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -47,6 +48,7 @@ BytesAllGather DeviceBytesAllGather(Communicator* comm) {
     char* d = nullptr;
     TP_CUDA_CHECK(cudaMalloc(&d, n * (size + 1)));
     TP_CUDA_CHECK(cudaMemcpy(d, mine.data(), n, cudaMemcpyHostToDevice));
+    TP_CUDA_CHECK(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
     const absl::Status s = comm->AllGather(Tensor(d, {n}, DType::kI8, Device::kCuda),
                                            Tensor(d + n, {n * size}, DType::kI8, Device::kCuda));
     std::string all(n * size, '\0');
@@ -67,10 +69,25 @@ std::string CudaErrorText(cudaError_t e) {
 
 // What a rank tells its peers about itself before anything is mapped.
 struct PeerInfo {
-  char host[64] = {};
-  char bus_id[32] = {};
-  int32_t ranks = 0;
+  char host[64] = {};     // hostname
+  char boot_id[40] = {};  // the kernel's boot id: containers on one machine share it
+  char bus_id[32] = {};   // finds the peer's GPU among this process's devices
+  char uuid[16] = {};     // the same GPU (MIG instances of one GPU differ here)
 };
+
+PeerInfo ThisRank(int device) {
+  PeerInfo info;
+  gethostname(info.host, sizeof(info.host) - 1);
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    if (std::fgets(info.boot_id, sizeof(info.boot_id), f) == nullptr) info.boot_id[0] = 0;
+    std::fclose(f);
+  }
+  TP_CUDA_CHECK(cudaDeviceGetPCIBusId(info.bus_id, sizeof(info.bus_id) - 1, device));
+  cudaDeviceProp prop;
+  TP_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  std::memcpy(info.uuid, prop.uuid.bytes, sizeof(info.uuid));
+  return info;
+}
 
 template <typename T>
 std::string Bytes(const T& v) {
@@ -103,11 +120,16 @@ Verdict CanMapEveryPeer(const std::vector<PeerInfo>& infos, int rank, int device
   for (int s = 0; s < static_cast<int>(infos.size()); ++s) {
     if (s == rank) continue;
     const PeerInfo& p = infos[s];
-    if (std::strncmp(me.host, p.host, sizeof(me.host)) != 0) {
+    // One machine: the same kernel boot id (containers of one machine share it), else the same
+    // hostname.
+    const bool one_machine = me.boot_id[0] != 0 && p.boot_id[0] != 0
+                                 ? std::memcmp(me.boot_id, p.boot_id, sizeof(me.boot_id)) == 0
+                                 : std::strncmp(me.host, p.host, sizeof(me.host)) == 0;
+    if (!one_machine) {
       return Refuse(absl::StrCat("rank ", s, " runs on host ", p.host, ", rank ", rank, " on ",
                                  me.host, " (CUDA IPC needs one host)"));
     }
-    if (std::strncmp(me.bus_id, p.bus_id, sizeof(me.bus_id)) == 0) continue;  // same GPU
+    if (std::memcmp(me.uuid, p.uuid, sizeof(me.uuid)) == 0) continue;  // the same GPU
     int peer_device = -1;
     if (cudaDeviceGetByPCIBusId(&peer_device, p.bus_id) != cudaSuccess) {
       cudaGetLastError();
@@ -307,11 +329,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCustomAllReduceCommunicator(
   TP_CUDA_CHECK(cudaGetDevice(&device));
 
   // 1. Can every rank map every peer?
-  PeerInfo info;
-  gethostname(info.host, sizeof(info.host) - 1);
-  TP_CUDA_CHECK(cudaDeviceGetPCIBusId(info.bus_id, sizeof(info.bus_id) - 1, device));
-  info.ranks = size;
-  TP_ASSIGN_OR_RETURN(std::vector<std::string> info_bytes, exchange(Bytes(info)));
+  TP_ASSIGN_OR_RETURN(std::vector<std::string> info_bytes, exchange(Bytes(ThisRank(device))));
   std::vector<PeerInfo> infos;
   for (const std::string& b : info_bytes) infos.push_back(FromBytes<PeerInfo>(b));
   Verdict verdict = size > car::kMaxRanks
