@@ -86,7 +86,7 @@ __device__ __forceinline__ Range Segment(int64_t units, int nranks, int j) {
 }
 
 struct Kernel {
-  LaunchArgs a;
+  const LaunchArgs& a;  // the kernel's __grid_constant__ parameter, read in place
   uint64_t epoch;
   uint64_t deadline;
   int* abort_shared;
@@ -259,7 +259,7 @@ __device__ __forceinline__ void TwoShot(const Kernel& k, Raw* t, bool aligned, i
 }
 
 template <typename Raw, bool kTwoShot>
-__global__ void __launch_bounds__(kThreads) AllReduceKernel(LaunchArgs a) {
+__global__ void __launch_bounds__(kThreads) AllReduceKernel(const __grid_constant__ LaunchArgs a) {
   __shared__ int abort_shared;
   __shared__ uint64_t epoch_shared;
   if (threadIdx.x == 0) {
