@@ -1,11 +1,14 @@
 // All-reduce latency between processes (label bench, under mpirun; every rank on GPU
 // rank % device count, so one GPU serves them all): the custom IPC all-reduce (eager, and
-// replayed from a CUDA graph of `graph_calls` calls, which leaves out the launch cost) against the
+// replayed from a CUDA graph of 20 calls, which leaves out the launch cost) against the
 // inner communicator (MPI staging device tensors through the host), bf16, nccl-tests columns:
 // time per call in us (median of 5 rounds of the average over `iters` back-to-back calls after
 // warm-up), algorithm bandwidth = bytes / time and bus bandwidth = algbw * 2 (n - 1) / n.
 // Each size is checked once: every rank's input is rank + 1, the sum is n (n + 1) / 2.
+// Ranks sharing one GPU without MPS are time-sliced: the figures then measure the scheduler's
+// time slice more than the kernel; under MPS (nvidia-cuda-mps-control -d) they are co-resident.
 //   mpirun -np 2 custom_all_reduce_bench [--max-mb 64] [--one-shot-kb 256]
+// (--one-shot-kb 0: two-shot at every size; --one-shot-kb 65536: one-shot at every size.)
 #include <cuda_runtime.h>
 #include <mpi.h>
 
@@ -115,7 +118,7 @@ int Main(int argc, char** argv) {
     const bool ok = std::all_of(host.begin(), host.end(), [&](uint16_t v) { return v == want; });
     // Timing on zeros (repeated in-place sums stay finite).
     TP_CUDA_CHECK(cudaMemsetAsync(d, 0, bytes, ops.stream()));
-    const int iters = static_cast<int>(std::clamp<int64_t>((int64_t{256} << 20) / bytes, 5, 200));
+    const int iters = static_cast<int>(std::clamp<int64_t>((int64_t{64} << 20) / bytes, 5, 50));
     const double custom_us =
         TimeUs(ops.stream(), iters, [&] { TP_CHECK(c->AllReduceSum(t).ok()); });
     cudaGraph_t graph;
