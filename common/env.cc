@@ -51,6 +51,14 @@ const EnvVar kWorldSize = {"TPSERVE_WORLD_SIZE",
 const EnvVar kWorkerCudaGraphs = {"TPSERVE_WORKER_CUDA_GRAPHS", EnvType::kBool, "1",
                                   "the service's workers replay decode steps as CUDA graphs "
                                   "(tp = pp = 1); 0 runs them eagerly"};
+const EnvVar kAllReduce = {"TPSERVE_ALL_REDUCE",
+                           EnvType::kChoice,
+                           "nccl",
+                           "all-reduce of the workers' TP groups without --all-reduce: nccl (the "
+                           "backend's), custom (CUDA IPC kernel) or auto (custom where possible)",
+                           0,
+                           0,
+                           "nccl|custom|auto"};
 // Set by the coordinator for the workers it spawns (never on a command line, where any local
 // user could read it); a worker without --cluster-secret-file proves it when registering.
 const EnvVar kClusterSecret = {"TPSERVE_CLUSTER_SECRET",
@@ -302,6 +310,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kRank,
       &env::kWorldSize,
       &env::kWorkerCudaGraphs,
+      &env::kAllReduce,
       &env::kClusterSecret,
       &env::kPdl,
       &env::kPrefillTile,

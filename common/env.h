@@ -37,6 +37,7 @@ extern const EnvVar kMpirun;
 extern const EnvVar kRank;
 extern const EnvVar kWorldSize;
 extern const EnvVar kWorkerCudaGraphs;
+extern const EnvVar kAllReduce;
 extern const EnvVar kClusterSecret;
 // The CUDA kernels.
 extern const EnvVar kPdl;

@@ -80,6 +80,10 @@ CommandSpec MakeSpec(bool serve_command) {
       BoolFlag("deterministic",
                "a request gets the same tokens and logprobs whatever else is in the batch "
                "(batch-invariant kernels; see the README for what it covers and costs)"),
+      StringFlag("all-reduce", "auto|nccl|custom",
+                 "the workers' TP all-reduce: nccl (the backend's), custom (a CUDA IPC kernel, "
+                 "also between workers sharing one GPU) or auto (custom where every rank can map "
+                 "every peer); default: the workers' TPSERVE_ALL_REDUCE, else nccl"),
       StringFlag("device", "cpu|cuda|auto", "device of spawned workers (default auto)"),
       StringFlag("worker-binary", "B",
                  "tpserve-worker to spawn (default: TPSERVE_WORKER, next to this binary, PATH)"),
@@ -171,6 +175,12 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
   o.spawn_workers = serve_command || a.Flag("spawn-workers");
   o.enable_prefix_caching = a.GetBool("enable-prefix-caching", true);
   o.deterministic = a.Flag("deterministic");
+  o.all_reduce = a.GetOr("all-reduce", "");
+  if (!o.all_reduce.empty() && o.all_reduce != "auto" && o.all_reduce != "nccl" &&
+      o.all_reduce != "custom") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--all-reduce must be auto, nccl or custom, got \"", o.all_reduce, "\""));
+  }
   o.overlap_scheduling = a.GetBool("overlap-scheduling", true);
   o.rejoin = a.Flag("rejoin");
   o.kv_cache_mb = a.GetInt("kv-cache-mb", 0);

@@ -427,6 +427,7 @@ WorkerGroupOptions GroupOptions(const Layout& layout) {
   g.kv_cache_bytes = o.kv_cache_mb << 20;
   g.gpu_memory_utilization = o.gpu_memory_utilization;
   g.deterministic = o.deterministic;
+  g.all_reduce = o.all_reduce;
   g.kv_cache_dtype = o.kv_cache_dtype;
   g.block_size = o.block_size;
   g.max_num_batched_tokens = o.max_num_batched_tokens;

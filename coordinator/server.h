@@ -66,6 +66,9 @@ struct CoordinatorOptions {
   bool enable_prefix_caching = true;
   // --deterministic: the workers' kernels give a request the same tokens whatever the batch.
   bool deterministic = false;
+  // --all-reduce: the workers' TP all-reduce ("auto", "nccl", "custom"); empty: each worker's
+  // own --all-reduce or TPSERVE_ALL_REDUCE.
+  std::string all_reduce;
   // --kv-cache-dtype: "auto", "bf16", "fp32", "fp8", "int8", "int4" (checked by the flags).
   std::string kv_cache_dtype = "auto";
   bool help = false;               // --help was given: print the usage, run nothing

@@ -433,6 +433,7 @@ absl::Status WorkerGroup::Start(std::chrono::seconds register_timeout,
     a->set_make_nccl_ids(relay && r == 0);
     a->set_comm_timeout_seconds(options_.comm_timeout_seconds);
     a->set_deterministic(options_.deterministic);
+    a->set_all_reduce(options_.all_reduce);
     a->set_kv_cache_dtype(options_.kv_cache_dtype);
     if (!Send(r, msg)) Fail(r, "could not send its assignment");
   }

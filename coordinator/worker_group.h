@@ -37,6 +37,7 @@ struct WorkerGroupOptions {
   int64_t kv_cache_bytes = 0;  // per worker; 0: from gpu_memory_utilization (CPU: default)
   double gpu_memory_utilization = 0.90;
   bool deterministic = false;           // Assignment.deterministic
+  std::string all_reduce;               // Assignment.all_reduce (empty: the workers' own)
   std::string kv_cache_dtype = "auto";  // Assignment.kv_cache_dtype
   int block_size = 16;
   int max_num_batched_tokens = 512;

@@ -5,12 +5,23 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "kernels/ops.h"
 #include "parallel/mpi_communicator.h"
 #ifdef TPSERVE_WITH_NCCL
+#include "parallel/custom_communicator.h"
 #include "parallel/nccl_communicator.h"
 #endif
 
 namespace tpserve {
+
+absl::StatusOr<AllReduceImpl> ParseAllReduceImpl(const std::string& text) {
+  if (text == "nccl") return AllReduceImpl::kBackend;
+  if (text == "custom") return AllReduceImpl::kCustom;
+  if (text == "auto") return AllReduceImpl::kAuto;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--all-reduce must be auto, nccl or custom, got \"", text, "\""));
+}
+
 namespace {
 
 absl::Status CheckGrid(int world_size, const GroupOptions& options) {
@@ -48,10 +59,41 @@ absl::StatusOr<std::unique_ptr<Communicator>> NcclFromBytes(const std::string& i
 }
 #endif
 
+// A TP group's communicator with the custom all-reduce in front of `inner` when
+// options.all_reduce asks for it and is possible (see AllReduceImpl). `exchange` moves bytes
+// between the group's ranks.
+template <typename MakeExchange>
+absl::StatusOr<std::unique_ptr<Communicator>> WithAllReduce(std::unique_ptr<Communicator> inner,
+                                                            const GroupOptions& options, Ops* ops,
+                                                            MakeExchange make_exchange) {
+  if (options.all_reduce == AllReduceImpl::kBackend || inner->size() == 1) return inner;
+  const bool custom = options.all_reduce == AllReduceImpl::kCustom;
+  if (ops == nullptr || ops->device() != Device::kCuda || options.cuda_stream == nullptr) {
+    if (!custom) return inner;
+    return absl::InvalidArgumentError(
+        absl::StrCat(inner->name(),
+                     ": the custom all-reduce needs CUDA ops and GroupOptions::cuda_stream (the "
+                     "ops' stream)"));
+  }
+#ifdef TPSERVE_WITH_NCCL
+  CustomAllReduceOptions o;
+  o.stream = static_cast<cudaStream_t>(options.cuda_stream);
+  o.timeout = options.timeout;
+  o.impl = options.all_reduce;
+  Communicator* raw = inner.get();
+  return MakeCustomAllReduceCommunicator(std::move(inner), make_exchange(raw), o);
+#else
+  (void)make_exchange;
+  if (!custom) return inner;
+  return absl::UnimplementedError(absl::StrCat(
+      inner->name(), ": the custom all-reduce needs a CUDA build (this one has none)"));
+#endif
+}
+
 // One group's communicator over the split MPI communicator `sub` (freed here).
 absl::StatusOr<std::unique_ptr<Communicator>> GroupFromMpi(MPI_Comm sub,
                                                            const GroupOptions& options, Ops* ops,
-                                                           const std::string& name) {
+                                                           const std::string& name, bool tp_group) {
   int rank = 0, size = 1;
   MPI_Comm_rank(sub, &rank);
   MPI_Comm_size(sub, &size);
@@ -80,6 +122,16 @@ absl::StatusOr<std::unique_ptr<Communicator>> GroupFromMpi(MPI_Comm sub,
     comm = absl::UnimplementedError(
         absl::StrCat(name, ": the NCCL backend needs a CUDA build (this one has none)"));
 #endif
+  }
+  if (comm.ok() && tp_group) {
+    comm = WithAllReduce(std::move(comm).value(), options, ops, [&](Communicator*) {
+#ifdef TPSERVE_WITH_NCCL
+      return MpiBytesAllGather(sub, options.timeout,
+                               absl::StrCat(name, ": rank ", rank, " exchanging CUDA IPC handles"));
+#else
+      return 0;
+#endif
+    });
   }
   MPI_Comm_free(&sub);
   return comm;
@@ -116,8 +168,8 @@ absl::StatusOr<ProcessGroups> MakeProcessGroupsFromMpi(MPI_Comm world, const Gro
     return absl::UnavailableError(
         absl::StrCat("bootstrap: rank ", rank, " MPI_Comm_split failed: ", MpiError(rc)));
   }
-  TP_ASSIGN_OR_RETURN(g.tp_comm, GroupFromMpi(tp_sub, options, ops, TpName(g.stage)));
-  TP_ASSIGN_OR_RETURN(g.pp_comm, GroupFromMpi(pp_sub, options, ops, PpName(g.tp_rank)));
+  TP_ASSIGN_OR_RETURN(g.tp_comm, GroupFromMpi(tp_sub, options, ops, TpName(g.stage), true));
+  TP_ASSIGN_OR_RETURN(g.pp_comm, GroupFromMpi(pp_sub, options, ops, PpName(g.tp_rank), false));
   TP_CHECK(g.tp_comm->rank() == g.tp_rank && g.tp_comm->size() == g.tp);
   TP_CHECK(g.pp_comm->rank() == g.stage && g.pp_comm->size() == g.pp);
   return g;
@@ -163,6 +215,9 @@ absl::StatusOr<ProcessGroups> MakeProcessGroupsFromNcclIds(int rank, const Group
   } else {
     TP_ASSIGN_OR_RETURN(
         g.tp_comm, NcclFromBytes(ids.tp_ids[g.stage], g.tp_rank, g.tp, options, TpName(g.stage)));
+    TP_ASSIGN_OR_RETURN(g.tp_comm,
+                        WithAllReduce(std::move(g.tp_comm), options, ops,
+                                      [](Communicator* c) { return DeviceBytesAllGather(c); }));
   }
   if (g.pp == 1) {
     g.pp_comm = MakeSingleRankCommunicator(ops);

@@ -24,6 +24,16 @@ enum class CommBackend {
   kNccl,  // device memory over NCCL (needs a CUDA build and one GPU per rank)
 };
 
+// Which all-reduce a TP group uses (--all-reduce, TPSERVE_ALL_REDUCE).
+enum class AllReduceImpl {
+  kBackend,  // "nccl": the backend communicator's own (NCCL, or MPI staging through the host)
+  kCustom,   // "custom": the CUDA IPC kernel (custom_communicator.h); refused with the reason
+             // when a rank cannot map a peer's memory
+  kAuto,     // "auto": custom when every rank of the group can map every peer's memory (one
+             // host; the same GPU or GPUs with peer access), else the backend's
+};
+absl::StatusOr<AllReduceImpl> ParseAllReduceImpl(const std::string& text);
+
 struct GroupOptions {
   int tp = 1;
   int pp = 1;
@@ -32,6 +42,10 @@ struct GroupOptions {
   // NCCL only: the stream that produces and consumes the tensors (a cudaStream_t; null = the
   // legacy default stream). The current CUDA device must already be set.
   void* cuda_stream = nullptr;
+  // TP groups of device tensors (ops on CUDA, cuda_stream set): the custom all-reduce wraps the
+  // backend communicator (AllReduceSum of up to 64 MiB by the IPC kernel, everything else by
+  // the backend). PP chains always use the backend.
+  AllReduceImpl all_reduce = AllReduceImpl::kBackend;
 };
 
 // This rank's place in the grid and its two communicators.

@@ -1,7 +1,7 @@
 // tpserve-worker: one rank of the model. Connects to the coordinator, registers, loads its shard
 // as assigned, reports its KV capacity, then runs StepPlans until told to shut down.
 //   tpserve-worker --coordinator HOST:PORT [--rank R --world-size N] [--device cpu|cuda|auto]
-//     [--cluster-secret-file F]
+//     [--cluster-secret-file F] [--all-reduce auto|nccl|custom]
 // Under mpirun the rank and world size come from MPI (the coordinator, when it is part of the
 // same MPMD job, is left out by a split of MPI_COMM_WORLD); without MPI from the flags or
 // TPSERVE_RANK / TPSERVE_WORLD_SIZE, or SLURM_PROCID / SLURM_NTASKS.
@@ -54,6 +54,10 @@ const CommandSpec& WorkerFlagSpec() {
        StringFlag("cluster-secret-file", "PATH",
                   "the coordinator's --cluster-secret-file (default: TPSERVE_CLUSTER_SECRET, set "
                   "for the workers a coordinator spawns)"),
+       StringFlag("all-reduce", "auto|nccl|custom",
+                  "all-reduce of the TP group: nccl (the backend's), custom (CUDA IPC kernel, also "
+                  "between ranks sharing one GPU) or auto (custom where every rank can map every "
+                  "peer); default TPSERVE_ALL_REDUCE, else nccl"),
        IntFlag("connect-timeout", 1, 86400,
                "seconds to wait for the coordinator to accept the connection (default 60)", "S")},
       "Under mpirun the rank and world size come from MPI (a coordinator in the same MPMD job\n"
@@ -109,7 +113,7 @@ absl::Status StreamEnded(ControlClient& client, absl::string_view otherwise) {
 
 // Everything after the connection; errors go to the coordinator as fatal_error.
 absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MPI_Comm workers,
-                   Ops* ops, const std::string& device) {
+                   Ops* ops, const std::string& device, AllReduceImpl all_reduce) {
   worker::CoordinatorMessage msg;
   if (!client.Read(&msg)) {
     return StreamEnded(client, "the coordinator closed the control stream before assigning");
@@ -127,6 +131,10 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
   go.pp = a.pp();
   go.backend = device == "cuda" ? CommBackend::kNccl : CommBackend::kMpi;
   if (a.comm_timeout_seconds() > 0) go.timeout = absl::Seconds(a.comm_timeout_seconds());
+  go.all_reduce = all_reduce;
+  if (!a.all_reduce().empty()) {  // the coordinator's --all-reduce wins over the worker's own
+    TP_ASSIGN_OR_RETURN(go.all_reduce, ParseAllReduceImpl(a.all_reduce()));
+  }
 #ifdef TPSERVE_HAVE_CUDA
   // NCCL runs on the stream of the ops so that collectives are ordered with the kernels.
   if (device == "cuda") go.cuda_stream = static_cast<CudaOps*>(ops)->stream();
@@ -293,6 +301,14 @@ int Main(int argc, char** argv) {
   const std::string device = ResolveDevice(a.GetOr("device", "auto"));
   const int gpu_index = static_cast<int>(a.GetInt("gpu", local_rank));
   const int64_t connect_timeout_s = a.GetInt("connect-timeout", 60);
+  const absl::StatusOr<AllReduceImpl> all_reduce =
+      ParseAllReduceImpl(a.GetOr("all-reduce", EnvString(env::kAllReduce)));
+  if (!all_reduce.ok()) {
+    std::fprintf(stderr, "tpserve-worker: %s\n",
+                 std::string(all_reduce.status().message()).c_str());
+    if (mpi) LeaveMpiAsWorker(&mpi_workers, /*failed=*/true);
+    return 2;
+  }
   absl::StatusOr<std::string> secret = absl::InvalidArgumentError(
       "no cluster secret: give --cluster-secret-file (the coordinator's file) or set "
       "TPSERVE_CLUSTER_SECRET");
@@ -339,7 +355,8 @@ int Main(int argc, char** argv) {
         st = StreamEnded(**client, "could not register with the coordinator");
       } else {
         (*client)->StartHeartbeats(std::chrono::milliseconds(1000), std::chrono::seconds(5));
-        st = Serve(**client, rank, world_size, mpi, mpi_workers.comm, ops->get(), device);
+        st = Serve(**client, rank, world_size, mpi, mpi_workers.comm, ops->get(), device,
+                   *all_reduce);
         if (!st.ok()) {
           worker::WorkerMessage fatal;
           fatal.set_fatal_error(std::string(st.message()));

@@ -4,7 +4,9 @@
 // vocabulary (padding), one KV head (replication) and 3 layers (uneven stages). The logits of
 // every prompt position and of every greedy step stay within the bf16 tolerance (relative L2),
 // and the greedy tokens are equal except at near-ties of the reference (after which the
-// sequences are no longer comparable). Rank 0 computes the reference and broadcasts it.
+// sequences are no longer comparable). Rank 0 computes the reference and broadcasts it. The
+// *_custom layouts run the TP all-reduce by the CUDA IPC kernel (parallel/custom_communicator.h)
+// instead of through the host.
 #include <unistd.h>
 
 #include <algorithm>
@@ -71,6 +73,7 @@ struct Layout {
   int tp = 1;
   int pp = 1;
   std::string name;
+  bool custom_all_reduce = false;  // the TP group's all-reduce by the CUDA IPC kernel
 };
 
 struct Case {
@@ -83,7 +86,9 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.model << " " << c.layou
 std::vector<Case> AllCases() {
   std::vector<Case> cases;
   for (const char* model : {"tiny_coder", "random_gpu"}) {
-    for (const Layout& l : {Layout{2, 1, "tp2"}, Layout{1, 2, "pp2"}, Layout{2, 2, "tp2pp2"}}) {
+    for (const Layout& l :
+         {Layout{2, 1, "tp2"}, Layout{1, 2, "pp2"}, Layout{2, 2, "tp2pp2"},
+          Layout{2, 1, "tp2_custom", true}, Layout{2, 2, "tp2pp2_custom", true}}) {
       cases.push_back({model, l});
     }
   }
@@ -225,6 +230,10 @@ TEST_P(ModelParallelGpuTest, MatchesOneRankWithinBf16Tolerance) {
   group_options.pp = layout.pp;
   group_options.backend = CommBackend::kMpi;  // device tensors staged through the host
   group_options.timeout = kCommTimeout;
+  if (layout.custom_all_reduce) {
+    group_options.all_reduce = AllReduceImpl::kCustom;
+    group_options.cuda_stream = static_cast<CudaOps*>(ops->get())->stream();
+  }
   absl::StatusOr<ProcessGroups> groups =
       MakeProcessGroupsFromMpi(MPI_COMM_WORLD, group_options, ops->get());
   ASSERT_TRUE(groups.ok()) << groups.status();

@@ -212,6 +212,24 @@ TEST(CoordinatorFlagsTest, KvCacheDTypeDefaultsToAutoAndIsChecked) {
   EXPECT_THAT(Usage(CoordinatorFlagSpec(true)), HasSubstr("--kv-cache-dtype"));
 }
 
+// Empty: each worker keeps its own --all-reduce / TPSERVE_ALL_REDUCE.
+TEST(CoordinatorFlagsTest, AllReduceIsEmptyByDefaultAndChecked) {
+  auto o = ParseCoordinatorFlags({"--model", "m"}, true);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->all_reduce, "");
+  for (const char* v : {"auto", "nccl", "custom"}) {
+    o = ParseCoordinatorFlags({"--model", "m", "--all-reduce", v}, false);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->all_reduce, v);
+  }
+  o = ParseCoordinatorFlags({"--model", "m", "--all-reduce", "ipc"}, true);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(o.status().message()),
+              HasSubstr("--all-reduce must be auto, nccl or custom, got \"ipc\""));
+  EXPECT_THAT(Usage(CoordinatorFlagSpec(true)), HasSubstr("--all-reduce"));
+}
+
 TEST(CoordinatorFlagsTest, HttpPortDefaultsTo8000AndZeroTurnsItOff) {
   auto o = ParseCoordinatorFlags({"--model", "m"}, true);
   ASSERT_TRUE(o.ok()) << o.status();

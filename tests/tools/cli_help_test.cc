@@ -70,9 +70,10 @@ TEST(CliHelpTest, RunPrintsEveryDeclaredFlag) {
 }
 
 TEST(CliHelpTest, WorkerPrintsItsFlags) {
-  ExpectHelpListsFlags(TPSERVE_WORKER_BIN,
-                       {"coordinator", "rank", "world-size", "device", "gpu", "connect-timeout"},
-                       true);
+  ExpectHelpListsFlags(
+      TPSERVE_WORKER_BIN,
+      {"coordinator", "rank", "world-size", "device", "gpu", "connect-timeout", "all-reduce"},
+      true);
 }
 
 TEST(CliHelpTest, EverySubcommandAndTheEngineBenchAnswerHelp) {
@@ -109,6 +110,8 @@ TEST(CliHelpTest, BadFlagsExitTwoNamingTheFlag) {
   ExpectUsageError(kCli + " run --model m --prompt x extra", "'extra'");
   ExpectUsageError(std::string(TPSERVE_COORDINATOR_BIN) + " --model m --bogus",
                    "unknown flag --bogus");
+  ExpectUsageError(std::string(TPSERVE_COORDINATOR_BIN) + " --model m --all-reduce fast",
+                   "--all-reduce must be auto, nccl or custom");
 }
 
 TEST(CliHelpTest, WorkerRefusesABadGpuOrConnectTimeout) {
@@ -117,6 +120,7 @@ TEST(CliHelpTest, WorkerRefusesABadGpuOrConnectTimeout) {
   ExpectUsageError(worker + " --gpu -1", "--gpu expects an integer");
   ExpectUsageError(worker + " --connect-timeout 0", "--connect-timeout expects an integer");
   ExpectUsageError(worker + " --connect-timeout soon", "--connect-timeout expects an integer");
+  ExpectUsageError(worker + " --all-reduce fast", "--all-reduce must be auto, nccl or custom");
 }
 
 // `tpserve run` has the workers' repetition penalty (the same shard runner applies it) and the

@@ -1,0 +1,304 @@
+// The custom all-reduce kernels (see custom_all_reduce.h for the buffer layout and the epoch
+// protocol). The data is cut into 16-byte units (8 bf16 or 4 f32; the last one may be partial);
+// every rank cuts it the same way whatever the tensor's alignment, and block b of every rank
+// owns the same units, so a block only waits for the same block of its peers.
+//  one-shot: stage own input into own buffer, signal, sum every rank's copy of the block's units
+//            in rank order 0..n-1 (fp32) into the tensor.
+//  two-shot: stage, signal; reduce this rank's segment (1/n of the units) in rank order into own
+//            buffer and the tensor, signal; copy the other ranks' reduced segments.
+// Both compute each element as the same fp32 sum in rank order rounded once, so all ranks (and
+// both algorithms) give bit-identical results.
+#include <cuda_bf16.h>
+
+#include "parallel/custom_all_reduce.h"
+
+namespace tpserve::car {
+namespace {
+
+__device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t* Flag(char* buffer, int phase, int block, int src) {
+  return reinterpret_cast<uint64_t*>(buffer) + (phase * kBlocks + block) * kMaxRanks + src;
+}
+
+// Element types as raw bits: bf16 as uint16_t, f32 as float.
+template <typename Raw>
+struct Elem;
+template <>
+struct Elem<uint16_t> {
+  __device__ static float ToFloat(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+  __device__ static uint16_t FromFloat(float f) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+};
+template <>
+struct Elem<float> {
+  __device__ static float ToFloat(float f) { return f; }
+  __device__ static float FromFloat(float f) { return f; }
+};
+
+constexpr int kUnitBytes = 16;
+
+template <typename Raw>
+struct Unit {
+  static constexpr int kElems = kUnitBytes / sizeof(Raw);
+  union {
+    uint4 v;
+    Raw e[kElems];
+  };
+};
+
+struct Range {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+// Block `block`'s share of units [begin, end).
+__device__ __forceinline__ Range BlockShare(int64_t begin, int64_t end, int block) {
+  const int64_t per = (end - begin + kBlocks - 1) / kBlocks;
+  Range r;
+  r.begin = min(end, begin + block * per);
+  r.end = min(end, r.begin + per);
+  return r;
+}
+
+// Rank j's segment of `units` (two-shot).
+__device__ __forceinline__ Range Segment(int64_t units, int nranks, int j) {
+  const int64_t per = (units + nranks - 1) / nranks;
+  Range r;
+  r.begin = min(units, j * per);
+  r.end = min(units, r.begin + per);
+  return r;
+}
+
+struct Kernel {
+  const LaunchArgs& a;  // the kernel's __grid_constant__ parameter, read in place
+  uint64_t epoch;
+  uint64_t deadline;
+  int* abort_shared;
+
+  __device__ char* Data(int rank) const {
+    return a.buffers[rank] + kFlagBytes + (epoch & 1) * a.max_bytes;
+  }
+
+  // After every thread's writes of this phase: make them visible to the peers, then raise this
+  // block's flag in every rank's buffer.
+  __device__ void Signal(int phase) const {
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < a.nranks) {
+      StoreReleaseSys(Flag(a.buffers[threadIdx.x], phase, blockIdx.x, a.rank), epoch);
+    }
+  }
+
+  // Waits until every rank's block blockIdx.x raised its flag of `phase` for this epoch (thread t
+  // watches rank t). False when a peer missed the deadline: the block must return.
+  __device__ bool Wait(int phase) const {
+    if (threadIdx.x < a.nranks) {
+      const uint64_t* flag = Flag(a.buffers[a.rank], phase, blockIdx.x, threadIdx.x);
+      uint64_t seen = LoadAcquireSys(flag);
+      while (seen < epoch) {
+        // Another thread of this block, or another block, gave up: this call is lost anyway.
+        if (*reinterpret_cast<volatile int*>(abort_shared) != 0) break;
+        if (*reinterpret_cast<volatile uint32_t*>(a.abort) != 0) {
+          *reinterpret_cast<volatile int*>(abort_shared) = 1;
+          break;
+        }
+        if (GlobalTimerNs() > deadline) {
+          GiveUp(phase, threadIdx.x, seen);
+          break;
+        }
+        __nanosleep(64);
+        seen = LoadAcquireSys(flag);
+      }
+    }
+    __syncthreads();
+    return *reinterpret_cast<volatile int*>(abort_shared) == 0;
+  }
+
+  __device__ void GiveUp(int phase, int peer, uint64_t seen) const {
+    *reinterpret_cast<volatile int*>(abort_shared) = 1;
+    if (atomicCAS(a.abort, 0u, 1u) == 0u) {  // the first block to give up writes the record
+      a.error->block = blockIdx.x;
+      a.error->peer = peer;
+      a.error->phase = phase;
+      a.error->epoch = epoch;
+      a.error->seen = seen;
+      __threadfence_system();
+      a.error->set = 1;
+      __threadfence_system();
+    }
+  }
+};
+
+template <typename Raw>
+__device__ __forceinline__ int UnitCount(int64_t u, int64_t numel) {
+  const int64_t first = u * Unit<Raw>::kElems;
+  const int64_t left = numel - first;
+  return left < Unit<Raw>::kElems ? static_cast<int>(left) : Unit<Raw>::kElems;
+}
+
+// Loads unit u of the tensor (vector load when aligned and full).
+template <typename Raw>
+__device__ __forceinline__ Unit<Raw> LoadTensorUnit(const Raw* t, int64_t u, int64_t numel,
+                                                    bool aligned) {
+  Unit<Raw> x;
+  const int n = UnitCount<Raw>(u, numel);
+  if (aligned && n == Unit<Raw>::kElems) {
+    x.v = *reinterpret_cast<const uint4*>(t + u * Unit<Raw>::kElems);
+  } else {
+    for (int i = 0; i < n; ++i) x.e[i] = t[u * Unit<Raw>::kElems + i];
+  }
+  return x;
+}
+
+template <typename Raw>
+__device__ __forceinline__ void StoreTensorUnit(Raw* t, int64_t u, int64_t numel, bool aligned,
+                                                const Unit<Raw>& x) {
+  const int n = UnitCount<Raw>(u, numel);
+  if (aligned && n == Unit<Raw>::kElems) {
+    *reinterpret_cast<uint4*>(t + u * Unit<Raw>::kElems) = x.v;
+  } else {
+    for (int i = 0; i < n; ++i) t[u * Unit<Raw>::kElems + i] = x.e[i];
+  }
+}
+
+// IPC buffers are 16-byte aligned and as long as the tensor rounded up to whole units: whole-unit
+// accesses, bypassing L1 (peers write them).
+__device__ __forceinline__ uint4 LoadBufferUnit(const char* data, int64_t u) {
+  return __ldcg(reinterpret_cast<const uint4*>(data) + u);
+}
+__device__ __forceinline__ void StoreBufferUnit(char* data, int64_t u, uint4 v) {
+  __stcg(reinterpret_cast<uint4*>(data) + u, v);
+}
+
+// The fp32 sum in rank order 0..n-1 of unit u of every rank's staged copy.
+template <typename Raw>
+__device__ __forceinline__ Unit<Raw> SumUnit(const Kernel& k, int64_t u) {
+  float acc[Unit<Raw>::kElems];
+  for (int r = 0; r < k.a.nranks; ++r) {
+    Unit<Raw> x;
+    x.v = LoadBufferUnit(k.Data(r), u);
+#pragma unroll
+    for (int i = 0; i < Unit<Raw>::kElems; ++i) {
+      const float f = Elem<Raw>::ToFloat(x.e[i]);
+      acc[i] = r == 0 ? f : acc[i] + f;
+    }
+  }
+  Unit<Raw> out;
+#pragma unroll
+  for (int i = 0; i < Unit<Raw>::kElems; ++i) out.e[i] = Elem<Raw>::FromFloat(acc[i]);
+  return out;
+}
+
+template <typename Raw>
+__device__ __forceinline__ void Stage(const Kernel& k, Range units) {
+  const Raw* t = static_cast<const Raw*>(k.a.data);
+  const bool aligned = (reinterpret_cast<uintptr_t>(t) % kUnitBytes) == 0;
+  char* mine = k.Data(k.a.rank);
+  for (int64_t u = units.begin + threadIdx.x; u < units.end; u += blockDim.x) {
+    StoreBufferUnit(mine, u, LoadTensorUnit(t, u, k.a.numel, aligned).v);
+  }
+}
+
+template <typename Raw>
+__device__ __forceinline__ void OneShot(const Kernel& k, Raw* t, bool aligned, int64_t units) {
+  const Range mine = BlockShare(0, units, blockIdx.x);
+  Stage<Raw>(k, mine);
+  k.Signal(0);
+  if (!k.Wait(0)) return;
+  for (int64_t u = mine.begin + threadIdx.x; u < mine.end; u += blockDim.x) {
+    StoreTensorUnit(t, u, k.a.numel, aligned, SumUnit<Raw>(k, u));
+  }
+}
+
+template <typename Raw>
+__device__ __forceinline__ void TwoShot(const Kernel& k, Raw* t, bool aligned, int64_t units) {
+  const int rank = k.a.rank;
+  for (int j = 0; j < k.a.nranks; ++j) {
+    const Range seg = Segment(units, k.a.nranks, j);
+    Stage<Raw>(k, BlockShare(seg.begin, seg.end, blockIdx.x));
+  }
+  k.Signal(0);
+  if (!k.Wait(0)) return;
+  const Range own_seg = Segment(units, k.a.nranks, rank);
+  const Range own = BlockShare(own_seg.begin, own_seg.end, blockIdx.x);
+  char* own_data = k.Data(rank);
+  for (int64_t u = own.begin + threadIdx.x; u < own.end; u += blockDim.x) {
+    const Unit<Raw> sum = SumUnit<Raw>(k, u);
+    StoreBufferUnit(own_data, u, sum.v);  // only this thread reads unit u of own buffer now
+    StoreTensorUnit(t, u, k.a.numel, aligned, sum);
+  }
+  k.Signal(1);
+  if (!k.Wait(1)) return;
+  for (int j = 0; j < k.a.nranks; ++j) {
+    if (j == rank) continue;
+    const Range seg = Segment(units, k.a.nranks, j);
+    const Range part = BlockShare(seg.begin, seg.end, blockIdx.x);
+    const char* peer = k.Data(j);
+    for (int64_t u = part.begin + threadIdx.x; u < part.end; u += blockDim.x) {
+      Unit<Raw> x;
+      x.v = LoadBufferUnit(peer, u);
+      StoreTensorUnit(t, u, k.a.numel, aligned, x);
+    }
+  }
+}
+
+template <typename Raw, bool kTwoShot>
+__global__ void __launch_bounds__(kThreads) AllReduceKernel(const __grid_constant__ LaunchArgs a) {
+  __shared__ int abort_shared;
+  __shared__ uint64_t epoch_shared;
+  if (threadIdx.x == 0) {
+    abort_shared = *reinterpret_cast<volatile uint32_t*>(a.abort) != 0;  // an earlier call gave up
+    epoch_shared = a.epochs[blockIdx.x] + 1;
+    a.epochs[blockIdx.x] = epoch_shared;
+  }
+  __syncthreads();
+  if (abort_shared) return;
+  const Kernel k{a, epoch_shared, GlobalTimerNs() + a.timeout_ns, &abort_shared};
+  Raw* t = static_cast<Raw*>(a.data);
+  const bool aligned = (reinterpret_cast<uintptr_t>(t) % kUnitBytes) == 0;
+  const int64_t units = (a.numel + Unit<Raw>::kElems - 1) / Unit<Raw>::kElems;
+  if constexpr (kTwoShot) {
+    TwoShot<Raw>(k, t, aligned, units);
+  } else {
+    OneShot<Raw>(k, t, aligned, units);
+  }
+}
+
+template <typename Raw>
+cudaError_t Launch(const LaunchArgs& args, cudaStream_t stream) {
+  if (args.two_shot) {
+    AllReduceKernel<Raw, true><<<kBlocks, kThreads, 0, stream>>>(args);
+  } else {
+    AllReduceKernel<Raw, false><<<kBlocks, kThreads, 0, stream>>>(args);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream) {
+  if (args.nranks < 1 || args.nranks > kMaxRanks || args.rank < 0 || args.rank >= args.nranks ||
+      args.numel < 0 || static_cast<size_t>(args.numel) * (args.f32 ? 4 : 2) > args.max_bytes) {
+    return cudaErrorInvalidValue;
+  }
+  if (args.numel == 0) return cudaSuccess;
+  return args.f32 ? Launch<float>(args, stream) : Launch<uint16_t>(args, stream);
+}
+
+}  // namespace tpserve::car

@@ -1,0 +1,91 @@
+// The "custom" communicator: AllReduceSum of device tensors by a kernel over CUDA IPC peer
+// memory (parallel/custom_all_reduce.h), everything else by an inner communicator (NCCL or MPI).
+// Works between processes on GPUs with peer access and between processes that share one GPU
+// (time-sliced, or co-resident under MPS). Only built when CUDA is on (TPSERVE_WITH_NCCL).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <mpi.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "parallel/communicator.h"
+#include "parallel/process_groups.h"  // AllReduceImpl
+
+namespace tpserve {
+
+// Every rank's `mine`, in rank order: a collective byte exchange over the group's ranks.
+using BytesAllGather =
+    std::function<absl::StatusOr<std::vector<std::string>>(const std::string& mine)>;
+// Over an MPI communicator (non-blocking, waited for until `timeout`).
+BytesAllGather MpiBytesAllGather(MPI_Comm comm, absl::Duration timeout, std::string what);
+// Through a communicator's AllGather of device memory (e.g. NCCL groups without MPI).
+BytesAllGather DeviceBytesAllGather(Communicator* comm);
+
+struct CustomAllReduceOptions {
+  // The stream that produces and consumes the tensors (the ops' stream); the kernel runs on it
+  // and nothing waits on the host, so a call can be captured into a CUDA graph.
+  cudaStream_t stream = nullptr;
+  // A kernel whose peers do not arrive within `timeout` gives up; the next call of any operation
+  // (or Synchronize) returns DeadlineExceeded naming the rank, the peer and the phase.
+  absl::Duration timeout = absl::Seconds(60);
+  // Largest all-reduce in bytes done by the kernel (larger ones go to the inner communicator).
+  // The IPC buffer holds twice this (two halves, alternated by call).
+  size_t max_bytes = size_t{64} << 20;
+  // One-shot (every rank sums everything) up to this many bytes, two-shot (reduce-scatter +
+  // all-gather) above.
+  size_t one_shot_max_bytes = size_t{256} << 10;
+  AllReduceImpl impl = AllReduceImpl::kCustom;  // kAuto: return the inner one when impossible
+};
+
+// One stream: the calls of a communicator must stay ordered on options.stream (a kernel's
+// buffers are reused two calls later). Destruction is collective, like creation: every rank
+// closes its mappings of the peers' buffers, then a barrier over the inner communicator (bounded
+// by its timeout), then each frees its own (CUDA IPC forbids freeing a buffer still mapped).
+class CustomAllReduceCommunicator : public Communicator {
+ public:
+  ~CustomAllReduceCommunicator() override;
+  int rank() const override;
+  int size() const override;
+  // bf16 and f32 device tensors of up to max_bytes: the IPC kernel, enqueued on the stream
+  // without a host wait. Everything else: the inner communicator.
+  absl::Status AllReduceSum(Tensor t) override;
+  absl::Status AllGather(const Tensor& in, Tensor out) override;
+  absl::Status Send(const Tensor& t, int peer) override;
+  absl::Status Recv(Tensor t, int peer) override;
+  absl::Status Broadcast(Tensor t, int root) override;
+  std::string name() const override;
+  bool buffers_small_sends() const override;
+
+  // Waits (host, with the timeout) for the work queued on the stream and returns the error of
+  // any kernel that gave up. For tests and benchmarks.
+  absl::Status Synchronize();
+
+  struct State;  // buffers, mapped peers, the error record (custom_communicator.cc)
+
+ private:
+  friend absl::StatusOr<std::unique_ptr<Communicator>> MakeCustomAllReduceCommunicator(
+      std::unique_ptr<Communicator>, const BytesAllGather&, const CustomAllReduceOptions&);
+  CustomAllReduceCommunicator(std::unique_ptr<Communicator> inner, std::unique_ptr<State> state);
+  absl::Status CheckHealthy(const char* op);
+
+  std::unique_ptr<Communicator> inner_;
+  std::unique_ptr<State> state_;
+  absl::Status broken_;
+};
+
+// Wraps `inner` (its rank and size are the group's): every rank allocates its IPC buffer on the
+// current CUDA device, the handles are exchanged with `exchange`, every rank maps its peers'.
+// Collective: every rank of the group calls it with the same options. When a rank cannot map a
+// peer (another host, a GPU without peer access, at most kMaxRanks = 8 ranks), kCustom fails on
+// every rank with the reason and kAuto returns `inner` unchanged on every rank.
+absl::StatusOr<std::unique_ptr<Communicator>> MakeCustomAllReduceCommunicator(
+    std::unique_ptr<Communicator> inner, const BytesAllGather& exchange,
+    const CustomAllReduceOptions& options);
+
+}  // namespace tpserve

@@ -1,0 +1,383 @@
+// GPU tests of the custom all-reduce over CUDA IPC (parallel/custom_communicator.h), under mpirun
+// with every rank on one GPU (rank % device count): bf16 and f32 sums of many sizes (odd ones and
+// a misaligned tensor too) equal, bit for bit, the fp32 sum in rank order rounded once (and the
+// fp64 sum within bf16 rounding), on every rank, by one-shot and two-shot alike; a CUDA graph of
+// two all-reduces replayed with new inputs; host tensors and the other operations delegated to
+// the inner communicator; a rank alone in an all-reduce gives up after the timeout with an error
+// naming the ranks; the process groups wrap the TP group with --all-reduce custom / auto.
+#include "parallel/custom_communicator.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "common/bf16.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "parallel/mpi_communicator.h"
+#include "tests/testing/mp_test_util.h"
+
+namespace tpserve {
+namespace {
+
+using mp_test::WorldRank;
+using mp_test::WorldSize;
+using ::testing::HasSubstr;
+
+#define SKIP_WITHOUT_GPU()                          \
+  if (!HaveGpu()) {                                 \
+    std::printf("no CUDA device, test skipped\n");  \
+    GTEST_SKIP() << "no CUDA device, test skipped"; \
+  }
+
+bool HaveGpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+constexpr absl::Duration kTimeout = absl::Seconds(60);
+
+uint64_t SplitMix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Rank `rank`'s input element i of call `salt`: uniform in [-2, 2), exactly representable in the
+// dtype (every rank regenerates everybody's inputs for its reference).
+float Input(int rank, uint64_t salt, int64_t i, bool f32) {
+  const uint64_t r = SplitMix((salt * 131 + rank) * 0x100000001b3ull ^ static_cast<uint64_t>(i));
+  const float v = static_cast<float>((r >> 40) * (1.0 / (1ull << 24)) * 4.0 - 2.0);
+  return f32 ? v : Bf16ToF32(F32ToBf16(v));
+}
+
+// Host data of one call: this rank's input bytes and the expected result bytes (the fp32 sum in
+// rank order, rounded once), with the fp64 sums.
+struct Case {
+  std::vector<char> input;
+  std::vector<char> expected;
+  std::vector<double> exact;
+};
+
+Case MakeCase(int64_t numel, bool f32, uint64_t salt) {
+  const int n = WorldSize(), me = WorldRank();
+  const size_t es = f32 ? 4 : 2;
+  Case c;
+  c.input.resize(numel * es);
+  c.expected.resize(numel * es);
+  c.exact.resize(numel);
+  for (int64_t i = 0; i < numel; ++i) {
+    float acc = 0;
+    double exact = 0;
+    for (int r = 0; r < n; ++r) {
+      const float v = Input(r, salt, i, f32);
+      acc = r == 0 ? v : acc + v;
+      exact += v;
+      if (r == me) {
+        if (f32) {
+          std::memcpy(&c.input[i * 4], &v, 4);
+        } else {
+          const uint16_t b = F32ToBf16(v);
+          std::memcpy(&c.input[i * 2], &b, 2);
+        }
+      }
+    }
+    if (f32) {
+      std::memcpy(&c.expected[i * 4], &acc, 4);
+    } else {
+      const uint16_t b = F32ToBf16(acc);
+      std::memcpy(&c.expected[i * 2], &b, 2);
+    }
+    c.exact[i] = exact;
+  }
+  return c;
+}
+
+// Checks `got` (host bytes of the result) against the case: bit-exact, within rounding of the
+// fp64 sum, identical on every rank. Returns the number of mismatching elements.
+int64_t Mismatches(const Case& c, const std::vector<char>& got, bool f32) {
+  const int64_t numel = static_cast<int64_t>(c.exact.size());
+  int64_t bad = 0;
+  for (int64_t i = 0; i < numel; ++i) {
+    float v = 0;
+    if (f32) {
+      std::memcpy(&v, &got[i * 4], 4);
+    } else {
+      uint16_t b = 0;
+      std::memcpy(&b, &got[i * 2], 2);
+      v = Bf16ToF32(b);
+    }
+    const bool same_bits =
+        std::memcmp(&got[i * (f32 ? 4 : 2)], &c.expected[i * (f32 ? 4 : 2)], f32 ? 4 : 2) == 0;
+    const double tol = std::fabs(c.exact[i]) * (f32 ? 1e-6 : 1.0 / 256) + 1e-6;
+    if (!same_bits || std::fabs(v - c.exact[i]) > tol) {
+      if (bad < 5) {
+        ADD_FAILURE() << "element " << i << " of " << numel << ": got " << v << ", fp64 sum "
+                      << c.exact[i];
+      }
+      ++bad;
+    }
+  }
+  return bad;
+}
+
+class CustomAllReduceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveGpu()) return;
+    int n = 0;
+    cudaGetDeviceCount(&n);
+    ASSERT_EQ(cudaSetDevice(WorldRank() % n), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
+    world_ = mp_test::MakeWorld(kTimeout);
+  }
+  void TearDown() override {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  std::unique_ptr<CustomAllReduceCommunicator> Make(size_t max_bytes, size_t one_shot_max_bytes,
+                                                    absl::Duration timeout = kTimeout) {
+    absl::StatusOr<std::unique_ptr<Communicator>> inner =
+        MakeMpiCommunicator(MPI_COMM_WORLD, nullptr, timeout, "test group");
+    TP_CHECK(inner.ok()) << inner.status();
+    CustomAllReduceOptions o;
+    o.stream = stream_;
+    o.timeout = timeout;
+    o.max_bytes = max_bytes;
+    o.one_shot_max_bytes = one_shot_max_bytes;
+    o.impl = AllReduceImpl::kCustom;
+    absl::StatusOr<std::unique_ptr<Communicator>> c = MakeCustomAllReduceCommunicator(
+        std::move(inner).value(), MpiBytesAllGather(MPI_COMM_WORLD, timeout, "test exchange"), o);
+    TP_CHECK(c.ok()) << c.status();
+    return std::unique_ptr<CustomAllReduceCommunicator>(
+        static_cast<CustomAllReduceCommunicator*>(c->release()));
+  }
+
+  // Every rank's hash of `bytes` is the same.
+  void ExpectSameOnEveryRank(const void* data, size_t bytes, const std::string& what) {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
+    const int n = WorldSize();
+    std::vector<int64_t> all(n);
+    int64_t mine = static_cast<int64_t>(h);
+    ASSERT_TRUE(
+        world_->AllGather(Tensor(&mine, {1}, DType::kI64), Tensor(all.data(), {n}, DType::kI64))
+            .ok());
+    for (int r = 0; r < n; ++r) EXPECT_EQ(all[r], all[0]) << what << ": rank " << r << " differs";
+  }
+
+  // One all-reduce of `numel` elements placed `offset_elems` into a device allocation, checked.
+  void RunAndCheck(CustomAllReduceCommunicator& comm, int64_t numel, bool f32, uint64_t salt,
+                   int64_t offset_elems = 0) {
+    SCOPED_TRACE(::testing::Message() << numel << (f32 ? " f32" : " bf16") << " elements, offset "
+                                      << offset_elems << ", salt " << salt);
+    const size_t es = f32 ? 4 : 2;
+    const Case c = MakeCase(numel, f32, salt);
+    char* d = nullptr;
+    CUDA_OK(cudaMalloc(&d, (numel + offset_elems) * es));
+    char* t = d + offset_elems * es;
+    CUDA_OK(cudaMemcpyAsync(t, c.input.data(), numel * es, cudaMemcpyHostToDevice, stream_));
+    const absl::Status launched =
+        comm.AllReduceSum(Tensor(t, {numel}, f32 ? DType::kF32 : DType::kBF16, Device::kCuda));
+    ASSERT_TRUE(launched.ok()) << launched;
+    const absl::Status s = comm.Synchronize();
+    ASSERT_TRUE(s.ok()) << s;
+    std::vector<char> got(numel * es);
+    CUDA_OK(cudaMemcpy(got.data(), t, numel * es, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaFree(d));
+    EXPECT_EQ(Mismatches(c, got, f32), 0);
+    ExpectSameOnEveryRank(got.data(), got.size(), "result");
+  }
+
+  void Barrier() {
+    int32_t token = 0;
+    ASSERT_TRUE(world_->Broadcast(Tensor(&token, {1}, DType::kI32), 0).ok());
+  }
+
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<Communicator> world_;
+};
+
+TEST_F(CustomAllReduceTest, Bf16ManySizesMatchTheRankOrderSumOnEveryRank) {
+  SKIP_WITHOUT_GPU();
+  auto comm = Make(size_t{64} << 20, size_t{256} << 10);  // the defaults
+  EXPECT_THAT(comm->name(), HasSubstr("custom all-reduce"));
+  uint64_t salt = 1;
+  for (int64_t bytes :
+       {int64_t{8} << 10, (int64_t{8} << 10) + 2, int64_t{16} << 10, (int64_t{32} << 10) + 6,
+        int64_t{64} << 10, int64_t{256} << 10, (int64_t{256} << 10) + 2, int64_t{1} << 20,
+        (int64_t{4} << 20) + 14, int64_t{16} << 20, (int64_t{64} << 20) - 2, int64_t{64} << 20}) {
+    RunAndCheck(*comm, bytes / 2, /*f32=*/false, salt++);
+  }
+}
+
+TEST_F(CustomAllReduceTest, OneShotAndTwoShotGiveTheSameBitsForOddSizesAndOffsets) {
+  SKIP_WITHOUT_GPU();
+  const size_t max = size_t{4} << 20;
+  auto one_shot = Make(max, max);
+  auto two_shot = Make(max, 0);
+  uint64_t salt = 100;
+  for (int64_t numel : {1, 2, 7, 9, 1001, 4097, 65537, 1000003, 2 * 1024 * 1024}) {
+    for (int64_t offset : {0, 1, 3}) {
+      if ((numel + offset) * 2 > static_cast<int64_t>(max) && offset > 0) continue;
+      RunAndCheck(*one_shot, numel, false, salt, offset);
+      RunAndCheck(*two_shot, numel, false, salt, offset);
+      ++salt;
+    }
+  }
+}
+
+TEST_F(CustomAllReduceTest, F32BothAlgorithms) {
+  SKIP_WITHOUT_GPU();
+  auto comm = Make(size_t{8} << 20, size_t{64} << 10);
+  uint64_t salt = 200;
+  for (int64_t numel : {3, 2048, 16383, 16384, 16385, 300001, 2 * 1024 * 1024}) {
+    RunAndCheck(*comm, numel, /*f32=*/true, salt++);
+    RunAndCheck(*comm, numel, /*f32=*/true, salt++, /*offset_elems=*/1);
+  }
+}
+
+// Two all-reduces (one-shot and two-shot) captured once and replayed with new inputs: the epochs
+// live on the device, so every replay synchronises with the peers' replays.
+TEST_F(CustomAllReduceTest, CapturedGraphReplaysWithNewInputs) {
+  SKIP_WITHOUT_GPU();
+  auto comm = Make(size_t{8} << 20, size_t{64} << 10);
+  const int64_t small = 12 * 1024 + 5, large = 1536 * 1024 + 3;  // bf16 elements
+  char *a = nullptr, *b = nullptr;
+  CUDA_OK(cudaMalloc(&a, small * 2));
+  CUDA_OK(cudaMalloc(&b, large * 2));
+  RunAndCheck(*comm, 4096, false, 299);  // an eager call first: epochs need not start at 0
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  const absl::Status s1 = comm->AllReduceSum(Tensor(a, {small}, DType::kBF16, Device::kCuda));
+  const absl::Status s2 = comm->AllReduceSum(Tensor(b, {large}, DType::kBF16, Device::kCuda));
+  CUDA_OK(cudaStreamEndCapture(stream_, &graph));
+  ASSERT_TRUE(s1.ok()) << s1;
+  ASSERT_TRUE(s2.ok()) << s2;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (uint64_t replay = 0; replay < 6; ++replay) {
+    SCOPED_TRACE(::testing::Message() << "replay " << replay);
+    const Case ca = MakeCase(small, false, 300 + 2 * replay);
+    const Case cb = MakeCase(large, false, 301 + 2 * replay);
+    CUDA_OK(cudaMemcpyAsync(a, ca.input.data(), small * 2, cudaMemcpyHostToDevice, stream_));
+    CUDA_OK(cudaMemcpyAsync(b, cb.input.data(), large * 2, cudaMemcpyHostToDevice, stream_));
+    CUDA_OK(cudaGraphLaunch(exec, stream_));
+    const absl::Status s = comm->Synchronize();
+    ASSERT_TRUE(s.ok()) << s;
+    std::vector<char> got_a(small * 2), got_b(large * 2);
+    CUDA_OK(cudaMemcpy(got_a.data(), a, small * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(got_b.data(), b, large * 2, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(Mismatches(ca, got_a, false), 0);
+    EXPECT_EQ(Mismatches(cb, got_b, false), 0);
+    ExpectSameOnEveryRank(got_b.data(), got_b.size(), "replayed result");
+  }
+  RunAndCheck(*comm, 100000, false, 399);  // eager again after the replays
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaFree(a);
+  cudaFree(b);
+}
+
+TEST_F(CustomAllReduceTest, HostTensorsAndOtherOperationsGoToTheInnerCommunicator) {
+  SKIP_WITHOUT_GPU();
+  auto comm = Make(size_t{1} << 20, size_t{64} << 10);
+  const int n = WorldSize(), me = WorldRank();
+  EXPECT_EQ(comm->rank(), me);
+  EXPECT_EQ(comm->size(), n);
+  std::vector<float> x(1000, static_cast<float>(me + 1));
+  ASSERT_TRUE(comm->AllReduceSum(Tensor(x.data(), {1000}, DType::kF32)).ok());
+  EXPECT_EQ(x[999], n * (n + 1) / 2.0f);
+  std::vector<int32_t> all(n);
+  int32_t mine = 10 * me;
+  ASSERT_TRUE(
+      comm->AllGather(Tensor(&mine, {1}, DType::kI32), Tensor(all.data(), {n}, DType::kI32)).ok());
+  for (int r = 0; r < n; ++r) EXPECT_EQ(all[r], 10 * r);
+  int32_t root_value = me == 0 ? 77 : -1;
+  ASSERT_TRUE(comm->Broadcast(Tensor(&root_value, {1}, DType::kI32), 0).ok());
+  EXPECT_EQ(root_value, 77);
+  // An i32 device tensor is not the kernel's either (the inner MPI one refuses it).
+  int32_t* d = nullptr;
+  CUDA_OK(cudaMalloc(&d, 64));
+  EXPECT_FALSE(comm->AllReduceSum(Tensor(d, {16}, DType::kI32, Device::kCuda)).ok());
+  cudaFree(d);
+  RunAndCheck(*comm, 3000, false, 500);  // still in step after the delegated calls
+}
+
+// Rank 0 all-reduces alone: its kernel gives up after the timeout and the error names the rank;
+// the communicator then refuses everything at once.
+TEST_F(CustomAllReduceTest, ARankAloneGivesUpAfterTheTimeout) {
+  SKIP_WITHOUT_GPU();
+  auto comm = Make(size_t{1} << 20, size_t{64} << 10, absl::Milliseconds(500));
+  if (WorldRank() == 0) {
+    char* d = nullptr;
+    CUDA_OK(cudaMalloc(&d, 8192));
+    CUDA_OK(cudaMemset(d, 0, 8192));
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(comm->AllReduceSum(Tensor(d, {4096}, DType::kBF16, Device::kCuda)).ok());
+    const absl::Status s = comm->Synchronize();
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("rank 0: an all-reduce kernel"));
+    EXPECT_THAT(std::string(s.message()), HasSubstr("stage its input"));
+    EXPECT_LT(took, absl::Seconds(20));
+    const absl::Status again = comm->AllReduceSum(Tensor(d, {4096}, DType::kBF16, Device::kCuda));
+    EXPECT_EQ(again.code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_THAT(std::string(again.message()), HasSubstr("AllReduceSum: "));
+    EXPECT_FALSE(comm->Broadcast(Tensor(d, {1}, DType::kI32, Device::kCuda), 0).ok());
+    cudaFree(d);
+  }
+  Barrier();  // nobody frees its buffer while rank 0's kernel may still write flags into it
+}
+
+// The process groups put the custom all-reduce in front of the TP group's backend when asked.
+TEST_F(CustomAllReduceTest, ProcessGroupsWrapTheTpGroup) {
+  SKIP_WITHOUT_GPU();
+  int device = 0;
+  CUDA_OK(cudaGetDevice(&device));
+  CudaOps ops(device);
+  for (AllReduceImpl impl : {AllReduceImpl::kCustom, AllReduceImpl::kAuto}) {
+    GroupOptions o;
+    o.tp = WorldSize();
+    o.pp = 1;
+    o.backend = CommBackend::kMpi;
+    o.timeout = kTimeout;
+    o.cuda_stream = ops.stream();
+    o.all_reduce = impl;
+    absl::StatusOr<ProcessGroups> g = MakeProcessGroupsFromMpi(MPI_COMM_WORLD, o, &ops);
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_THAT(g->tp_comm->name(), HasSubstr("custom all-reduce"));
+    EXPECT_THAT(g->pp_comm->name(), ::testing::Not(HasSubstr("custom")));
+    const int64_t numel = 5000;
+    uint16_t* d = static_cast<uint16_t*>(ops.Alloc(numel * 2));
+    std::vector<uint16_t> ones(numel, F32ToBf16(1.0f));
+    ops.CopyToDevice(d, ones.data(), numel * 2);
+    ASSERT_TRUE(g->tp_comm->AllReduceSum(Tensor(d, {numel}, DType::kBF16, Device::kCuda)).ok());
+    std::vector<uint16_t> back(numel);
+    ops.CopyToHost(back.data(), d, numel * 2);  // ordered after the kernel on the ops' stream
+    for (int64_t i = 0; i < numel; i += 997) EXPECT_EQ(Bf16ToF32(back[i]), WorldSize()) << i;
+    ops.Free(d);
+    Barrier();  // no rank unmaps its buffer while a peer's kernel may still read it
+  }
+  GroupOptions o;
+  o.tp = WorldSize();
+  o.all_reduce = AllReduceImpl::kCustom;  // no stream: refused with the reason
+  absl::StatusOr<ProcessGroups> g = MakeProcessGroupsFromMpi(MPI_COMM_WORLD, o, &ops);
+  ASSERT_FALSE(g.ok());
+  EXPECT_THAT(std::string(g.status().message()), HasSubstr("cuda_stream"));
+  EXPECT_EQ(ParseAllReduceImpl("auto").value(), AllReduceImpl::kAuto);
+  EXPECT_FALSE(ParseAllReduceImpl("fast").ok());
+}
+
+}  // namespace
+}  // namespace tpserve
+
+int main(int argc, char** argv) { return tpserve::mp_test::RunMpiTests(&argc, argv); }
