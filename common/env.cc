@@ -99,13 +99,13 @@ const EnvVar kDecodePartition = {"TPSERVE_DECODE_PARTITION",
                                  "0|64|128|256|512|1024"};
 const EnvVar kDecodeOrder = {"TPSERVE_DECODE_ORDER",
                              EnvType::kChoice,
-                             "split",
-                             "decode attention: block order, split (a sequence's splits and heads "
-                             "together) or seq (the same keys of many sequences together: shared "
-                             "prefix blocks hit L2)",
+                             "seq",
+                             "decode attention: block order, seq (the same keys of many sequences "
+                             "together: shared prefix blocks hit L2) or split (a sequence's splits "
+                             "and heads together)",
                              0,
                              0,
-                             "split|seq"};
+                             "seq|split"};
 const EnvVar kCublasLtAutotune = {"TPSERVE_CUBLASLT_AUTOTUNE", EnvType::kBool, "0",
                                   "time cuBLASLt's candidate algorithms for M <= 256 instead of "
                                   "taking its heuristic (faster, not bitwise reproducible across "
