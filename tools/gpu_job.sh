@@ -50,15 +50,21 @@ ds=/tmp/ds67
 if has tests; then
   for t in "$stage"/bin/*_test; do
     [ -x "$t" ] || continue
-    log "test $(basename "$t")"
-    launcher=()
-    # Multi-process GPU tests: several ranks share the one GPU through the MPI communicator.
-    [[ $(basename "$t") == model_parallel_* ]] && launcher=(mpirun --allow-run-as-root --oversubscribe -np 2)
-    timeout ${TEST_TIMEOUT:-600} "${launcher[@]}" "$t" --gtest_color=no >"$out/$(basename "$t").log" 2>&1
-    rc=$?
-    tail -3 "$out/$(basename "$t").log" | tee -a "$out/summary.txt"
-    grep -E "worst|near-ties|GB/s|TFLOP" "$out/$(basename "$t").log" | head -20 >>"$out/summary.txt"
-    log "rc=$rc"
+    # Multi-process GPU tests: 2 and 4 ranks share the one GPU (through the MPI communicator, or
+    # the custom all-reduce over CUDA IPC; MPS makes their kernels co-resident where it runs).
+    nps=(1)
+    [[ $(basename "$t") == model_parallel_* || $(basename "$t") == custom_all_reduce_* ]] && nps=(2 4)
+    for np in "${nps[@]}"; do
+      launcher=()
+      [ "$np" -gt 1 ] && launcher=(mpirun --allow-run-as-root --oversubscribe -np $np)
+      name=$(basename "$t")$([ "$np" -gt 1 ] && echo "_np$np")
+      log "test $name"
+      timeout ${TEST_TIMEOUT:-600} "${launcher[@]}" "$t" --gtest_color=no >"$out/$name.log" 2>&1
+      rc=$?
+      tail -3 "$out/$name.log" | tee -a "$out/summary.txt"
+      grep -E "worst|near-ties|GB/s|TFLOP" "$out/$name.log" | head -20 >>"$out/summary.txt"
+      log "rc=$rc"
+    done
   done
 fi
 if has kvq && [ "${KVQ_PPL:-1}" = 1 ] && [ -f .carry/heldout.txt ]; then

@@ -88,7 +88,8 @@ std::vector<Case> AllCases() {
   for (const char* model : {"tiny_coder", "random_gpu"}) {
     for (const Layout& l :
          {Layout{2, 1, "tp2"}, Layout{1, 2, "pp2"}, Layout{2, 2, "tp2pp2"},
-          Layout{2, 1, "tp2_custom", true}, Layout{2, 2, "tp2pp2_custom", true}}) {
+          Layout{4, 1, "tp4"}, Layout{2, 1, "tp2_custom", true},
+          Layout{2, 2, "tp2pp2_custom", true}, Layout{4, 1, "tp4_custom", true}}) {
       cases.push_back({model, l});
     }
   }
