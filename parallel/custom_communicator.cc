@@ -89,6 +89,14 @@ PeerInfo ThisRank(int device) {
   return info;
 }
 
+// One machine: the same kernel boot id (containers of one machine share it), else the same
+// hostname.
+bool OneMachine(const PeerInfo& a, const PeerInfo& b) {
+  return a.boot_id[0] != 0 && b.boot_id[0] != 0
+             ? std::memcmp(a.boot_id, b.boot_id, sizeof(a.boot_id)) == 0
+             : std::strncmp(a.host, b.host, sizeof(a.host)) == 0;
+}
+
 template <typename T>
 std::string Bytes(const T& v) {
   return std::string(reinterpret_cast<const char*>(&v), sizeof(v));
@@ -120,12 +128,7 @@ Verdict CanMapEveryPeer(const std::vector<PeerInfo>& infos, int rank, int device
   for (int s = 0; s < static_cast<int>(infos.size()); ++s) {
     if (s == rank) continue;
     const PeerInfo& p = infos[s];
-    // One machine: the same kernel boot id (containers of one machine share it), else the same
-    // hostname.
-    const bool one_machine = me.boot_id[0] != 0 && p.boot_id[0] != 0
-                                 ? std::memcmp(me.boot_id, p.boot_id, sizeof(me.boot_id)) == 0
-                                 : std::strncmp(me.host, p.host, sizeof(me.host)) == 0;
-    if (!one_machine) {
+    if (!OneMachine(me, p)) {
       return Refuse(absl::StrCat("rank ", s, " runs on host ", p.host, ", rank ", rank, " on ",
                                  me.host, " (CUDA IPC needs one host)"));
     }
@@ -159,6 +162,26 @@ absl::StatusOr<std::vector<std::string>> Agree(const BytesAllGather& exchange,
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> RanksSharingAGpu(const BytesAllGather& exchange) {
+  int device = 0;
+  TP_CUDA_CHECK(cudaGetDevice(&device));
+  TP_ASSIGN_OR_RETURN(std::vector<std::string> all, exchange(Bytes(ThisRank(device))));
+  std::vector<PeerInfo> infos;
+  for (const std::string& b : all) infos.push_back(FromBytes<PeerInfo>(b));
+  for (size_t r = 0; r < infos.size(); ++r) {
+    for (size_t s = r + 1; s < infos.size(); ++s) {
+      if (OneMachine(infos[r], infos[s]) &&
+          std::memcmp(infos[r].uuid, infos[s].uuid, sizeof(infos[r].uuid)) == 0) {
+        return absl::StrCat(
+            "ranks ", r, " and ", s, " share the GPU ",
+            std::string(infos[r].bus_id, strnlen(infos[r].bus_id, sizeof(infos[r].bus_id))), " on ",
+            std::string(infos[r].host, strnlen(infos[r].host, sizeof(infos[r].host))));
+      }
+    }
+  }
+  return std::string();
+}
 
 struct CustomAllReduceCommunicator::State {
   int rank = 0;

@@ -27,6 +27,10 @@ BytesAllGather MpiBytesAllGather(MPI_Comm comm, absl::Duration timeout, std::str
 // Through a communicator's AllGather of device memory (e.g. NCCL groups without MPI).
 BytesAllGather DeviceBytesAllGather(Communicator* comm);
 
+// Collective over `exchange`'s ranks, each on its current CUDA device: "" when no two ranks of
+// one machine use the same GPU, else which ranks share which GPU (NCCL refuses such a group).
+absl::StatusOr<std::string> RanksSharingAGpu(const BytesAllGather& exchange);
+
 struct CustomAllReduceOptions {
   // The stream that produces and consumes the tensors (the ops' stream); the kernel runs on it
   // and nothing waits on the host, so a call can be captured into a CUDA graph.

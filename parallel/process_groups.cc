@@ -98,9 +98,29 @@ absl::StatusOr<std::unique_ptr<Communicator>> GroupFromMpi(MPI_Comm sub,
   MPI_Comm_rank(sub, &rank);
   MPI_Comm_size(sub, &size);
   absl::StatusOr<std::unique_ptr<Communicator>> comm;
+  CommBackend backend = options.backend;
+#ifdef TPSERVE_WITH_NCCL
+  if (size > 1 && backend == CommBackend::kNccl) {
+    // NCCL refuses a group with two ranks on one GPU; such a group (several workers sharing the
+    // one GPU of a machine) exchanges through MPI instead (its TP all-reduce can still be the
+    // custom kernel).
+    TP_ASSIGN_OR_RETURN(
+        std::string shared,
+        RanksSharingAGpu(MpiBytesAllGather(
+            sub, options.timeout, absl::StrCat(name, ": rank ", rank, " describing its GPU"))));
+    if (!shared.empty()) {
+      if (rank == 0) {
+        TP_LOG(INFO) << name << ": " << shared
+                     << "; NCCL needs one GPU per rank, so this group uses MPI (device tensors "
+                        "staged through the host)";
+      }
+      backend = CommBackend::kMpi;
+    }
+  }
+#endif
   if (size == 1) {
     comm = MakeSingleRankCommunicator(ops);
-  } else if (options.backend == CommBackend::kMpi) {
+  } else if (backend == CommBackend::kMpi) {
     comm = MakeMpiCommunicator(sub, ops, options.timeout, name);
   } else {
 #ifdef TPSERVE_WITH_NCCL

@@ -74,6 +74,9 @@ struct Layout {
   int pp = 1;
   std::string name;
   bool custom_all_reduce = false;  // the TP group's all-reduce by the CUDA IPC kernel
+  // Asks for NCCL: every rank is on GPU 0, so the groups find their ranks sharing a GPU and use
+  // MPI instead (NCCL refuses two ranks on one GPU).
+  bool ask_nccl = false;
 };
 
 struct Case {
@@ -87,9 +90,9 @@ std::vector<Case> AllCases() {
   std::vector<Case> cases;
   for (const char* model : {"tiny_coder", "random_gpu"}) {
     for (const Layout& l :
-         {Layout{2, 1, "tp2"}, Layout{1, 2, "pp2"}, Layout{2, 2, "tp2pp2"},
-          Layout{4, 1, "tp4"}, Layout{2, 1, "tp2_custom", true},
-          Layout{2, 2, "tp2pp2_custom", true}, Layout{4, 1, "tp4_custom", true}}) {
+         {Layout{2, 1, "tp2"}, Layout{1, 2, "pp2"}, Layout{2, 2, "tp2pp2"}, Layout{4, 1, "tp4"},
+          Layout{2, 1, "tp2_custom", true}, Layout{2, 2, "tp2pp2_custom", true},
+          Layout{4, 1, "tp4_custom", true}, Layout{2, 1, "tp2_nccl_shared_gpu", false, true}}) {
       cases.push_back({model, l});
     }
   }
@@ -229,7 +232,9 @@ TEST_P(ModelParallelGpuTest, MatchesOneRankWithinBf16Tolerance) {
   GroupOptions group_options;
   group_options.tp = layout.tp;
   group_options.pp = layout.pp;
-  group_options.backend = CommBackend::kMpi;  // device tensors staged through the host
+  // Device tensors staged through the host (NCCL needs a GPU per rank; asked for, the groups
+  // fall back to MPI by themselves).
+  group_options.backend = layout.ask_nccl ? CommBackend::kNccl : CommBackend::kMpi;
   group_options.timeout = kCommTimeout;
   if (layout.custom_all_reduce) {
     group_options.all_reduce = AllReduceImpl::kCustom;
