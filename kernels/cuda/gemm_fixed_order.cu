@@ -175,6 +175,20 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kN));
 }
 
+// kStageChunks chunks from chunk0 of rows [row0, row0 + kRows) of src ([rows, K]) into dst as
+// [chunk][kRows][32] (64 bytes a row), zero past c_end, K and `rows`.
+template <int kRows>
+__device__ __forceinline__ void LoadTileChunks(uint4* dst, const __nv_bfloat16* __restrict__ src,
+                                               int row0, int rows, int K, int chunk0, int c_end) {
+#pragma unroll 2
+  for (int p = threadIdx.x; p < kStageChunks * kRows * 4; p += kThreads) {
+    const int c = p / (kRows * 4), r = (p >> 2) % kRows, piece = p & 3;
+    const int chunk = chunk0 + c, k = chunk * kChunk + piece * 8, row = row0 + r;
+    const bool ok = chunk < c_end && k < K && row < rows;
+    CpAsync16(dst + p, ok ? src + static_cast<int64_t>(row) * K + k : src, ok);
+  }
+}
+
 template <int kBN, int kBM>
 constexpr size_t TiledSmemBytes() {
   return size_t{kStages} * kStageChunks * (kBN + kBM) * kChunk * 2;
@@ -213,23 +227,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   auto load_stage = [&](int st, int buf) {
     uint4* a = smem + buf * (kAPieces + kBPieces);
-    uint4* b = a + kAPieces;
-#pragma unroll 2
-    for (int p = tid; p < kAPieces; p += kThreads) {
-      const int c = p / (kBN * 4), r = (p >> 2) % kBN, piece = p & 3;
-      const int chunk = c_begin + st * kStageChunks + c, k = chunk * kChunk + piece * 8;
-      const int n = n_block + r;
-      const bool ok = chunk < c_end && k < K && n < N;
-      CpAsync16(a + p, ok ? w + static_cast<int64_t>(n) * K + k : w, ok);
-    }
-#pragma unroll 2
-    for (int p = tid; p < kBPieces; p += kThreads) {
-      const int c = p / (kBM * 4), r = (p >> 2) % kBM, piece = p & 3;
-      const int chunk = c_begin + st * kStageChunks + c, k = chunk * kChunk + piece * 8;
-      const int m = m_block + r;
-      const bool ok = chunk < c_end && k < K && m < M;
-      CpAsync16(b + p, ok ? x + static_cast<int64_t>(m) * K + k : x, ok);
-    }
+    const int chunk0 = c_begin + st * kStageChunks;
+    LoadTileChunks<kBN>(a, w, n_block, N, K, chunk0, c_end);
+    LoadTileChunks<kBM>(a + kAPieces, x, m_block, M, K, chunk0, c_end);
   };
 
   float acc[kWN][kWM][4], total[kWN][kWM][4];
