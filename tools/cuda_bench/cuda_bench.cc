@@ -86,6 +86,42 @@ std::string Fmt(const char* f, double a, double b = 0) {
   return buf;
 }
 
+// The GEMM shapes of the DeepSeek-Coder-6.7B layers and lm_head.
+struct Shape {
+  const char* name;
+  int n, k;
+};
+constexpr Shape kShapes[] = {{"qkv 12288x4096", 12288, 4096},
+                             {"o 4096x4096", 4096, 4096},
+                             {"gate_up 22016x4096", 22016, 4096},
+                             {"down 4096x11008", 4096, 11008},
+                             {"lm_head 32256x4096", 32256, 4096}};
+
+// Random copies of a weight [n, k] over >= 1 GiB, so that a timed loop reading At(i) streams
+// them from HBM rather than L2.
+struct RotatingWeights {
+  RotatingWeights(CudaOps& ops, const Shape& sh)
+      : ops(ops),
+        shape(sh),
+        bytes(size_t{2} * sh.n * sh.k),
+        copies(static_cast<int>(std::max<size_t>(2, (size_t{1} << 30) / bytes + 1))),
+        data(ops.Alloc(bytes * copies)) {
+    FillRandom(data, bytes * copies, 0.02f);
+  }
+  ~RotatingWeights() { ops.Free(data); }
+  RotatingWeights(const RotatingWeights&) = delete;
+  RotatingWeights& operator=(const RotatingWeights&) = delete;
+  Tensor At(int i) const {
+    return Tensor(static_cast<char*>(data) + (i % copies) * bytes, {shape.n, shape.k}, DType::kBF16,
+                  Device::kCuda);
+  }
+  CudaOps& ops;
+  Shape shape;
+  size_t bytes;
+  int copies;
+  void* data;
+};
+
 int PrintSummary(double copy_gbs) {
   std::printf("\n==== summary (copy %.0f GB/s) ====\n", copy_gbs);
   for (const Row& r : g_rows)
@@ -101,28 +137,14 @@ void DeterministicGemms(CudaOps& ops, double copy_gbs) {
   cudaStream_t s = ops.stream();
   cuda::LtGemm fixed_lt;
   fixed_lt.set_fixed_algorithm(true);
-  struct Shape {
-    const char* name;
-    int n, k;
-  };
-  const Shape shapes[] = {{"qkv 12288x4096", 12288, 4096},
-                          {"o 4096x4096", 4096, 4096},
-                          {"gate_up 22016x4096", 22016, 4096},
-                          {"down 4096x11008", 4096, 11008},
-                          {"lm_head 32256x4096", 32256, 4096}};
   const int kMaxM = 2048;
   void* xbuf = ops.Alloc(size_t{2} * kMaxM * 11008);
   void* ybuf = ops.Alloc(size_t{2} * kMaxM * 32256);
   FillRandom(xbuf, size_t{2} * kMaxM * 11008, 1.0f);
-  for (const Shape& sh : shapes) {
-    const size_t wbytes = size_t{2} * sh.n * sh.k;
-    const int copies = static_cast<int>(std::max<size_t>(2, (size_t{1} << 30) / wbytes + 1));
-    void* w = ops.Alloc(wbytes * copies);
-    FillRandom(w, wbytes * copies, 0.02f);
-    auto wt = [&](int i) {
-      return Tensor(static_cast<char*>(w) + (i % copies) * wbytes, {sh.n, sh.k}, DType::kBF16,
-                    Device::kCuda);
-    };
+  for (const Shape& sh : kShapes) {
+    RotatingWeights rw(ops, sh);
+    const size_t wbytes = rw.bytes;
+    auto wt = [&](int i) { return rw.At(i); };
     for (int m : {1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 2048}) {
       Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
       Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
@@ -154,7 +176,6 @@ void DeterministicGemms(CudaOps& ops, double copy_gbs) {
                }));
       }
     }
-    ops.Free(w);
   }
   ops.Free(xbuf);
   ops.Free(ybuf);
@@ -193,28 +214,14 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm) {
   }
 
   // 2. GEMMs at decode sizes, 6.7B shapes. Weights rotate over >= 1 GiB of copies.
-  struct Shape {
-    const char* name;
-    int n, k;
-  };
-  const Shape shapes[] = {{"qkv 12288x4096", 12288, 4096},
-                          {"o 4096x4096", 4096, 4096},
-                          {"gate_up 22016x4096", 22016, 4096},
-                          {"down 4096x11008", 4096, 11008},
-                          {"lm_head 32256x4096", 32256, 4096}};
   void* xbuf = ops.Alloc(16 * 11008 * 2 * 2);
   void* ybuf = ops.Alloc(size_t{16} * 32256 * 2);
   FillRandom(xbuf, 16 * 11008 * 2 * 2, 1.0f);
-  for (const Shape& sh : shapes) {
+  for (const Shape& sh : kShapes) {
     if (attention_only) break;
-    size_t wbytes = size_t{2} * sh.n * sh.k;
-    int copies = static_cast<int>(std::max<size_t>(2, (size_t{1} << 30) / wbytes + 1));
-    void* w = ops.Alloc(wbytes * copies);
-    FillRandom(w, wbytes * copies, 0.02f);
-    auto wt = [&](int i) {
-      return Tensor(static_cast<char*>(w) + (i % copies) * wbytes, {sh.n, sh.k}, DType::kBF16,
-                    Device::kCuda);
-    };
+    RotatingWeights rw(ops, sh);
+    const size_t wbytes = rw.bytes;
+    auto wt = [&](int i) { return rw.At(i); };
     for (int m : {1, 2, 4, 8, 16}) {
       if (m1_only && m > 1) break;
       Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
@@ -239,7 +246,6 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm) {
         }
       }
     }
-    ops.Free(w);
   }
   ops.Free(xbuf);
   ops.Free(ybuf);
