@@ -44,6 +44,20 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 steps=${*:-tests ds67 bench hf}
 has() { [[ " $steps " == *" $1 "* ]]; }
 log() { echo "=== $(date +%T) $*" | tee -a "$out/summary.txt"; }
+# start_server NAME PORT [serve args...]: `tpserve serve` on the 6.7B shape in the background
+# (pid in $spid, log in $out/serve_NAME.log), waited for until its ready file appears (120 s).
+# SERVER_ENV ("VAR=value ...") is the server's environment.
+start_server() {
+  local name=$1 port=$2
+  shift 2
+  rm -f "$out/ready_$name"
+  # shellcheck disable=SC2086  # SERVER_ENV is a word list
+  env ${SERVER_ENV:-} "$stage/bin/tpserve" serve --model $ds --device cuda --port $port --http-port 0 \
+    --worker-binary "$stage/bin/tpserve-worker" --ready-file "$out/ready_$name" "$@" \
+    >"$out/serve_$name.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 240); do [ -f "$out/ready_$name" ] && break; sleep 0.5; done
+}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 ds=/tmp/ds67
@@ -207,12 +221,8 @@ if has presets; then
     IFS=':' read -r label flags config_presets config_env <<<"$c"
     config_presets=${config_presets:-${PRESETS:-latency batch64 chat}}
     log "serve $label (${flags:-no extra flags}${config_env:+, env $config_env}): presets $config_presets"
-    rm -f "$out/ready_$label"
-    env $config_env "$stage/bin/tpserve" serve --model $ds --device cuda --port 50078 --http-port 0 \
-      --worker-binary "$stage/bin/tpserve-worker" --ready-file "$out/ready_$label" $flags \
-      >"$out/serve_$label.log" 2>&1 &
-    spid=$!
-    for _ in $(seq 240); do [ -f "$out/ready_$label" ] && break; sleep 0.5; done
+    # shellcheck disable=SC2086  # flags and config_env are word lists
+    SERVER_ENV="$config_env" start_server "$label" 50078 $flags
     for preset in $config_presets; do
       extra_var="PRESET_ARGS_${preset//-/_}"
       timeout 400 "$stage/bin/tpserve" bench --server 127.0.0.1:50078 --preset $preset \
@@ -244,12 +254,8 @@ if has detserve; then
     flags=()
     [ "$mode" = deterministic ] && flags=(--deterministic)
     log "detserve $mode: serve ${flags[*]:-(default)}; $n requests of $plen / $olen tokens at once, then one at a time"
-    rm -f "$out/ready_detserve_$mode"
-    "$stage/bin/tpserve" serve --model $ds --device cuda --port 50079 --http-port 0 \
-      --worker-binary "$stage/bin/tpserve-worker" --ready-file "$out/ready_detserve_$mode" \
-      "${flags[@]}" ${DETSERVE_SERVE_ARGS:-} >"$out/detserve_serve_$mode.log" 2>&1 &
-    spid=$!
-    for _ in $(seq 240); do [ -f "$out/ready_detserve_$mode" ] && break; sleep 0.5; done
+    # shellcheck disable=SC2086  # DETSERVE_SERVE_ARGS is a word list
+    start_server "detserve_$mode" 50079 "${flags[@]}" ${DETSERVE_SERVE_ARGS:-}
     timeout ${DETSERVE_TIMEOUT:-500} "$stage/bin/tpserve" bench --server 127.0.0.1:50079 \
       --check-deterministic --num-requests $n --prompt-len $plen --output-len $olen \
       --logprobs ${DETSERVE_LOGPROBS:-1} --no-progress --label "detserve_$mode" \
