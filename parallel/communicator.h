@@ -1,8 +1,9 @@
 // The Communicator: collectives and point-to-point transfers inside one process group (a TP
 // group or the PP chain). Implementations: single rank, MPI on host memory (staging device
-// tensors through the host), NCCL on device memory. Every call returns a status: a peer that
-// dies or a transfer that misses its deadline becomes an error naming the rank and the
-// operation, never a hang.
+// tensors through the host), NCCL on device memory (stream-ordered, followed by a watchdog), and
+// the custom all-reduce over CUDA IPC in front of either. Every call returns a status: a peer
+// that dies or a transfer that misses its deadline becomes an error naming the rank and the
+// operation, never a hang (for stream-ordered work: through Health() and the next call).
 #pragma once
 
 #include <memory>
@@ -32,6 +33,18 @@ class Communicator {
   // protocol). A pipeline with several micro-batches in flight relies on it to return the
   // sampled ids upstream while the stages still exchange activations downstream.
   virtual bool buffers_small_sends() const { return false; }
+  // True when AllReduceSum and AllGather of device tensors (the collectives of a TP decode step)
+  // are enqueued on the ops' stream without any host wait, so that a CUDA graph can capture
+  // them. Their errors then surface later: through Health(), and through the next call.
+  virtual bool stream_ordered_collectives() const { return false; }
+  // The error that made the communicator unusable (a peer that missed its deadline, a failed
+  // kernel), OK while it works. Call after waiting for stream-ordered work (e.g. the sampled
+  // ids of a step): that work's results are garbage when this is not OK.
+  virtual absl::Status Health() { return absl::OkStatus(); }
+  // Asks the communicator's watchdog (if it has one) to follow the work queued so far on the
+  // ops' stream, named `what` in a timeout error: e.g. a CUDA graph replay whose captured
+  // collectives it cannot see one by one. A no-op for communicators that wait on the host.
+  virtual void TrackStreamWork(const char* what) { (void)what; }
 };
 
 // A group of one: collectives are identities (AllGather copies through `ops`).

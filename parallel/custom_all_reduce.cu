@@ -8,6 +8,8 @@
 //            buffer and the tensor, signal; copy the other ranks' reduced segments.
 // Both compute each element as the same fp32 sum in rank order rounded once, so all ranks (and
 // both algorithms) give bit-identical results.
+//  all-gather: stage own bytes, signal, copy every rank's staged copy of the block's units to
+//            that rank's slot of the output (a one-shot without the sum).
 #include <cuda_bf16.h>
 
 #include "parallel/custom_all_reduce.h"
@@ -258,17 +260,24 @@ __device__ __forceinline__ void TwoShot(const Kernel& k, Raw* t, bool aligned, i
   }
 }
 
+// Every kernel's start: advance this block's epoch (one per call, whatever the kind of call).
+// False when an earlier call gave up: the block must return.
+__device__ __forceinline__ bool BeginCall(const LaunchArgs& a, int* abort_shared,
+                                          uint64_t* epoch_shared) {
+  if (threadIdx.x == 0) {
+    *abort_shared = *reinterpret_cast<volatile uint32_t*>(a.abort) != 0;  // an earlier call gave up
+    *epoch_shared = a.epochs[blockIdx.x] + 1;
+    a.epochs[blockIdx.x] = *epoch_shared;
+  }
+  __syncthreads();
+  return *abort_shared == 0;
+}
+
 template <typename Raw, bool kTwoShot>
 __global__ void __launch_bounds__(kThreads) AllReduceKernel(const __grid_constant__ LaunchArgs a) {
   __shared__ int abort_shared;
   __shared__ uint64_t epoch_shared;
-  if (threadIdx.x == 0) {
-    abort_shared = *reinterpret_cast<volatile uint32_t*>(a.abort) != 0;  // an earlier call gave up
-    epoch_shared = a.epochs[blockIdx.x] + 1;
-    a.epochs[blockIdx.x] = epoch_shared;
-  }
-  __syncthreads();
-  if (abort_shared) return;
+  if (!BeginCall(a, &abort_shared, &epoch_shared)) return;
   const Kernel k{a, epoch_shared, GlobalTimerNs() + a.timeout_ns, &abort_shared};
   Raw* t = static_cast<Raw*>(a.data);
   const bool aligned = (reinterpret_cast<uintptr_t>(t) % kUnitBytes) == 0;
@@ -290,11 +299,79 @@ cudaError_t Launch(const LaunchArgs& args, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Unit u (16 bytes, the last one maybe partial) of a byte array of `bytes` bytes.
+union ByteUnit {
+  uint4 v;
+  char b[kUnitBytes];
+};
+
+__device__ __forceinline__ uint4 LoadByteUnit(const char* p, int64_t u, int64_t bytes) {
+  ByteUnit x;
+  const int64_t first = u * kUnitBytes;
+  if (bytes - first >= kUnitBytes && (reinterpret_cast<uintptr_t>(p + first) % kUnitBytes) == 0) {
+    x.v = *reinterpret_cast<const uint4*>(p + first);
+  } else {
+    x.v = make_uint4(0, 0, 0, 0);
+    for (int64_t i = first; i < bytes && i < first + kUnitBytes; ++i) x.b[i - first] = p[i];
+  }
+  return x.v;
+}
+
+__device__ __forceinline__ void StoreByteUnit(char* p, int64_t u, int64_t bytes, uint4 v) {
+  ByteUnit x;
+  x.v = v;
+  const int64_t first = u * kUnitBytes;
+  if (bytes - first >= kUnitBytes && (reinterpret_cast<uintptr_t>(p + first) % kUnitBytes) == 0) {
+    *reinterpret_cast<uint4*>(p + first) = x.v;
+  } else {
+    for (int64_t i = first; i < bytes && i < first + kUnitBytes; ++i) p[i] = x.b[i - first];
+  }
+}
+
+// One-shot all-gather: stage own bytes, signal, copy every rank's staged bytes of this block's
+// units to that rank's slot of the output.
+__global__ void __launch_bounds__(kThreads) AllGatherKernel(const __grid_constant__ LaunchArgs a) {
+  __shared__ int abort_shared;
+  __shared__ uint64_t epoch_shared;
+  if (!BeginCall(a, &abort_shared, &epoch_shared)) return;
+  const Kernel k{a, epoch_shared, GlobalTimerNs() + a.timeout_ns, &abort_shared};
+  const int64_t bytes = a.numel;
+  const int64_t units = (bytes + kUnitBytes - 1) / kUnitBytes;
+  const Range mine = BlockShare(0, units, blockIdx.x);
+  const char* in = static_cast<const char*>(a.data);
+  char* staged = k.Data(a.rank);
+  for (int64_t u = mine.begin + threadIdx.x; u < mine.end; u += blockDim.x) {
+    StoreBufferUnit(staged, u, LoadByteUnit(in, u, bytes));
+  }
+  k.Signal(0);
+  if (!k.Wait(0)) return;
+  for (int j = 0; j < a.nranks; ++j) {
+    const char* src = k.Data(j);
+    char* dst = static_cast<char*>(a.out) + j * bytes;
+    for (int64_t u = mine.begin + threadIdx.x; u < mine.end; u += blockDim.x) {
+      StoreByteUnit(dst, u, bytes, LoadBufferUnit(src, u));
+    }
+  }
+}
+
+bool ValidGroup(const LaunchArgs& a) {
+  return a.nranks >= 1 && a.nranks <= kMaxRanks && a.rank >= 0 && a.rank < a.nranks && a.numel >= 0;
+}
+
 }  // namespace
 
+cudaError_t LaunchAllGather(const LaunchArgs& args, cudaStream_t stream) {
+  if (!ValidGroup(args) || static_cast<size_t>(args.numel) > args.max_bytes ||
+      (args.numel > 0 && (args.data == nullptr || args.out == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  if (args.numel == 0) return cudaSuccess;
+  AllGatherKernel<<<kBlocks, kThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream) {
-  if (args.nranks < 1 || args.nranks > kMaxRanks || args.rank < 0 || args.rank >= args.nranks ||
-      args.numel < 0 || static_cast<size_t>(args.numel) * (args.f32 ? 4 : 2) > args.max_bytes) {
+  if (!ValidGroup(args) || static_cast<size_t>(args.numel) * (args.f32 ? 4 : 2) > args.max_bytes) {
     return cudaErrorInvalidValue;
   }
   if (args.numel == 0) return cudaSuccess;

@@ -47,9 +47,10 @@ struct ErrorRecord {
 };
 
 struct LaunchArgs {
-  void* data = nullptr;  // the tensor, reduced in place
-  int64_t numel = 0;
-  bool f32 = false;  // else bf16
+  void* data = nullptr;  // the tensor, reduced in place (all-gather: this rank's input)
+  int64_t numel = 0;     // elements (all-gather: bytes of this rank's input)
+  void* out = nullptr;   // all-gather only: [nranks][numel bytes], in rank order
+  bool f32 = false;      // else bf16
   int rank = 0;
   int nranks = 0;
   char* buffers[kMaxRanks] = {};  // every rank's IPC buffer, mapped into this process
@@ -64,5 +65,9 @@ struct LaunchArgs {
 // Enqueues one all-reduce kernel on `stream` (graph-capturable: no host synchronisation).
 // Returns the launch error, if any.
 cudaError_t LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream);
+// Enqueues one all-gather kernel: like a one-shot all-reduce (same epochs, flags and data
+// halves, so all-reduces and all-gathers may alternate on one stream), but every rank copies
+// each rank's staged bytes to its slot of `out` instead of summing them.
+cudaError_t LaunchAllGather(const LaunchArgs& args, cudaStream_t stream);
 
 }  // namespace tpserve::car

@@ -17,6 +17,7 @@
 #include "common/logging.h"
 #include "common/status.h"
 #include "parallel/bootstrap.h"
+#include "parallel/comm_util.h"
 #include "parallel/custom_all_reduce.h"
 #include "parallel/mpi_communicator.h"
 
@@ -49,8 +50,12 @@ BytesAllGather DeviceBytesAllGather(Communicator* comm) {
     TP_CUDA_CHECK(cudaMalloc(&d, n * (size + 1)));
     TP_CUDA_CHECK(cudaMemcpy(d, mine.data(), n, cudaMemcpyHostToDevice));
     TP_CUDA_CHECK(cudaDeviceSynchronize());  // a pageable copy may return before its DMA ends
-    const absl::Status s = comm->AllGather(Tensor(d, {n}, DType::kI8, Device::kCuda),
-                                           Tensor(d + n, {n * size}, DType::kI8, Device::kCuda));
+    absl::Status s = comm->AllGather(Tensor(d, {n}, DType::kI8, Device::kCuda),
+                                     Tensor(d + n, {n * size}, DType::kI8, Device::kCuda));
+    // NCCL is stream-ordered on its compute stream: wait for the device, then ask whether the
+    // transfer finished (a watchdog abort ends the wait but leaves garbage).
+    if (s.ok()) TP_CUDA_CHECK(cudaDeviceSynchronize());
+    if (s.ok()) s = comm->Health();
     std::string all(n * size, '\0');
     if (s.ok()) TP_CUDA_CHECK(cudaMemcpy(all.data(), d + n, n * size, cudaMemcpyDeviceToHost));
     cudaFree(d);
@@ -194,6 +199,20 @@ struct CustomAllReduceCommunicator::State {
   car::ErrorRecord* error_device = nullptr;  // its device address
   cudaEvent_t done = nullptr;
 
+  // The launch arguments every kernel shares (the group, the buffers, the epochs, the deadline).
+  car::LaunchArgs Args() const {
+    car::LaunchArgs a;
+    a.rank = rank;
+    a.nranks = size;
+    std::copy(buffers, buffers + car::kMaxRanks, a.buffers);
+    a.max_bytes = options.max_bytes;
+    a.epochs = epochs;
+    a.abort = reinterpret_cast<uint32_t*>(epochs + car::kBlocks);
+    a.error = error_device;
+    a.timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(options.timeout));
+    return a;
+  }
+
   // CUDA IPC: every importer must close its mapping before the exporter frees the buffer, so
   // the group closes, then passes a barrier, then frees.
   void CloseImports() {
@@ -268,6 +287,11 @@ absl::Status CustomAllReduceCommunicator::CheckHealthy(const char* op) {
   return absl::Status(broken_.code(), absl::StrCat(op, ": ", broken_.message()));
 }
 
+absl::Status CustomAllReduceCommunicator::Health() {
+  TP_RETURN_IF_ERROR(CheckHealthy("Health"));
+  return inner_->Health();
+}
+
 absl::Status CustomAllReduceCommunicator::AllReduceSum(Tensor t) {
   TP_RETURN_IF_ERROR(CheckHealthy("AllReduceSum"));
   const State& s = *state_;
@@ -277,31 +301,36 @@ absl::Status CustomAllReduceCommunicator::AllReduceSum(Tensor t) {
     return inner_->AllReduceSum(t);
   }
   if (t.numel() == 0) return absl::OkStatus();
-  car::LaunchArgs a;
+  car::LaunchArgs a = s.Args();
   a.data = t.data;
   a.numel = t.numel();
   a.f32 = t.dtype == DType::kF32;
-  a.rank = s.rank;
-  a.nranks = s.size;
-  std::copy(s.buffers, s.buffers + car::kMaxRanks, a.buffers);
-  a.max_bytes = s.options.max_bytes;
-  a.epochs = s.epochs;
-  a.abort = reinterpret_cast<uint32_t*>(s.epochs + car::kBlocks);
-  a.error = s.error_device;
-  a.timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(s.options.timeout));
   a.two_shot = bytes > s.options.one_shot_max_bytes;
-  const cudaError_t e = car::LaunchAllReduce(a, s.options.stream);
-  if (e != cudaSuccess) {
-    broken_ = absl::InternalError(absl::StrCat(
-        name(), ": rank ", s.rank, " could not launch the all-reduce kernel: ", CudaErrorText(e)));
-    return broken_;
-  }
-  return absl::OkStatus();
+  return Launched("all-reduce", car::LaunchAllReduce(a, s.options.stream));
 }
 
 absl::Status CustomAllReduceCommunicator::AllGather(const Tensor& in, Tensor out) {
   TP_RETURN_IF_ERROR(CheckHealthy("AllGather"));
-  return inner_->AllGather(in, out);
+  const State& s = *state_;
+  if (in.device != Device::kCuda || out.device != Device::kCuda ||
+      in.bytes() > s.options.max_bytes) {
+    return inner_->AllGather(in, out);
+  }
+  TP_RETURN_IF_ERROR(comm_internal::CheckAllGatherShapes(name(), in, out, s.size));
+  if (in.bytes() == 0) return absl::OkStatus();
+  car::LaunchArgs a = s.Args();
+  a.data = in.data;
+  a.numel = static_cast<int64_t>(in.bytes());
+  a.out = out.data;
+  return Launched("all-gather", car::LaunchAllGather(a, s.options.stream));
+}
+
+absl::Status CustomAllReduceCommunicator::Launched(const char* kernel, cudaError_t e) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  broken_ =
+      absl::InternalError(absl::StrCat(name(), ": rank ", state_->rank, " could not launch the ",
+                                       kernel, " kernel: ", CudaErrorText(e)));
+  return broken_;
 }
 absl::Status CustomAllReduceCommunicator::Send(const Tensor& t, int peer) {
   TP_RETURN_IF_ERROR(CheckHealthy("Send"));

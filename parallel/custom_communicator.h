@@ -1,5 +1,6 @@
-// The "custom" communicator: AllReduceSum of device tensors by a kernel over CUDA IPC peer
-// memory (parallel/custom_all_reduce.h), everything else by an inner communicator (NCCL or MPI).
+// The "custom" communicator: AllReduceSum and AllGather of device tensors by kernels over CUDA
+// IPC peer memory (parallel/custom_all_reduce.h), everything else by an inner communicator (NCCL
+// or MPI).
 // Works between processes on GPUs with peer access and between processes that share one GPU
 // (time-sliced, or co-resident under MPS). Only built when CUDA is on (TPSERVE_WITH_NCCL).
 #pragma once
@@ -59,12 +60,19 @@ class CustomAllReduceCommunicator : public Communicator {
   // bf16 and f32 device tensors of up to max_bytes: the IPC kernel, enqueued on the stream
   // without a host wait. Everything else: the inner communicator.
   absl::Status AllReduceSum(Tensor t) override;
+  // Device tensors whose `in` has up to max_bytes: the IPC kernel (bit copies, any dtype),
+  // enqueued on the stream without a host wait. Everything else: the inner communicator.
   absl::Status AllGather(const Tensor& in, Tensor out) override;
   absl::Status Send(const Tensor& t, int peer) override;
   absl::Status Recv(Tensor t, int peer) override;
   absl::Status Broadcast(Tensor t, int root) override;
   std::string name() const override;
   bool buffers_small_sends() const override;
+  // The collectives a decode step uses (AllReduceSum, AllGather of device tensors up to
+  // max_bytes) are stream-ordered kernels: a CUDA graph may capture them.
+  bool stream_ordered_collectives() const override { return true; }
+  absl::Status Health() override;
+  void TrackStreamWork(const char* what) override { inner_->TrackStreamWork(what); }
 
   // Waits (host, with the timeout) for the work queued on the stream and returns the error of
   // any kernel that gave up. For tests and benchmarks.
@@ -77,6 +85,8 @@ class CustomAllReduceCommunicator : public Communicator {
       std::unique_ptr<Communicator>, const BytesAllGather&, const CustomAllReduceOptions&);
   CustomAllReduceCommunicator(std::unique_ptr<Communicator> inner, std::unique_ptr<State> state);
   absl::Status CheckHealthy(const char* op);
+  // The status of a kernel launch (an error makes the communicator unusable).
+  absl::Status Launched(const char* kernel, cudaError_t e);
 
   std::unique_ptr<Communicator> inner_;
   std::unique_ptr<State> state_;

@@ -197,6 +197,42 @@ class CustomAllReduceTest : public ::testing::Test {
     ExpectSameOnEveryRank(got.data(), got.size(), "result");
   }
 
+  // One all-gather of `bytes` bytes per rank (input and output placed `offset` bytes into their
+  // allocations), checked byte for byte against every rank's known input.
+  void GatherAndCheck(CustomAllReduceCommunicator& comm, int64_t bytes, uint64_t salt,
+                      int64_t offset = 0) {
+    SCOPED_TRACE(::testing::Message()
+                 << "all-gather of " << bytes << " bytes, offset " << offset << ", salt " << salt);
+    const int n = WorldSize(), me = WorldRank();
+    auto byte_of = [&](int rank, int64_t i) {
+      return static_cast<char>(SplitMix(salt * 1000003 + rank * 7919 + i) & 0xff);
+    };
+    std::vector<char> in(bytes), want(bytes * n);
+    for (int64_t i = 0; i < bytes; ++i) in[i] = byte_of(me, i);
+    for (int r = 0; r < n; ++r) {
+      for (int64_t i = 0; i < bytes; ++i) want[r * bytes + i] = byte_of(r, i);
+    }
+    char *d_in = nullptr, *d_out = nullptr;
+    CUDA_OK(cudaMalloc(&d_in, bytes + offset));
+    CUDA_OK(cudaMalloc(&d_out, bytes * n + offset));
+    CUDA_OK(cudaMemsetAsync(d_out, 0x5a, bytes * n + offset, stream_));
+    CUDA_OK(cudaMemcpyAsync(d_in + offset, in.data(), bytes, cudaMemcpyHostToDevice, stream_));
+    const absl::Status launched =
+        comm.AllGather(Tensor(d_in + offset, {bytes}, DType::kI8, Device::kCuda),
+                       Tensor(d_out + offset, {bytes * n}, DType::kI8, Device::kCuda));
+    ASSERT_TRUE(launched.ok()) << launched;
+    const absl::Status s = comm.Synchronize();
+    ASSERT_TRUE(s.ok()) << s;
+    std::vector<char> got(bytes * n + offset);
+    CUDA_OK(cudaMemcpy(got.data(), d_out, got.size(), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaFree(d_in));
+    CUDA_OK(cudaFree(d_out));
+    int64_t bad = 0;
+    for (int64_t i = 0; i < bytes * n; ++i) bad += got[offset + i] != want[i];
+    for (int64_t i = 0; i < offset; ++i) bad += got[i] != 0x5a;  // nothing written before out
+    EXPECT_EQ(bad, 0);
+  }
+
   void Barrier() {
     int32_t token = 0;
     ASSERT_TRUE(world_->Broadcast(Tensor(&token, {1}, DType::kI32), 0).ok());
@@ -285,6 +321,77 @@ TEST_F(CustomAllReduceTest, CapturedGraphReplaysWithNewInputs) {
   cudaGraphDestroy(graph);
   cudaFree(a);
   cudaFree(b);
+}
+
+// The all-gather kernel: odd sizes and offsets (partial and unaligned 16-byte units), sizes up
+// to max_bytes per rank, alternating with all-reduces on the same epochs and data halves.
+TEST_F(CustomAllReduceTest, AllGatherCopiesEveryRanksBytesInRankOrder) {
+  SKIP_WITHOUT_GPU();
+  const size_t max = size_t{4} << 20;
+  auto comm = Make(max, size_t{64} << 10);
+  uint64_t salt = 600;
+  for (int64_t bytes :
+       {int64_t{1}, int64_t{2}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{4097},
+        int64_t{64} << 10, (int64_t{129} << 10) + 6, int64_t{1} << 20,
+        static_cast<int64_t>(max) - 2, static_cast<int64_t>(max)}) {
+    for (int64_t offset : {0, 1, 6}) {
+      GatherAndCheck(*comm, bytes, salt++, offset);
+      RunAndCheck(*comm, 1000 + bytes % 5000, false, salt++);  // then an all-reduce
+    }
+  }
+}
+
+// An all-reduce and an all-gather (as in a TP decode step: the residual, then the logits)
+// captured once and replayed with new inputs.
+TEST_F(CustomAllReduceTest, CapturedAllReduceAndAllGatherReplay) {
+  SKIP_WITHOUT_GPU();
+  auto comm = Make(size_t{8} << 20, size_t{64} << 10);
+  const int n = WorldSize(), me = WorldRank();
+  const int64_t numel = 4096 + 3, bytes = 5 * 4001;  // bf16 elements; gathered bytes per rank
+  char *a = nullptr, *g_in = nullptr, *g_out = nullptr;
+  CUDA_OK(cudaMalloc(&a, numel * 2));
+  CUDA_OK(cudaMalloc(&g_in, bytes));
+  CUDA_OK(cudaMalloc(&g_out, bytes * n));
+  GatherAndCheck(*comm, 100, 699);  // an eager call first: epochs need not start at 0
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  const absl::Status s1 = comm->AllReduceSum(Tensor(a, {numel}, DType::kBF16, Device::kCuda));
+  const absl::Status s2 = comm->AllGather(Tensor(g_in, {bytes}, DType::kI8, Device::kCuda),
+                                          Tensor(g_out, {bytes * n}, DType::kI8, Device::kCuda));
+  CUDA_OK(cudaStreamEndCapture(stream_, &graph));
+  ASSERT_TRUE(s1.ok()) << s1;
+  ASSERT_TRUE(s2.ok()) << s2;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (uint64_t replay = 0; replay < 6; ++replay) {
+    SCOPED_TRACE(::testing::Message() << "replay " << replay);
+    const Case ca = MakeCase(numel, false, 700 + replay);
+    std::vector<char> in(bytes);
+    for (int64_t i = 0; i < bytes; ++i)
+      in[i] = static_cast<char>((i * 31 + me * 7 + replay) & 0xff);
+    CUDA_OK(cudaMemcpyAsync(a, ca.input.data(), numel * 2, cudaMemcpyHostToDevice, stream_));
+    CUDA_OK(cudaMemcpyAsync(g_in, in.data(), bytes, cudaMemcpyHostToDevice, stream_));
+    CUDA_OK(cudaGraphLaunch(exec, stream_));
+    const absl::Status s = comm->Synchronize();
+    ASSERT_TRUE(s.ok()) << s;
+    std::vector<char> got_a(numel * 2), got_g(bytes * n);
+    CUDA_OK(cudaMemcpy(got_a.data(), a, numel * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(got_g.data(), g_out, bytes * n, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(Mismatches(ca, got_a, false), 0);
+    int64_t bad = 0;
+    for (int r = 0; r < n; ++r) {
+      for (int64_t i = 0; i < bytes; ++i) {
+        bad += got_g[r * bytes + i] != static_cast<char>((i * 31 + r * 7 + replay) & 0xff);
+      }
+    }
+    EXPECT_EQ(bad, 0);
+  }
+  GatherAndCheck(*comm, 100000, 799);  // eager again after the replays
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaFree(a);
+  cudaFree(g_in);
+  cudaFree(g_out);
 }
 
 TEST_F(CustomAllReduceTest, HostTensorsAndOtherOperationsGoToTheInnerCommunicator) {
