@@ -1,9 +1,14 @@
-// The NCCL communicator: a non-blocking NCCL communicator whose operations run on their own
-// stream and are waited for with a deadline; past it the communicator is aborted.
+// The NCCL communicator: a non-blocking NCCL communicator whose operations are enqueued on the
+// compute stream without a host wait; a watchdog thread follows them and aborts the
+// communicator when one is not done by its deadline.
 #include "parallel/nccl_communicator.h"
 
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -73,12 +78,16 @@ class NcclCommunicator : public Communicator {
         compute_stream_(compute_stream),
         timeout_(timeout),
         name_(std::move(name)) {
-    TP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    TP_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
-    TP_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    watchdog_ = std::thread([this] { WatchdogLoop(); });
   }
 
   ~NcclCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    watchdog_.join();
     if (broken_.ok()) {
       // Orderly teardown; a peer that is gone makes finalize time out, then abort.
       bool timed_out = false;
@@ -92,20 +101,26 @@ class NcclCommunicator : public Communicator {
         ncclCommAbort(comm_);
       }
     }
-    cudaEventDestroy(ready_);
-    cudaEventDestroy(done_);
-    cudaStreamDestroy(stream_);
+    for (const Pending& p : pending_) cudaEventDestroy(p.event);
+    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
   }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return absl::StrCat(name_, " (nccl)"); }
+  bool stream_ordered_collectives() const override { return true; }
+
+  absl::Status Health() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return broken_;
+  }
 
   absl::Status AllReduceSum(Tensor t) override {
     TP_RETURN_IF_ERROR(comm_internal::CheckAllReduceDType(name(), t));
     TP_RETURN_IF_ERROR(CheckDevice("AllReduceSum", t));
     return Run("AllReduceSum", -1, [&] {
-      return ncclAllReduce(t.data, t.data, t.numel(), ToNccl(t.dtype), ncclSum, comm_, stream_);
+      return ncclAllReduce(t.data, t.data, t.numel(), ToNccl(t.dtype), ncclSum, comm_,
+                           compute_stream_);
     });
   }
 
@@ -113,33 +128,43 @@ class NcclCommunicator : public Communicator {
     TP_RETURN_IF_ERROR(comm_internal::CheckAllGatherShapes(name(), in, out, size_));
     TP_RETURN_IF_ERROR(CheckDevice("AllGather", in));
     return Run("AllGather", -1, [&] {
-      return ncclAllGather(in.data, out.data, in.bytes(), ncclUint8, comm_, stream_);
+      return ncclAllGather(in.data, out.data, in.bytes(), ncclUint8, comm_, compute_stream_);
     });
   }
 
   absl::Status Send(const Tensor& t, int peer) override {
     TP_RETURN_IF_ERROR(comm_internal::CheckPeer(name(), "Send", peer, size_));
     TP_RETURN_IF_ERROR(CheckDevice("Send", t));
-    return Run("Send", peer,
-               [&] { return ncclSend(t.data, t.bytes(), ncclUint8, peer, comm_, stream_); });
+    return Run("Send", peer, [&] {
+      return ncclSend(t.data, t.bytes(), ncclUint8, peer, comm_, compute_stream_);
+    });
   }
 
   absl::Status Recv(Tensor t, int peer) override {
     TP_RETURN_IF_ERROR(comm_internal::CheckPeer(name(), "Recv", peer, size_));
     TP_RETURN_IF_ERROR(CheckDevice("Recv", t));
-    return Run("Recv", peer,
-               [&] { return ncclRecv(t.data, t.bytes(), ncclUint8, peer, comm_, stream_); });
+    return Run("Recv", peer, [&] {
+      return ncclRecv(t.data, t.bytes(), ncclUint8, peer, comm_, compute_stream_);
+    });
   }
 
   absl::Status Broadcast(Tensor t, int root) override {
     TP_RETURN_IF_ERROR(comm_internal::CheckPeer(name(), "Broadcast root", root, size_));
     TP_RETURN_IF_ERROR(CheckDevice("Broadcast", t));
     return Run("Broadcast", root, [&] {
-      return ncclBroadcast(t.data, t.data, t.bytes(), ncclUint8, root, comm_, stream_);
+      return ncclBroadcast(t.data, t.data, t.bytes(), ncclUint8, root, comm_, compute_stream_);
     });
   }
 
  private:
+  // An operation enqueued on the compute stream and not yet seen finished by the watchdog.
+  struct Pending {
+    cudaEvent_t event;  // recorded on the compute stream right after the operation
+    const char* op;
+    int peer;
+    absl::Time start;
+  };
+
   absl::Status CheckDevice(const char* op, const Tensor& t) {
     if (t.device == Device::kCuda) return absl::OkStatus();
     return absl::InvalidArgumentError(
@@ -152,44 +177,116 @@ class NcclCommunicator : public Communicator {
                         peer < 0 ? std::string("all ranks") : absl::StrCat("peer ", peer));
   }
 
-  absl::Status Abort(absl::Status s) {
-    broken_ = s;
-    ncclCommAbort(comm_);
-    return s;
+  // Records `s` as the reason the communicator is unusable and aborts it; NCCL kernels still
+  // queued or running return, so a host wait on the stream ends. The first error wins.
+  // mu_ must be held.
+  absl::Status AbortLocked(absl::Status s) {
+    if (broken_.ok()) {
+      broken_ = s;
+      ncclCommAbort(comm_);
+    }
+    return broken_;
   }
 
+  // The watchdog's abort: the reason is recorded under mu_ (from then on no call touches comm_),
+  // the abort itself runs without it, so that Health() answers at once even while ncclCommAbort
+  // waits for the device.
+  void WatchdogAbort(std::unique_lock<std::mutex>& lock, absl::Status s) {
+    if (!broken_.ok()) return;
+    broken_ = std::move(s);
+    lock.unlock();
+    ncclCommAbort(comm_);
+    lock.lock();
+  }
+
+  // Enqueues an operation on the compute stream and returns without waiting for it: the
+  // results are ready for the compute stream (and for host waits on it). Outside a CUDA graph
+  // capture the watchdog then follows it until it finishes; under capture the graph's replays
+  // are followed instead (TrackStreamWork).
   template <typename Enqueue>
   absl::Status Run(const char* op, int peer, Enqueue enqueue) {
+    std::lock_guard<std::mutex> lock(mu_);
     if (!broken_.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
           What(op, peer), ": communicator unusable after an earlier error: ", broken_.message()));
     }
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    TP_CUDA_CHECK(cudaStreamIsCapturing(compute_stream_, &capture));
     const absl::Time start = absl::Now();
-    const absl::Time deadline = start + timeout_;
-    TP_CUDA_CHECK(cudaEventRecord(ready_, compute_stream_));
-    TP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
     ncclResult_t r = enqueue();
     bool timed_out = false;
-    if (r == ncclInProgress) r = PollAsync(comm_, deadline, &timed_out);
-    if (timed_out) return Abort(TimeoutError(op, peer, start, "enqueueing"));
-    if (r != ncclSuccess) return Abort(NcclError(op, peer, r));
-    TP_CUDA_CHECK(cudaEventRecord(done_, stream_));
+    if (r == ncclInProgress) r = PollAsync(comm_, start + timeout_, &timed_out);
+    if (timed_out) return AbortLocked(TimeoutError(op, peer, start, "enqueueing"));
+    if (r != ncclSuccess) return AbortLocked(NcclError(op, peer, r));
+    if (capture == cudaStreamCaptureStatusNone) WatchLocked(op, peer, start);
+    return absl::OkStatus();
+  }
+
+  // mu_ held: records an event after the work queued so far and hands it to the watchdog.
+  void WatchLocked(const char* op, int peer, absl::Time start) {
+    cudaEvent_t event = nullptr;
+    if (!free_events_.empty()) {
+      event = free_events_.back();
+      free_events_.pop_back();
+    } else {
+      TP_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    }
+    TP_CUDA_CHECK(cudaEventRecord(event, compute_stream_));
+    pending_.push_back({event, op, peer, start});
+    wake_.notify_all();
+  }
+
+ public:
+  void TrackStreamWork(const char* what) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!broken_.ok()) return;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(compute_stream_, &capture) != cudaSuccess ||
+        capture != cudaStreamCaptureStatusNone) {
+      return;
+    }
+    WatchLocked(what, -1, absl::Now());
+  }
+
+ private:
+  // Follows the pending operations in order: a finished one is dropped; one still running
+  // after the timeout, a CUDA error or an asynchronous NCCL error aborts the communicator.
+  void WatchdogLoop() {
+    std::unique_lock<std::mutex> lock(mu_);
     absl::Duration sleep = absl::Microseconds(20);
-    while (true) {
-      const cudaError_t e = cudaEventQuery(done_);
-      if (e == cudaSuccess) break;
+    while (!stop_) {
+      if (pending_.empty() || !broken_.ok()) {
+        wake_.wait(lock, [&] { return stop_ || (!pending_.empty() && broken_.ok()); });
+        sleep = absl::Microseconds(20);
+        continue;
+      }
+      const Pending p = pending_.front();
+      const cudaError_t e = cudaEventQuery(p.event);
+      if (e == cudaSuccess) {
+        pending_.pop_front();
+        free_events_.push_back(p.event);
+        sleep = absl::Microseconds(20);
+        continue;
+      }
       if (e != cudaErrorNotReady) {
-        return Abort(
-            absl::InternalError(absl::StrCat(What(op, peer), ": CUDA error ", cudaGetErrorName(e),
-                                             " (", cudaGetErrorString(e), ")")));
+        WatchdogAbort(lock, absl::InternalError(absl::StrCat(What(p.op, p.peer), ": CUDA error ",
+                                                             cudaGetErrorName(e), " (",
+                                                             cudaGetErrorString(e), ")")));
+        continue;
       }
       ncclResult_t state = ncclSuccess;
       ncclCommGetAsyncError(comm_, &state);
-      if (state != ncclSuccess && state != ncclInProgress) return Abort(NcclError(op, peer, state));
-      if (absl::Now() >= deadline) return Abort(TimeoutError(op, peer, start, "waiting for"));
-      Backoff(start, &sleep);
+      if (state != ncclSuccess && state != ncclInProgress) {
+        WatchdogAbort(lock, NcclError(p.op, p.peer, state));
+        continue;
+      }
+      if (absl::Now() - p.start >= timeout_) {
+        WatchdogAbort(lock, TimeoutError(p.op, p.peer, p.start, "waiting for"));
+        continue;
+      }
+      wake_.wait_for(lock, absl::ToChronoMicroseconds(sleep), [&] { return stop_; });
+      sleep = std::min(sleep * 2, absl::Microseconds(500));
     }
-    return absl::OkStatus();
   }
 
   absl::Status TimeoutError(const char* op, int peer, absl::Time start, const char* phase) {
@@ -210,10 +307,14 @@ class NcclCommunicator : public Communicator {
   cudaStream_t compute_stream_;
   absl::Duration timeout_;
   std::string name_;
-  cudaStream_t stream_ = nullptr;
-  cudaEvent_t ready_ = nullptr;
-  cudaEvent_t done_ = nullptr;
+  // Guards everything below and every call into comm_ (the watchdog aborts it).
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<Pending> pending_;
+  std::vector<cudaEvent_t> free_events_;
   absl::Status broken_;
+  bool stop_ = false;
+  std::thread watchdog_;  // last: started once the rest exists
 };
 
 }  // namespace

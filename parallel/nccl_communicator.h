@@ -1,5 +1,6 @@
-// The NCCL communicator: collectives and send/recv on device memory (one GPU per rank), run on
-// the communicator's own stream, with a deadline that aborts the NCCL communicator.
+// The NCCL communicator: collectives and send/recv on device memory (one GPU per rank),
+// enqueued on the compute stream without a host wait, followed by a watchdog that aborts the
+// NCCL communicator at a deadline.
 // Only built when CUDA is on (TPSERVE_WITH_NCCL).
 #pragma once
 
@@ -24,12 +25,15 @@ absl::StatusOr<ncclUniqueId> NcclUniqueIdFromBytes(const std::string& bytes);
 // given up after `timeout`.
 //
 // `compute_stream` is the stream that produces and consumes the tensors (nullptr: the legacy
-// default stream). Each operation makes the communicator's own stream wait for the work queued
-// on `compute_stream`, runs the NCCL call there, and returns once it has finished (host wait
-// polled with a deadline), so results are ready for any stream. A call that does not finish in
-// `timeout` (or an asynchronous NCCL error) aborts the communicator (ncclCommAbort) and returns
-// DeadlineExceeded / Unavailable naming the group, the rank, the peer and the operation; the
-// communicator is unusable afterwards and the process should exit.
+// default stream). Each operation is enqueued on `compute_stream` and the call returns without
+// waiting for it (stream-ordered: a CUDA graph capture on that stream captures it), so its
+// results are ready for that stream and for host waits on it, not for other streams. A watchdog
+// thread follows every operation enqueued outside a capture (and the work named by
+// TrackStreamWork, e.g. graph replays): one not finished `timeout` after it was enqueued, or an
+// asynchronous NCCL or CUDA error, aborts the communicator (ncclCommAbort: its queued kernels
+// return, so host waits end) and is kept as the reason, naming the group, the rank, the peer and
+// the operation. Health() returns it, and every later call fails with it; the process should
+// exit. An enqueue that itself does not finish in `timeout` aborts at once.
 //
 // AllReduceSum: f32 and bf16 (NCCL's native bf16 sum). Tensors must be device tensors.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const ncclUniqueId& id, int rank,
