@@ -86,7 +86,11 @@ absl::StatusOr<std::unique_ptr<ShardRunner>> ShardRunner::Create(
   r->model_ = std::move(loaded.model);
   r->cache_ = std::move(loaded.cache);
 #ifdef TPSERVE_HAVE_CUDA
-  if (cuda != nullptr && options.cuda_graphs && plan.tp == 1 && plan.pp == 1) {
+  // Graphs need every collective of a decode step to be stream-ordered: at tp > 1 the TP
+  // group's all-reduce and all-gather (the custom IPC kernels or NCCL), not the host-staged MPI
+  // ones. pp > 1 stays eager (the stage boundary's send / recv are not captured yet).
+  const bool capturable_tp = plan.tp == 1 || comms.tp->stream_ordered_collectives();
+  if (cuda != nullptr && options.cuda_graphs && plan.pp == 1 && capturable_tp) {
     // Decode graphs are captured by WarmUpGraphs (else on the first use of each bucket).
     r->graphs_ =
         std::make_unique<CudaGraphRunner>(cuda, r->model_.get(), r->cache_.get(), reserve.max_seqs);
@@ -96,6 +100,11 @@ absl::StatusOr<std::unique_ptr<ShardRunner>> ShardRunner::Create(
 #endif
   const RankShard& shard = r->model_->shard();
   r->sampler_ = shard.last_stage && (shard.tp_rank == 0 || options.sample_on_every_tp_rank);
+  // With graphs at tp > 1 every rank of the group samples the same all-gathered logits, so the
+  // fed ids need no host-staged broadcast between the graph replays.
+  r->every_tp_rank_samples_ =
+      options.sample_on_every_tp_rank || (plan.tp > 1 && r->graphs_ != nullptr);
+  r->samples_ = shard.last_stage && (shard.tp_rank == 0 || r->every_tp_rank_samples_);
   r->tp_ = plan.tp;
   r->pp_ = plan.pp;
   r->comms_ = comms;
@@ -208,7 +217,12 @@ absl::Status ShardRunner::WarmUpGraphs() {
 
 absl::StatusOr<Tensor> ShardRunner::Forward(const BatchMeta& meta, bool graphs) {
 #ifdef TPSERVE_HAVE_CUDA
-  if (graphs && UsesGraphs(meta)) return graphs_->RunDecode(meta);
+  if (graphs && UsesGraphs(meta)) {
+    absl::StatusOr<Tensor> logits = graphs_->RunDecode(meta);
+    // The replay's collectives are not visible to a watchdog one by one: it follows the replay.
+    if (logits.ok() && tp_ > 1) comms_.tp->TrackStreamWork("a decode graph replay");
+    return logits;
+  }
 #else
   (void)graphs;
 #endif
@@ -261,13 +275,13 @@ absl::Status ShardRunner::ResolveFeeds(const worker::StepPlan& plan, BatchMeta& 
                      pp_, " pipeline stages)"));
   }
   std::vector<int32_t> ids(rows.size(), -1);
-  if (sampler_) {
+  if (samples_) {
     for (size_t k = 0; k < rows.size(); ++k) {
       auto it = last_sampled_.find(plan.seqs(rows[k]).seq_id());
       if (it != last_sampled_.end()) ids[k] = it->second;
     }
   }
-  if (tp_ > 1 && !options_.sample_on_every_tp_rank) {
+  if (tp_ > 1 && !every_tp_rank_samples_) {
     // Every rank of the group embeds the same token: tp rank 0 (the sampler) sends its ids.
     // A missing id travels as -1, so that all ranks fail the step alike.
     const size_t bytes = ids.size() * sizeof(int32_t);
@@ -276,9 +290,10 @@ absl::Status ShardRunner::ResolveFeeds(const worker::StepPlan& plan, BatchMeta& 
           ops_, std::max(bytes, sizeof(int32_t) * std::max(1, options_.model.max_batch_seqs)));
     }
     Tensor t(feed_ids_->get(), {static_cast<int64_t>(ids.size())}, DType::kI32, ops_->device());
-    if (sampler_) ops_->CopyToDevice(t.data, ids.data(), bytes);
+    if (samples_) ops_->CopyToDevice(t.data, ids.data(), bytes);
     TP_RETURN_IF_ERROR(comms_.tp->Broadcast(t, 0));
     ops_->CopyToHost(ids.data(), t.data, bytes);
+    TP_RETURN_IF_ERROR(comms_.tp->Health());
   }
   for (size_t k = 0; k < rows.size(); ++k) {
     if (ids[k] < 0) {
@@ -318,8 +333,11 @@ absl::Status ShardRunner::ApplyRepetitionPenalty(const Tensor& logits, int row, 
 
 absl::StatusOr<worker::StepResult> ShardRunner::Run(const worker::StepPlan& plan,
                                                     std::vector<std::vector<float>>* logits_out) {
+  // Stream-ordered collectives report a failure of an earlier step here (or below, after the
+  // host waits for the sampled ids).
+  TP_RETURN_IF_ERROR(CommsHealth());
   TP_ASSIGN_OR_RETURN(BatchMeta meta, MakeBatch(plan, cache_->block_size(), cache_->num_blocks()));
-  if (sampler_) {
+  if (samples_) {
     for (uint64_t id : plan.finished_seq_ids()) last_sampled_.erase(id);
   }
   TP_RETURN_IF_ERROR(ResolveFeeds(plan, meta));
@@ -330,7 +348,7 @@ absl::StatusOr<worker::StepResult> ShardRunner::Run(const worker::StepPlan& plan
                      meta.logits_rows.size(), " sampled rows; this shard was sized for ",
                      options_.model.max_batch_tokens, " and ", options_.model.max_batch_seqs));
   }
-  if (sampler_) {
+  if (samples_) {
     // Validate before the forward: a bad plan must not leave a half-run step behind.
     for (const worker::SeqStep& s : plan.seqs()) {
       if (!s.sample()) continue;
@@ -362,13 +380,23 @@ absl::StatusOr<worker::StepResult> ShardRunner::Run(const worker::StepPlan& plan
     }
   }
   TP_ASSIGN_OR_RETURN(Tensor logits, Forward(meta));
-  if (!sampler_ || meta.logits_rows.empty()) return worker::StepResult();
+  if (!samples_ || meta.logits_rows.empty()) return worker::StepResult();
   TP_ASSIGN_OR_RETURN(worker::StepResult result, Sample(plan, logits, logits_out));
+  // The ids are on the host: the collectives behind them finished, or a watchdog aborted them
+  // and the ids are garbage.
+  TP_RETURN_IF_ERROR(CommsHealth());
   int row = 0;
   for (const worker::SeqStep& s : plan.seqs()) {
     if (s.sample()) last_sampled_[s.seq_id()] = result.token_ids(row++);
   }
+  if (!sampler_) return worker::StepResult();  // sampled only to feed its own next step
   return result;
+}
+
+absl::Status ShardRunner::CommsHealth() {
+  if (comms_.tp != nullptr) TP_RETURN_IF_ERROR(comms_.tp->Health());
+  if (comms_.pp != nullptr) TP_RETURN_IF_ERROR(comms_.pp->Health());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<worker::StepResult> ShardRunner::Sample(

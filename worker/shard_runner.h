@@ -32,12 +32,16 @@ struct ShardRunnerOptions {
   // --kv-cache-dtype (ShardLoadOptions::kv_cache_dtype): nullopt is the compute dtype.
   std::optional<DType> kv_cache_dtype;
   ModelOptions model;
-  // Replay decode-only steps as CUDA graphs. The rule (UsesGraphs): CUDA ops, tp = pp = 1 and
-  // this switch on; host-staged communicators cannot be captured.
+  // Replay decode-only steps as CUDA graphs. The rule (UsesGraphs): CUDA ops, pp = 1, this
+  // switch on, and at tp > 1 a TP communicator whose collectives are stream-ordered
+  // (Communicator::stream_ordered_collectives: NCCL, the custom all-reduce); host-staged MPI
+  // collectives cannot be captured.
   bool cuda_graphs = true;
-  // Which ranks sample: the last stage's tp rank 0 (a worker: only its result is read), or
-  // every tp rank of the last stage (the in-process engine, whose ranks all need the ids to
-  // go on in lockstep; they sample the same all-gathered logits, so they agree).
+  // Which ranks sample and report: the last stage's tp rank 0 (a worker: only its result is
+  // read), or every tp rank of the last stage (the in-process engine, whose ranks all need the
+  // ids to go on in lockstep; they sample the same all-gathered logits, so they agree). With
+  // graphs at tp > 1 every rank samples anyway (so that no host-staged broadcast of the fed ids
+  // stands between replays); only the reporting ranks return the result.
   bool sample_on_every_tp_rank = false;
   // Deterministic mode (--deterministic, Ops::SetDeterministic): a token's result does not
   // depend on the rest of the batch. Set on the ops before anything is sized.
@@ -110,13 +114,17 @@ class ShardRunner {
   // Replaces the placeholder of every feed_last_sampled sequence of `plan` in `meta` by the id
   // sampled for it in the previous step (identical on every rank of the TP group).
   absl::Status ResolveFeeds(const worker::StepPlan& plan, BatchMeta& meta);
+  // The TP and PP communicators' Health() (stream-ordered work that failed after its call).
+  absl::Status CommsHealth();
 
   Ops* ops_ = nullptr;
   ShardRunnerOptions options_;
   std::unique_ptr<LlamaModel> model_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<CudaGraphRunner> graphs_;
-  bool sampler_ = false;
+  bool sampler_ = false;                // reports the step's result (is_sampler)
+  bool samples_ = false;                // samples (the reporting rank, or every tp rank)
+  bool every_tp_rank_samples_ = false;  // so each feeds its own ids, no broadcast
   int tp_ = 1, pp_ = 1;
   int graph_max_seqs_ = 0, graph_max_blocks_ = 0;  // the largest graph buckets (CUDA)
   ParallelContext comms_;
