@@ -8,7 +8,9 @@ build=${TPSERVE_GPU_BUILD_DIR:-build-gpu}
 # shrink under xz) a binary carries ~4x smaller, and the H200 needs no JIT.
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPSERVE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a-real >/dev/null
-targets=(tpserve tpserve-engine-bench ${TPSERVE_GPU_TESTS:-})
+# TPSERVE_GPU_BASE replaces the default pair (e.g. to leave the engine bench out when the carried
+# tree would pass its 64 MiB limit).
+targets=(${TPSERVE_GPU_BASE:-tpserve tpserve-engine-bench} ${TPSERVE_GPU_TESTS:-})
 ninja -C "$build" -j2 "${targets[@]}"
 rm -rf .carry/gpu && mkdir -p .carry/gpu/bin
 for t in "${targets[@]}"; do

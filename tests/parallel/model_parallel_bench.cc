@@ -1,8 +1,12 @@
-// The cost of the host-staged MPI communicator for the whole model on the CPU: decode ms per
-// token (and prefill ms) of Engine::Generate with a tp x pp layout over MPI, to compare with
-// one rank. Run under mpirun with tp * pp ranks:
+// The cost of model parallelism for the whole model: decode ms per token (and prefill ms) of
+// Engine::Generate with a tp x pp layout, to compare with one rank. On the CPU through the
+// host-staged MPI communicator; with --device cuda every rank on one GPU (or rank % GPUs), the
+// TP group's collectives by the backend (MPI when ranks share a GPU, else NCCL) or by the custom
+// IPC kernels (--all-reduce custom), decode steps as CUDA graphs unless --graphs 0 (graphs need
+// stream-ordered collectives: custom or NCCL). Run under mpirun with tp * pp ranks:
 //   mpirun -np 2 model_parallel_bench --tp 2 --pp 1 [--model DIR] [--batch 1] [--prompt 32]
-//       [--new-tokens 128] [--repeats 3]
+//       [--new-tokens 128] [--repeats 3] [--device cpu|cuda] [--all-reduce backend|custom]
+//       [--graphs 0|1]
 #include <mpi.h>
 
 #include <algorithm>
@@ -17,6 +21,9 @@
 #include "kernels/ops.h"
 #include "parallel/process_groups.h"
 #include "worker/engine.h"
+#ifdef TPSERVE_HAVE_CUDA
+#include "kernels/cuda/cuda_ops.h"
+#endif
 
 namespace tpserve {
 namespace {
@@ -29,6 +36,10 @@ class TimedCommunicator : public Communicator {
   int size() const override { return inner_->size(); }
   std::string name() const override { return inner_->name(); }
   bool buffers_small_sends() const override { return inner_->buffers_small_sends(); }
+  // Stream-ordered calls only enqueue: the time counted is the host's, not the transfer's.
+  bool stream_ordered_collectives() const override { return inner_->stream_ordered_collectives(); }
+  absl::Status Health() override { return inner_->Health(); }
+  void TrackStreamWork(const char* what) override { inner_->TrackStreamWork(what); }
   absl::Status AllReduceSum(Tensor t) override {
     return Time([&] { return inner_->AllReduceSum(t); });
   }
@@ -74,6 +85,8 @@ int Main(int argc, char** argv) {
     return 2;
   }
   int tp = 1, pp = 1, batch = 1, prompt_len = 32, new_tokens = 128, repeats = 3, micro = 0;
+  int graphs = 1;
+  std::string device = "cpu", all_reduce = "backend";
   const char* src = std::getenv("TPSERVE_SOURCE_DIR");
   std::string model = absl::StrCat(src != nullptr ? src : ".", "/models/tiny-coder");
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -95,15 +108,48 @@ int Main(int argc, char** argv) {
       repeats = std::atoi(value);
     } else if (flag == "--model") {
       model = value;
+    } else if (flag == "--device") {
+      device = value;
+    } else if (flag == "--all-reduce") {
+      all_reduce = value;
+    } else if (flag == "--graphs") {
+      graphs = std::atoi(value);
     } else {
       fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
     }
   }
-  std::unique_ptr<Ops> ops = MakeCpuOps();
+  if ((device != "cpu" && device != "cuda") ||
+      (all_reduce != "backend" && all_reduce != "custom")) {
+    fprintf(stderr, "--device takes cpu or cuda, --all-reduce backend or custom\n");
+    return 2;
+  }
+  int world_rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  int gpu = 0;  // rank % GPUs: every rank on the one GPU of a one-GPU machine
+#ifdef TPSERVE_HAVE_CUDA
+  if (device == "cuda" && CudaDeviceCount() > 0) gpu = world_rank % CudaDeviceCount();
+#endif
+  absl::StatusOr<std::unique_ptr<Ops>> made_ops = MakeOps(device, gpu);
+  if (!made_ops.ok()) {
+    fprintf(stderr, "ops: %s\n", made_ops.status().ToString().c_str());
+    return 3;
+  }
+  std::unique_ptr<Ops> ops = std::move(made_ops).value();
   GroupOptions group_options;
   group_options.tp = tp;
   group_options.pp = pp;
+  if (device == "cuda") {
+    // NCCL across GPUs; ranks that share a GPU fall back to MPI by themselves.
+    group_options.backend = CommBackend::kNccl;
+#ifdef TPSERVE_HAVE_CUDA
+    group_options.cuda_stream = static_cast<CudaOps*>(ops.get())->stream();
+#endif
+    if (all_reduce == "custom") group_options.all_reduce = AllReduceImpl::kCustom;
+  } else if (all_reduce == "custom") {
+    fprintf(stderr, "--all-reduce custom needs --device cuda\n");
+    return 2;
+  }
   absl::StatusOr<ProcessGroups> groups =
       MakeProcessGroupsFromMpi(MPI_COMM_WORLD, group_options, ops.get());
   if (!groups.ok()) {
@@ -113,6 +159,10 @@ int Main(int argc, char** argv) {
   EngineOptions options;
   options.ops = ops.get();
   options.num_kv_blocks = 256;
+  options.cuda_graphs = graphs != 0;
+  // Graph buckets (captured at warm-up) up to the batch, not up to the default 256 sequences.
+  options.model.max_batch_seqs = std::max(batch, 1);
+  options.model.max_batch_tokens = std::max(2048, batch * prompt_len);
   options.tp = tp;
   options.pp = pp;
   options.rank = groups->rank;
@@ -157,11 +207,13 @@ int Main(int argc, char** argv) {
   }
   // Every rank reports: the time in communicator calls includes waiting for slower peers.
   printf(
-      "model_parallel_bench: rank %d of tp=%d pp=%d (micro-batches %d), batch=%d prompt=%d "
-      "new_tokens=%d: prefill %.3f ms, decode %.3f ms/step, %.0f tokens/s overall (medians of "
-      "%d runs); in the communicators %.3f ms/step (%.1f calls/step, all steps)\n",
-      groups->rank, tp, pp, micro, batch, prompt_len, new_tokens, Median(prefill), Median(decode),
-      Median(tokens_per_s), repeats, measured_steps > 0 ? measured_comm_ms / measured_steps : 0.0,
+      "model_parallel_bench: rank %d of tp=%d pp=%d (micro-batches %d) on %s, %s, %s, batch=%d "
+      "prompt=%d new_tokens=%d: prefill %.3f ms, decode %.3f ms/step, %.0f tokens/s overall "
+      "(medians of %d runs); in the communicators %.3f ms/step (%.1f calls/step, all steps)\n",
+      groups->rank, tp, pp, micro, device.c_str(), groups->tp_comm->name().c_str(),
+      (*engine)->runner().num_graphs() > 0 ? "decode graphs" : "eager decode", batch, prompt_len,
+      new_tokens, Median(prefill), Median(decode), Median(tokens_per_s), repeats,
+      measured_steps > 0 ? measured_comm_ms / measured_steps : 0.0,
       measured_steps > 0 ? static_cast<double>(measured_calls) / measured_steps : 0.0);
   fflush(stdout);
   engine->reset();
