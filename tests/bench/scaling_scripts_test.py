@@ -189,6 +189,26 @@ class TpModelTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             tp_model.ar_us("custom", 8, 1 << 30)
 
+    def test_shard_model_reproduces_tp1_and_keeps_its_shape(self):
+        m = tp_model.MEASURED
+        rows = {(r["config"], r["all_reduce"]): r for r in tp_model.shard_table()}
+        self.assertAlmostEqual(rows[("tp1", "-")]["batch1_ms"], m["batch1_ms"], places=9)
+        self.assertAlmostEqual(rows[("tp1", "-")]["batch64_tokens_per_s"],
+                               64 / m["batch64_ms"] * 1e3, places=6)
+        for impl in ("custom", "vllm"):
+            prev = 1.0
+            for tp in (2, 4, 8):
+                r = rows[(f"tp{tp}", impl)]
+                self.assertGreater(r["batch1_speedup"], prev)
+                self.assertLess(r["batch1_speedup"], tp)
+                self.assertLess(r["batch64_speedup"], tp)
+                prev = r["batch1_speedup"]
+        # Slower shard kernels than the bandwidth model assumes: never a better prediction.
+        bw = {(r["config"], r["all_reduce"]): r for r in tp_model.table()}
+        for tp in (2, 4, 8):
+            self.assertLessEqual(rows[(f"tp{tp}", "custom")]["batch1_speedup"],
+                                 bw[(f"tp{tp}", "custom")]["batch1_speedup"])
+
     def test_cli_json(self):
         out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "scaling", "tp_model.py"),
                               "--json"], capture_output=True, text=True, check=True).stdout

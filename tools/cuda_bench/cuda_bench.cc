@@ -5,7 +5,8 @@
 //   tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm]   (--m1: only the batch-1
 //   decode kernels, a short run; --attention: copy bandwidth and the attention kernels; --decode:
 //   the same with every decode-attention kernel and partition for each KV-cache dtype;
-//   --det-gemm: the GEMMs of deterministic mode against the default path at M = 1 .. 2048)
+//   --det-gemm: the GEMMs of deterministic mode against the default path at M = 1 .. 2048;
+//   --shards: one decode layer's GEMMs and attention at the shard shapes of TP = 1, 2, 4, 8)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -181,7 +182,101 @@ void DeterministicGemms(CudaOps& ops, double copy_gbs) {
   ops.Free(ybuf);
 }
 
-int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm) {
+// `seqs` sequences of `qlen` new tokens ending at context `ctx`, each with its own consecutive
+// KV blocks of `bs` tokens.
+BatchMeta PagedBatch(int seqs, int qlen, int ctx, int bs) {
+  BatchMeta m;
+  m.num_seqs = seqs;
+  m.block_size = bs;
+  m.max_blocks_per_seq = (ctx + bs - 1) / bs;
+  m.query_start.push_back(0);
+  for (int sq = 0; sq < seqs; ++sq) {
+    for (int b = 0; b < m.max_blocks_per_seq; ++b)
+      m.block_tables.push_back(sq * m.max_blocks_per_seq + b);
+    for (int i = 0; i < qlen; ++i) {
+      int pos = ctx - qlen + i;
+      m.positions.push_back(pos);
+      m.slot_mapping.push_back((sq * m.max_blocks_per_seq + pos / bs) * bs + pos % bs);
+    }
+    m.query_start.push_back(m.query_start.back() + qlen);
+    m.context_lens.push_back(ctx);
+  }
+  m.num_tokens = seqs * qlen;
+  return m;
+}
+
+// The kernels of one decode layer at the shard shapes of TP = 1, 2, 4, 8 (issue 21's scaling
+// model): each GEMM of the 6.7B layer with N (column-parallel: qkv, gate_up, lm_head) or K
+// (row-parallel: o, down) divided by TP, through the default path (ops.Gemm), at M = 1 and 64;
+// decode attention over 32 / TP heads (bf16 KV) at batch 1, context 576 (the engine bench's
+// batch-1 average: prompt 512 + 128 new tokens) and batch 64, context 1024. Weights and KV
+// rotate / exceed the L2; the per-layer sums are what tools/scaling/tp_model.py reads.
+void ShardShapes(CudaOps& ops, double copy_gbs) {
+  cudaStream_t s = ops.stream();
+  const int kMaxM = 64, hd = 128, bs = 16;
+  void* xbuf = ops.Alloc(size_t{2} * kMaxM * 11008);
+  void* ybuf = ops.Alloc(size_t{2} * kMaxM * 32256);
+  FillRandom(xbuf, size_t{2} * kMaxM * 11008, 1.0f);
+  for (int tp : {1, 2, 4, 8}) {
+    const Shape shapes[] = {{"qkv", 12288 / tp, 4096},
+                            {"o", 4096, 4096 / tp},
+                            {"gate_up", 22016 / tp, 4096},
+                            {"down", 4096, 11008 / tp},
+                            {"lm_head", 32256 / tp, 4096}};
+    double layer_us[2] = {0, 0};  // M = 1, M = 64: the four layer GEMMs
+    for (const Shape& sh : shapes) {
+      RotatingWeights rw(ops, sh);
+      const size_t wbytes = rw.bytes;
+      for (int mi = 0; mi < 2; ++mi) {
+        const int m = mi == 0 ? 1 : kMaxM;
+        Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
+        Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
+        const double ms = MedianMs(s, 50, [&](int i) { ops.Gemm(x, rw.At(i), nullptr, y); });
+        const double gbs = wbytes / ms / 1e6;
+        Add(Fmt("shard tp=%g ", tp) + sh.name + " " + std::to_string(sh.n) + "x" +
+                std::to_string(sh.k) + " M=" + std::to_string(m),
+            ms, Fmt("%.0f GB/s = %.1f%% of copy", gbs, 100.0 * gbs / copy_gbs));
+        if (std::string(sh.name) != "lm_head") layer_us[mi] += ms * 1e3;
+      }
+    }
+    const int heads = 32 / tp;
+    double attn_us[2] = {0, 0};
+    for (int ai = 0; ai < 2; ++ai) {
+      const int B = ai == 0 ? 1 : 64, ctx = ai == 0 ? 576 : 1024;
+      BatchMeta m = PagedBatch(B, 1, ctx, bs);
+      const int64_t rows = int64_t{B} * m.max_blocks_per_seq * bs * heads;
+      const size_t kv_bytes = size_t{2} * rows * hd;
+      void *q = ops.Alloc(size_t{2} * B * heads * hd), *o = ops.Alloc(size_t{2} * B * heads * hd);
+      void *kc = ops.Alloc(kv_bytes), *vc = ops.Alloc(kv_bytes);
+      FillRandom(q, size_t{2} * B * heads * hd, 1.0f);
+      FillRandom(kc, kv_bytes, 1.0f);
+      FillRandom(vc, kv_bytes, 1.0f);
+      ops.SetBatch(m);
+      Tensor tq(q, {B, heads * hd}, DType::kBF16, Device::kCuda),
+          to(o, {B, heads * hd}, DType::kBF16, Device::kCuda);
+      Tensor tk(kc, {B * m.max_blocks_per_seq, bs, heads, hd}, DType::kBF16, Device::kCuda),
+          tv(vc, {B * m.max_blocks_per_seq, bs, heads, hd}, DType::kBF16, Device::kCuda);
+      const double ms = MedianMs(
+          s, 50, [&](int) { ops.AttentionDecode(tq, tk, tv, heads, heads, hd, 0.0884f, to); });
+      Add(Fmt("shard tp=%g decode attention B=%g", tp, B) + " ctx " + std::to_string(ctx) + " " +
+              std::to_string(heads) + " heads",
+          ms,
+          Fmt("%.0f GB/s KV = %.1f%% of copy", 2.0 * kv_bytes / ms / 1e6,
+              100.0 * 2.0 * kv_bytes / ms / 1e6 / copy_gbs));
+      attn_us[ai] = ms * 1e3;
+      for (void* p : {q, o, kc, vc}) ops.Free(p);
+    }
+    for (int i = 0; i < 2; ++i) {
+      Add(Fmt("shard tp=%g layer ", tp) + (i == 0 ? "M=1" : "M=64"),
+          (layer_us[i] + attn_us[i]) / 1e3,
+          Fmt("GEMMs %.1f us + decode attention %.1f us", layer_us[i], attn_us[i]));
+    }
+  }
+  ops.Free(xbuf);
+  ops.Free(ybuf);
+}
+
+int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bool shards) {
   if (CudaDeviceCount() == 0) {
     std::printf("no CUDA device\n");
     return 0;
@@ -210,6 +305,10 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm) {
   ops.Free(dst);
   if (det_gemm) {
     DeterministicGemms(ops, copy_gbs);
+    return PrintSummary(copy_gbs);
+  }
+  if (shards) {
+    ShardShapes(ops, copy_gbs);
     return PrintSummary(copy_gbs);
   }
 
@@ -271,26 +370,7 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm) {
 
   // 4. Attention. 6.7B: 32 heads, 32 KV heads, head_dim 128, block size 16.
   const int hq = 32, hk = 32, d = 128, bs = 16;
-  auto batch = [&](int seqs, int qlen, int ctx) {
-    BatchMeta m;
-    m.num_seqs = seqs;
-    m.block_size = bs;
-    m.max_blocks_per_seq = (ctx + bs - 1) / bs;
-    m.query_start.push_back(0);
-    for (int sq = 0; sq < seqs; ++sq) {
-      for (int b = 0; b < m.max_blocks_per_seq; ++b)
-        m.block_tables.push_back(sq * m.max_blocks_per_seq + b);
-      for (int i = 0; i < qlen; ++i) {
-        int pos = ctx - qlen + i;
-        m.positions.push_back(pos);
-        m.slot_mapping.push_back((sq * m.max_blocks_per_seq + pos / bs) * bs + pos % bs);
-      }
-      m.query_start.push_back(m.query_start.back() + qlen);
-      m.context_lens.push_back(ctx);
-    }
-    m.num_tokens = seqs * qlen;
-    return m;
-  };
+  auto batch = [&](int seqs, int qlen, int ctx) { return PagedBatch(seqs, qlen, ctx, bs); };
   if (!m1_only) {
     const int T = 2048;
     BatchMeta m = batch(1, T, T);
@@ -386,11 +466,12 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm) {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (!mode.empty() && mode != "--m1" && mode != "--attention" && mode != "--decode" &&
-      mode != "--det-gemm") {
-    std::fprintf(stderr,
-                 "usage: tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm]\n");
+      mode != "--det-gemm" && mode != "--shards") {
+    std::fprintf(
+        stderr,
+        "usage: tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm | --shards]\n");
     return 2;
   }
   return tpserve::Main(mode == "--m1", mode == "--attention" || mode == "--decode",
-                       mode == "--decode", mode == "--det-gemm");
+                       mode == "--decode", mode == "--det-gemm", mode == "--shards");
 }
