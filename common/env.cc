@@ -50,7 +50,7 @@ const EnvVar kWorldSize = {"TPSERVE_WORLD_SIZE",
                            kMaxRanks};
 const EnvVar kWorkerCudaGraphs = {"TPSERVE_WORKER_CUDA_GRAPHS", EnvType::kBool, "1",
                                   "the service's workers replay decode steps as CUDA graphs "
-                                  "(tp = pp = 1); 0 runs them eagerly"};
+                                  "(pp = 1, stream-ordered TP collectives); 0 runs them eagerly"};
 const EnvVar kAllReduce = {"TPSERVE_ALL_REDUCE",
                            EnvType::kChoice,
                            "nccl",
@@ -72,6 +72,9 @@ const EnvVar kClusterSecret = {"TPSERVE_CLUSTER_SECRET",
                                /*bench_only=*/false,
                                /*external=*/false,
                                /*secret=*/true};
+const EnvVar kFusedAllReduceNorm = {"TPSERVE_FUSED_ALL_REDUCE_NORM", EnvType::kBool, "1",
+                                    "the custom all-reduce of a TP decode step fused with the "
+                                    "residual add and the next RMSNorm; 0: two kernels (A/B)"};
 const EnvVar kPdl = {"TPSERVE_PDL", EnvType::kBool, "1",
                      "programmatic dependent launch of the CUDA kernels (sm_90+); 0 turns it off"};
 const EnvVar kPrefillTile = {"TPSERVE_PREFILL_TILE",
@@ -312,6 +315,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kWorkerCudaGraphs,
       &env::kAllReduce,
       &env::kClusterSecret,
+      &env::kFusedAllReduceNorm,
       &env::kPdl,
       &env::kPrefillTile,
       &env::kDecodeKernel,

@@ -40,6 +40,7 @@ extern const EnvVar kWorkerCudaGraphs;
 extern const EnvVar kAllReduce;
 extern const EnvVar kClusterSecret;
 // The CUDA kernels.
+extern const EnvVar kFusedAllReduceNorm;
 extern const EnvVar kPdl;
 extern const EnvVar kPrefillTile;
 extern const EnvVar kDecodeKernel;

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/dtype.h"
 
 namespace tpserve {
@@ -41,6 +42,16 @@ class Communicator {
   // kernel), OK while it works. Call after waiting for stream-ordered work (e.g. the sampled
   // ids of a step): that work's results are garbage when this is not OK.
   virtual absl::Status Health() { return absl::OkStatus(); }
+  // residual += the sum over ranks of x; normed = RMSNorm(residual) * weight (bf16 [rows, hidden]
+  // tensors, weight [hidden]): the all-reduce of a row-parallel projection fused with the
+  // residual add and the next norm, where the communicator can (true; x is then unspecified),
+  // with the same bits as AllReduceSum(x) followed by Ops::AddRmsNorm. False: nothing was done,
+  // the caller does those two steps.
+  virtual absl::StatusOr<bool> AllReduceAddRmsNorm(Tensor x, Tensor residual, const Tensor& weight,
+                                                   float eps, Tensor normed) {
+    (void)x, (void)residual, (void)weight, (void)eps, (void)normed;
+    return false;
+  }
   // Asks the communicator's watchdog (if it has one) to follow the work queued so far on the
   // ops' stream, named `what` in a timeout error: e.g. a CUDA graph replay whose captured
   // collectives it cannot see one by one. A no-op for communicators that wait on the host.

@@ -10,8 +10,11 @@
 // both algorithms) give bit-identical results.
 //  all-gather: stage own bytes, signal, copy every rank's staged copy of the block's units to
 //            that rank's slot of the output (a one-shot without the sum).
+//  all-reduce + add + RMSNorm: a one-shot over whole rows (block b: rows b, b + kBlocks, ...),
+//            then the residual add and the norm of each summed row in the same block.
 #include <cuda_bf16.h>
 
+#include "kernels/cuda/cuda_util.cuh"  // Bf16x8, BlockSum: the norm kernel's arithmetic
 #include "parallel/custom_all_reduce.h"
 
 namespace tpserve::car {
@@ -354,6 +357,71 @@ __global__ void __launch_bounds__(kThreads) AllGatherKernel(const __grid_constan
   }
 }
 
+// One-shot all-reduce + residual add + RMSNorm (see LaunchAllReduceAddRmsNorm). The norm part is
+// kernels/cuda/rms_norm.cu's RmsNormKernel<true> line for line (same block size, loops and
+// BlockSum), fed with the all-reduce's rounded sum.
+__global__ void __launch_bounds__(kNormThreads)
+    AllReduceAddRmsNormKernel(const __grid_constant__ LaunchArgs a,
+                              const __grid_constant__ NormArgs n) {
+  using cuda::Bf16x8;
+  __shared__ int abort_shared;
+  __shared__ uint64_t epoch_shared;
+  __shared__ float scratch[32];
+  if (!BeginCall(a, &abort_shared, &epoch_shared)) return;
+  const Kernel k{a, epoch_shared, GlobalTimerNs() + a.timeout_ns, &abort_shared};
+  const int vecs = n.hidden / 8;  // 16-byte units per row
+  const uint4* x = static_cast<const uint4*>(a.data);
+  char* staged = k.Data(a.rank);
+  for (int64_t row = blockIdx.x; row < n.rows; row += kBlocks) {
+    for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
+      StoreBufferUnit(staged, row * vecs + i, x[row * vecs + i]);
+    }
+  }
+  k.Signal(0);
+  if (!k.Wait(0)) return;
+  Bf16x8* residual = static_cast<Bf16x8*>(n.residual);
+  const Bf16x8* weight = static_cast<const Bf16x8*>(n.weight);
+  Bf16x8* out = static_cast<Bf16x8*>(n.normed);
+  for (int64_t row = blockIdx.x; row < n.rows; row += kBlocks) {  // uniform in the block
+    const int64_t base = row * vecs;
+    float v[kNormMaxVecs][8];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kNormMaxVecs; ++j) {
+      const int i = threadIdx.x + j * kNormThreads;
+      if (i < vecs) {
+        const Unit<uint16_t> sum = SumUnit<uint16_t>(k, base + i);
+        Bf16x8 s8;
+        static_assert(sizeof(s8) == sizeof(sum.v), "16-byte units");
+        memcpy(&s8, &sum.v, sizeof(s8));
+        float fa[8], fr[8];
+        cuda::Bf16x8ToFloat(s8, fa);
+        cuda::Bf16x8ToFloat(residual[base + i], fr);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) fr[e] += fa[e];
+        const Bf16x8 r8 = cuda::FloatToBf16x8(fr);
+        residual[base + i] = r8;
+        cuda::Bf16x8ToFloat(r8, v[j]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += v[j][e] * v[j][e];
+      }
+    }
+    ss = cuda::BlockSum(ss, scratch);
+    const float rstd = rsqrtf(ss / n.hidden + n.eps);
+#pragma unroll
+    for (int j = 0; j < kNormMaxVecs; ++j) {
+      const int i = threadIdx.x + j * kNormThreads;
+      if (i < vecs) {
+        float w[8];
+        cuda::Bf16x8ToFloat(weight[i], w);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[j][e] = v[j][e] * rstd * w[e];
+        out[base + i] = cuda::FloatToBf16x8(v[j]);
+      }
+    }
+  }
+}
+
 bool ValidGroup(const LaunchArgs& a) {
   return a.nranks >= 1 && a.nranks <= kMaxRanks && a.rank >= 0 && a.rank < a.nranks && a.numel >= 0;
 }
@@ -367,6 +435,20 @@ cudaError_t LaunchAllGather(const LaunchArgs& args, cudaStream_t stream) {
   }
   if (args.numel == 0) return cudaSuccess;
   AllGatherKernel<<<kBlocks, kThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAllReduceAddRmsNorm(const LaunchArgs& args, const NormArgs& norm,
+                                      cudaStream_t stream) {
+  if (!ValidGroup(args) || args.f32 || args.two_shot || norm.rows < 0 || norm.hidden <= 0 ||
+      norm.hidden % 8 != 0 || norm.hidden > kNormThreads * 8 * kNormMaxVecs ||
+      args.numel != norm.rows * norm.hidden ||
+      static_cast<size_t>(args.numel) * 2 > args.max_bytes || norm.residual == nullptr ||
+      norm.weight == nullptr || norm.normed == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (args.numel == 0) return cudaSuccess;
+  AllReduceAddRmsNormKernel<<<kBlocks, kNormThreads, 0, stream>>>(args, norm);
   return cudaGetLastError();
 }
 

@@ -65,6 +65,25 @@ struct LaunchArgs {
 // Enqueues one all-reduce kernel on `stream` (graph-capturable: no host synchronisation).
 // Returns the launch error, if any.
 cudaError_t LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream);
+// The residual add and RMSNorm fused after an all-reduce (LaunchAllReduceAddRmsNorm): bf16
+// tensors [rows, hidden], hidden a multiple of 8 and at most kNormThreads * 8 * kNormMaxVecs.
+inline constexpr int kNormThreads = 256;  // the block of kernels/cuda/rms_norm.cu, for its bits
+inline constexpr int kNormMaxVecs = 8;
+struct NormArgs {
+  void* residual = nullptr;      // [rows, hidden], += the sum
+  const void* weight = nullptr;  // [hidden]
+  void* normed = nullptr;        // [rows, hidden] out
+  int64_t rows = 0;
+  int hidden = 0;
+  float eps = 0;
+};
+
+// Enqueues one all-reduce of args.data (bf16 [rows, hidden]: numel = rows * hidden) fused with
+// the residual add and the RMSNorm: one-shot, a block per row (rows b, b + kBlocks, ...), the
+// sum rounded to bf16 as the all-reduce's, then exactly kernels/cuda/rms_norm.cu's arithmetic
+// (256 threads, the same sum-of-squares order), so the bits equal the unfused pair's.
+cudaError_t LaunchAllReduceAddRmsNorm(const LaunchArgs& args, const NormArgs& norm,
+                                      cudaStream_t stream);
 // Enqueues one all-gather kernel: like a one-shot all-reduce (same epochs, flags and data
 // halves, so all-reduces and all-gathers may alternate on one stream), but every rank copies
 // each rank's staged bytes to its slot of `out` instead of summing them.

@@ -309,6 +309,44 @@ absl::Status CustomAllReduceCommunicator::AllReduceSum(Tensor t) {
   return Launched("all-reduce", car::LaunchAllReduce(a, s.options.stream));
 }
 
+absl::StatusOr<bool> CustomAllReduceCommunicator::AllReduceAddRmsNorm(Tensor x, Tensor residual,
+                                                                      const Tensor& weight,
+                                                                      float eps, Tensor normed) {
+  TP_RETURN_IF_ERROR(CheckHealthy("AllReduceAddRmsNorm"));
+  const State& s = *state_;
+  auto on_device_bf16 = [](const Tensor& t) {
+    return t.device == Device::kCuda && t.dtype == DType::kBF16;
+  };
+  if (!s.options.fuse_add_rms_norm || !on_device_bf16(x) || !on_device_bf16(residual) ||
+      !on_device_bf16(weight) || !on_device_bf16(normed) || x.ndim < 1) {
+    return false;
+  }
+  const int64_t hidden = x.dim(-1);
+  if (hidden <= 0 || hidden % 8 != 0 || hidden > car::kNormThreads * 8 * car::kNormMaxVecs ||
+      weight.numel() != hidden || residual.numel() != x.numel() || normed.numel() != x.numel() ||
+      x.bytes() > s.options.one_shot_max_bytes || x.bytes() > s.options.max_bytes) {
+    return false;
+  }
+  const Tensor* all[] = {&x, &residual, &weight, &normed};
+  for (const Tensor* t : all) {
+    if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) return false;  // 16-byte rows
+  }
+  if (x.numel() == 0) return true;
+  car::LaunchArgs a = s.Args();
+  a.data = x.data;
+  a.numel = x.numel();
+  car::NormArgs n;
+  n.residual = residual.data;
+  n.weight = weight.data;
+  n.normed = normed.data;
+  n.rows = x.numel() / hidden;
+  n.hidden = static_cast<int>(hidden);
+  n.eps = eps;
+  TP_RETURN_IF_ERROR(
+      Launched("all-reduce + RMSNorm", car::LaunchAllReduceAddRmsNorm(a, n, s.options.stream)));
+  return true;
+}
+
 absl::Status CustomAllReduceCommunicator::AllGather(const Tensor& in, Tensor out) {
   TP_RETURN_IF_ERROR(CheckHealthy("AllGather"));
   const State& s = *state_;

@@ -46,6 +46,8 @@ struct CustomAllReduceOptions {
   // all-gather) above.
   size_t one_shot_max_bytes = size_t{256} << 10;
   AllReduceImpl impl = AllReduceImpl::kCustom;  // kAuto: return the inner one when impossible
+  // AllReduceAddRmsNorm by one fused kernel (TPSERVE_FUSED_ALL_REDUCE_NORM in the workers).
+  bool fuse_add_rms_norm = true;
 };
 
 // One stream: the calls of a communicator must stay ordered on options.stream (a kernel's
@@ -60,6 +62,11 @@ class CustomAllReduceCommunicator : public Communicator {
   // bf16 and f32 device tensors of up to max_bytes: the IPC kernel, enqueued on the stream
   // without a host wait. Everything else: the inner communicator.
   absl::Status AllReduceSum(Tensor t) override;
+  // The one-shot kernel fused with the residual add and RMSNorm (bit-equal to AllReduceSum then
+  // Ops::AddRmsNorm) for bf16 device tensors up to one_shot_max_bytes, when
+  // options.fuse_add_rms_norm; else false.
+  absl::StatusOr<bool> AllReduceAddRmsNorm(Tensor x, Tensor residual, const Tensor& weight,
+                                           float eps, Tensor normed) override;
   // Device tensors whose `in` has up to max_bytes: the IPC kernel (bit copies, any dtype),
   // enqueued on the stream without a host wait. Everything else: the inner communicator.
   absl::Status AllGather(const Tensor& in, Tensor out) override;

@@ -3,6 +3,7 @@
 #include "parallel/process_groups.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/env.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "kernels/ops.h"
@@ -80,6 +81,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> WithAllReduce(std::unique_ptr<Comm
   o.stream = static_cast<cudaStream_t>(options.cuda_stream);
   o.timeout = options.timeout;
   o.impl = options.all_reduce;
+  o.fuse_add_rms_norm = EnvBool(env::kFusedAllReduceNorm);
   Communicator* raw = inner.get();
   return MakeCustomAllReduceCommunicator(std::move(inner), make_exchange(raw), o);
 #else

@@ -449,15 +449,20 @@ absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
   // the next RMSNorm: they go to the backend as one op, which may defer the norm's row scale to
   // the projection that reads `normed` (`pending`; CUDA does for decode batches). The last
   // layer's MLP output joins the residual after the loop, as with tensor parallelism.
+  // With tensor parallelism the communicator may fuse each all-reduce with the residual add and
+  // the next RMSNorm (AllReduceAddRmsNorm; same bits as the two steps): `normed_ready` says the
+  // previous layer's MLP all-reduce already produced this layer's normed input.
   const bool fuse_norms = plan_.tp == 1;
   RowScale pending;
+  bool normed_ready = false;
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
     if (l == 0) {
       ops_->RmsNorm(residual, layer.input_norm, eps, normed);
-    } else if (!fuse_norms) {
+    } else if (!fuse_norms && !normed_ready) {
       ops_->AddRmsNorm(residual, proj, layer.input_norm, eps, normed);  // proj = previous MLP
     }
+    normed_ready = false;
     // One GEMM for q, k and v (their weights are consecutive rows of one buffer), RoPE and the
     // cache write fused after it.
     const Tensor wqkv = ConsecutiveRows(layer.wq, layer.wk, layer.wv);
@@ -480,8 +485,12 @@ absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
                                      normed);
     } else {
       ops_->Gemm(attn, layer.wo, o_bias, proj);
-      TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
-      ops_->AddRmsNorm(residual, proj, layer.post_norm, eps, normed);
+      TP_ASSIGN_OR_RETURN(const bool fused,
+                          tp.AllReduceAddRmsNorm(proj, residual, layer.post_norm, eps, normed));
+      if (!fused) {
+        TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
+        ops_->AddRmsNorm(residual, proj, layer.post_norm, eps, normed);
+      }
     }
     ops_->GemmScaledRows(normed, pending, layer.w_gate_up, nullptr, gate_up);
     pending = RowScale();
@@ -490,7 +499,12 @@ absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
                                             layers_[l + 1].input_norm, eps, normed);
     } else {
       ops_->SiluMulGemm(gate_up, layer.w_down, mlp_act, proj);
-      if (plan_.tp > 1) TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
+      if (plan_.tp > 1 && l + 1 < layers_.size()) {
+        TP_ASSIGN_OR_RETURN(
+            normed_ready,
+            tp.AllReduceAddRmsNorm(proj, residual, layers_[l + 1].input_norm, eps, normed));
+      }
+      if (plan_.tp > 1 && !normed_ready) TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
     }
   }
   if (!layers_.empty()) ops_->Add(residual, proj, residual);
