@@ -262,7 +262,10 @@ TEST_P(ModelParallelGpuTest, MatchesOneRankWithinBf16Tolerance) {
   // Device tensors staged through the host (NCCL needs a GPU per rank; asked for, the groups
   // fall back to MPI by themselves).
   group_options.backend = layout.ask_nccl ? CommBackend::kNccl : CommBackend::kMpi;
-  group_options.timeout = kCommTimeout;
+  // TPSERVE_MPGPU_COMM_TIMEOUT_S shortens the deadline (to see which rank a stuck kernel waits
+  // for).
+  const char* timeout_s = std::getenv("TPSERVE_MPGPU_COMM_TIMEOUT_S");
+  group_options.timeout = timeout_s != nullptr ? absl::Seconds(std::atoi(timeout_s)) : kCommTimeout;
   if (layout.custom_all_reduce) {
     group_options.all_reduce = AllReduceImpl::kCustom;
     group_options.cuda_stream = static_cast<CudaOps*>(ops->get())->stream();
