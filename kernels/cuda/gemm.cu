@@ -43,6 +43,13 @@ void LtGemm::set_fixed_algorithm(bool on) {
   fixed_ = on;
 }
 
+void LtGemm::set_split_k_override(int split) {
+  if (split == split_override_) return;
+  for (auto& [key, plan] : plans_) DestroyDescriptors(plan);
+  plans_.clear();
+  split_override_ = split;
+}
+
 void LtGemm::MakeDescriptors(Plan& plan, int64_t m, int64_t n, int64_t k, bool bias) const {
   TP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -185,6 +192,20 @@ LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int al
     if (r.state == CUBLAS_STATUS_SUCCESS) plan.candidates.push_back(r.algo);
   }
   plan.tuned = !autotune_ || plan.candidates.size() <= 1;
+  if (split_override_ > 0) {
+    cublasLtMatmulAlgo_t algo = results[0].algo;
+    const int32_t split = split_override_;
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split,
+                                             sizeof(split)) == CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatmulAlgoCheck(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c, &algo,
+                                &check) == CUBLAS_STATUS_SUCCESS &&
+        check.workspaceSize <= workspace_bytes_) {
+      plan.algo = algo;
+      plan.tuned = true;
+      plan.split_k = split;
+    }
+  }
   return plans_.emplace(key, plan).first->second;
 }
 

@@ -31,9 +31,23 @@ class LtGemm {
 
   void Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, cudaStream_t stream);
   size_t num_plans() const { return plans_.size(); }
+  // The split-K override the plan of this problem took (0: none, or no such plan).
+  int PlanSplitK(int64_t m, int64_t n, int64_t k) const {
+    for (const auto& [key, plan] : plans_) {
+      if (std::get<0>(key) == m && std::get<1>(key) == n && std::get<2>(key) == k) {
+        return plan.split_k;
+      }
+    }
+    return 0;
+  }
   // Fixed-algorithm mode (see above); plans made before the switch are dropped.
   void set_fixed_algorithm(bool on);
   bool fixed_algorithm() const { return fixed_; }
+  // Benchmarks: every new plan (not in fixed mode) takes the heuristic's first algorithm with
+  // CUBLASLT_ALGO_CONFIG_SPLITK_NUM = `split` when cuBLASLt accepts it (0: the heuristic's own
+  // choice). Plans made before are dropped; PlanSplitK says whether a plan took it.
+  void set_split_k_override(int split);
+  int split_k_override() const { return split_override_; }
 
  private:
   struct Plan {
@@ -42,6 +56,7 @@ class LtGemm {
     cublasLtMatmulAlgo_t algo;
     std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first
     bool tuned = false;
+    int split_k = 0;  // set_split_k_override's value when taken
   };
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, int>;
   Plan& GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int alignment);
@@ -64,6 +79,7 @@ class LtGemm {
   std::map<Key, Plan> plans_;
   bool autotune_ = false;
   bool fixed_ = false;
+  int split_override_ = 0;
   std::map<std::tuple<int64_t, int64_t, bool, int>, cublasLtMatmulAlgo_t> fixed_algos_;
 };
 

@@ -6,7 +6,8 @@
 //   decode kernels, a short run; --attention: copy bandwidth and the attention kernels; --decode:
 //   the same with every decode-attention kernel and partition for each KV-cache dtype;
 //   --det-gemm: the GEMMs of deterministic mode against the default path at M = 1 .. 2048;
-//   --shards: one decode layer's GEMMs and attention at the shard shapes of TP = 1, 2, 4, 8)
+//   --shards: one decode layer's GEMMs and attention at the shard shapes of TP = 1, 2, 4, 8;
+//   --split-k: cuBLASLt at M = 32 / 64 / 128 with split-K forced to 1..8)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -276,7 +277,38 @@ void ShardShapes(CudaOps& ops, double copy_gbs) {
   ops.Free(ybuf);
 }
 
-int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bool shards) {
+// cuBLASLt's first algorithm at decode batch sizes with split-K forced to 1..8 against its own
+// choice, for the 6.7B shapes: the batch-64 GEMMs run at 58-86% of copy (o and down lowest).
+void SplitKGemms(CudaOps& ops, double copy_gbs) {
+  cudaStream_t s = ops.stream();
+  const int kMaxM = 128;
+  void* xbuf = ops.Alloc(size_t{2} * kMaxM * 11008);
+  void* ybuf = ops.Alloc(size_t{2} * kMaxM * 32256);
+  FillRandom(xbuf, size_t{2} * kMaxM * 11008, 1.0f);
+  cuda::LtGemm lt;
+  for (const Shape& sh : kShapes) {
+    RotatingWeights rw(ops, sh);
+    for (int m : {32, 64, 128}) {
+      Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
+      Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
+      for (int split : {0, 1, 2, 3, 4, 6, 8}) {
+        lt.set_split_k_override(split);
+        const double ms = MedianMs(s, 50, [&](int i) { lt.Run(x, rw.At(i), nullptr, y, s); });
+        if (split > 0 && lt.PlanSplitK(m, sh.n, sh.k) != split) continue;  // refused
+        const double gbs = rw.bytes / ms / 1e6;
+        Add(std::string(sh.name) + " M=" + std::to_string(m) +
+                (split == 0 ? std::string(" heuristic") : " split-k " + std::to_string(split)),
+            ms, Fmt("%.0f GB/s = %.1f%% of copy", gbs, 100.0 * gbs / copy_gbs));
+      }
+    }
+  }
+  lt.set_split_k_override(0);
+  ops.Free(xbuf);
+  ops.Free(ybuf);
+}
+
+int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bool shards,
+         bool split_k) {
   if (CudaDeviceCount() == 0) {
     std::printf("no CUDA device\n");
     return 0;
@@ -309,6 +341,10 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
   }
   if (shards) {
     ShardShapes(ops, copy_gbs);
+    return PrintSummary(copy_gbs);
+  }
+  if (split_k) {
+    SplitKGemms(ops, copy_gbs);
     return PrintSummary(copy_gbs);
   }
 
@@ -466,12 +502,13 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (!mode.empty() && mode != "--m1" && mode != "--attention" && mode != "--decode" &&
-      mode != "--det-gemm" && mode != "--shards") {
-    std::fprintf(
-        stderr,
-        "usage: tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm | --shards]\n");
+      mode != "--det-gemm" && mode != "--shards" && mode != "--split-k") {
+    std::fprintf(stderr,
+                 "usage: tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm | --shards "
+                 "| --split-k]\n");
     return 2;
   }
   return tpserve::Main(mode == "--m1", mode == "--attention" || mode == "--decode",
-                       mode == "--decode", mode == "--det-gemm", mode == "--shards");
+                       mode == "--decode", mode == "--det-gemm", mode == "--shards",
+                       mode == "--split-k");
 }
