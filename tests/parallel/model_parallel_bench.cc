@@ -35,7 +35,10 @@ class TimedCommunicator : public Communicator {
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   std::string name() const override { return inner_->name(); }
-  bool buffers_small_sends() const override { return inner_->buffers_small_sends(); }
+  int buffered_small_sends() const override { return inner_->buffered_small_sends(); }
+  size_t stream_ordered_p2p_max_bytes() const override {
+    return inner_->stream_ordered_p2p_max_bytes();
+  }
   // Stream-ordered calls only enqueue: the time counted is the host's, not the transfer's.
   bool stream_ordered_collectives() const override { return inner_->stream_ordered_collectives(); }
   absl::Status Health() override { return inner_->Health(); }
