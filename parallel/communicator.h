@@ -1,7 +1,8 @@
 // The Communicator: collectives and point-to-point transfers inside one process group (a TP
 // group or the PP chain). Implementations: single rank, MPI on host memory (staging device
 // tensors through the host), NCCL on device memory (stream-ordered, followed by a watchdog), and
-// the custom all-reduce over CUDA IPC in front of either. Every call returns a status: a peer
+// the custom communicator over CUDA IPC in front of either (a TP group's all-reduce and
+// all-gather, a PP chain's Send / Recv). Every call returns a status: a peer
 // that dies or a transfer that misses its deadline becomes an error naming the rank and the
 // operation, never a hang (for stream-ordered work: through Health() and the next call).
 #pragma once
