@@ -50,7 +50,7 @@ const EnvVar kWorldSize = {"TPSERVE_WORLD_SIZE",
                            kMaxRanks};
 const EnvVar kWorkerCudaGraphs = {"TPSERVE_WORKER_CUDA_GRAPHS", EnvType::kBool, "1",
                                   "the service's workers replay decode steps as CUDA graphs "
-                                  "(pp = 1, stream-ordered TP collectives); 0 runs them eagerly"};
+                                  "(stream-ordered TP / PP transfers); 0 runs them eagerly"};
 const EnvVar kAllReduce = {"TPSERVE_ALL_REDUCE",
                            EnvType::kChoice,
                            "nccl",

@@ -1,11 +1,13 @@
 // The Communicator: collectives and point-to-point transfers inside one process group (a TP
 // group or the PP chain). Implementations: single rank, MPI on host memory (staging device
 // tensors through the host), NCCL on device memory (stream-ordered, followed by a watchdog), and
-// the custom all-reduce over CUDA IPC in front of either. Every call returns a status: a peer
+// the custom communicator over CUDA IPC in front of either (a TP group's all-reduce and
+// all-gather, a PP chain's Send / Recv). Every call returns a status: a peer
 // that dies or a transfer that misses its deadline becomes an error naming the rank and the
 // operation, never a hang (for stream-ordered work: through Health() and the next call).
 #pragma once
 
+#include <cstddef>
 #include <memory>
 #include <string>
 
@@ -30,14 +32,23 @@ class Communicator {
   virtual absl::Status Recv(Tensor t, int peer) = 0;
   virtual absl::Status Broadcast(Tensor t, int root) = 0;
   virtual std::string name() const = 0;  // e.g. "tp group 1 (mpi)", used in error messages
-  // True when a Send of a few KB completes before the peer posts its Recv (MPI's eager
-  // protocol). A pipeline with several micro-batches in flight relies on it to return the
-  // sampled ids upstream while the stages still exchange activations downstream.
-  virtual bool buffers_small_sends() const { return false; }
+  // How many Sends of a few KB to one peer complete before the peer posts the matching Recvs: 0
+  // when a Send waits for its Recv (NCCL), kManySends for MPI's eager protocol, 2 for the custom
+  // p2p kernels (two slots per pair). A pipeline with k micro-batches in flight returns the
+  // sampled ids upstream while the stages still exchange activations downstream; it is safe
+  // with k up to this (Engine::Generate).
+  static constexpr int kManySends = 1 << 20;
+  virtual int buffered_small_sends() const { return 0; }
+  bool buffers_small_sends() const { return buffered_small_sends() > 0; }
   // True when AllReduceSum and AllGather of device tensors (the collectives of a TP decode step)
   // are enqueued on the ops' stream without any host wait, so that a CUDA graph can capture
   // them. Their errors then surface later: through Health(), and through the next call.
   virtual bool stream_ordered_collectives() const { return false; }
+  // The largest device tensor whose Send and Recv are enqueued on the ops' stream without any
+  // host wait (so that a CUDA graph can capture a pipeline stage's boundary); 0 when none are
+  // (host-staged MPI). Errors then surface as for the stream-ordered collectives.
+  virtual size_t stream_ordered_p2p_max_bytes() const { return 0; }
+  bool stream_ordered_p2p() const { return stream_ordered_p2p_max_bytes() > 0; }
   // The error that made the communicator unusable (a peer that missed its deadline, a failed
   // kernel), OK while it works. Call after waiting for stream-ordered work (e.g. the sampled
   // ids of a step): that work's results are garbage when this is not OK.

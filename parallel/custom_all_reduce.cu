@@ -12,6 +12,9 @@
 //            that rank's slot of the output (a one-shot without the sum).
 //  all-reduce + add + RMSNorm: a one-shot over whole rows (block b: rows b, b + kBlocks, ...),
 //            then the residual add and the norm of each summed row in the same block.
+//  send / recv: the sender copies the block's units into its slot for the receiver once the
+//            slot's previous message was acknowledged, then signals; the receiver waits for the
+//            signal, copies the units out of the sender's slot, then acknowledges.
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/cuda_util.cuh"  // Bf16x8, BlockSum: the norm kernel's arithmetic
@@ -110,29 +113,37 @@ struct Kernel {
     }
   }
 
+  // One thread: spins until *flag >= target, with the deadline. Gives up (recording `phase` and
+  // `peer`) past the deadline, or stops when another thread or block gave up; the caller then
+  // synchronises the block and asks Ok().
+  __device__ void Spin(const uint64_t* flag, uint64_t target, int phase, int peer) const {
+    uint64_t seen = LoadAcquireSys(flag);
+    while (seen < target) {
+      // Another thread of this block, or another block, gave up: this call is lost anyway.
+      if (*reinterpret_cast<volatile int*>(abort_shared) != 0) break;
+      if (*reinterpret_cast<volatile uint32_t*>(a.abort) != 0) {
+        *reinterpret_cast<volatile int*>(abort_shared) = 1;
+        break;
+      }
+      if (GlobalTimerNs() > deadline) {
+        GiveUp(phase, peer, seen);
+        break;
+      }
+      __nanosleep(64);
+      seen = LoadAcquireSys(flag);
+    }
+  }
+
+  __device__ bool Ok() const { return *reinterpret_cast<volatile int*>(abort_shared) == 0; }
+
   // Waits until every rank's block blockIdx.x raised its flag of `phase` for this epoch (thread t
   // watches rank t). False when a peer missed the deadline: the block must return.
   __device__ bool Wait(int phase) const {
     if (threadIdx.x < a.nranks) {
-      const uint64_t* flag = Flag(a.buffers[a.rank], phase, blockIdx.x, threadIdx.x);
-      uint64_t seen = LoadAcquireSys(flag);
-      while (seen < epoch) {
-        // Another thread of this block, or another block, gave up: this call is lost anyway.
-        if (*reinterpret_cast<volatile int*>(abort_shared) != 0) break;
-        if (*reinterpret_cast<volatile uint32_t*>(a.abort) != 0) {
-          *reinterpret_cast<volatile int*>(abort_shared) = 1;
-          break;
-        }
-        if (GlobalTimerNs() > deadline) {
-          GiveUp(phase, threadIdx.x, seen);
-          break;
-        }
-        __nanosleep(64);
-        seen = LoadAcquireSys(flag);
-      }
+      Spin(Flag(a.buffers[a.rank], phase, blockIdx.x, threadIdx.x), epoch, phase, threadIdx.x);
     }
     __syncthreads();
-    return *reinterpret_cast<volatile int*>(abort_shared) == 0;
+    return Ok();
   }
 
   __device__ void GiveUp(int phase, int peer, uint64_t seen) const {
@@ -263,14 +274,15 @@ __device__ __forceinline__ void TwoShot(const Kernel& k, Raw* t, bool aligned, i
   }
 }
 
-// Every kernel's start: advance this block's epoch (one per call, whatever the kind of call).
-// False when an earlier call gave up: the block must return.
-__device__ __forceinline__ bool BeginCall(const LaunchArgs& a, int* abort_shared,
-                                          uint64_t* epoch_shared) {
+// Every kernel's start: advance this block's counter in `counters` (the collectives' epochs, or a
+// pair's message count; one per call, whatever the kind of call). False when an earlier call gave
+// up: the block must return.
+__device__ __forceinline__ bool BeginCall(const LaunchArgs& a, uint64_t* counters,
+                                          int* abort_shared, uint64_t* epoch_shared) {
   if (threadIdx.x == 0) {
     *abort_shared = *reinterpret_cast<volatile uint32_t*>(a.abort) != 0;  // an earlier call gave up
-    *epoch_shared = a.epochs[blockIdx.x] + 1;
-    a.epochs[blockIdx.x] = *epoch_shared;
+    *epoch_shared = counters[blockIdx.x] + 1;
+    counters[blockIdx.x] = *epoch_shared;
   }
   __syncthreads();
   return *abort_shared == 0;
@@ -280,7 +292,7 @@ template <typename Raw, bool kTwoShot>
 __global__ void __launch_bounds__(kThreads) AllReduceKernel(const __grid_constant__ LaunchArgs a) {
   __shared__ int abort_shared;
   __shared__ uint64_t epoch_shared;
-  if (!BeginCall(a, &abort_shared, &epoch_shared)) return;
+  if (!BeginCall(a, a.epochs, &abort_shared, &epoch_shared)) return;
   const Kernel k{a, epoch_shared, GlobalTimerNs() + a.timeout_ns, &abort_shared};
   Raw* t = static_cast<Raw*>(a.data);
   const bool aligned = (reinterpret_cast<uintptr_t>(t) % kUnitBytes) == 0;
@@ -336,7 +348,7 @@ __device__ __forceinline__ void StoreByteUnit(char* p, int64_t u, int64_t bytes,
 __global__ void __launch_bounds__(kThreads) AllGatherKernel(const __grid_constant__ LaunchArgs a) {
   __shared__ int abort_shared;
   __shared__ uint64_t epoch_shared;
-  if (!BeginCall(a, &abort_shared, &epoch_shared)) return;
+  if (!BeginCall(a, a.epochs, &abort_shared, &epoch_shared)) return;
   const Kernel k{a, epoch_shared, GlobalTimerNs() + a.timeout_ns, &abort_shared};
   const int64_t bytes = a.numel;
   const int64_t units = (bytes + kUnitBytes - 1) / kUnitBytes;
@@ -367,7 +379,7 @@ __global__ void __launch_bounds__(kNormThreads)
   __shared__ int abort_shared;
   __shared__ uint64_t epoch_shared;
   __shared__ float scratch[32];
-  if (!BeginCall(a, &abort_shared, &epoch_shared)) return;
+  if (!BeginCall(a, a.epochs, &abort_shared, &epoch_shared)) return;
   const Kernel k{a, epoch_shared, GlobalTimerNs() + a.timeout_ns, &abort_shared};
   const int vecs = n.hidden / 8;  // 16-byte units per row
   const uint4* x = static_cast<const uint4*>(a.data);
@@ -422,11 +434,102 @@ __global__ void __launch_bounds__(kNormThreads)
   }
 }
 
+// Point-to-point: flag (src, block) raised by src in dst's buffer; ack (dst, block) raised by dst
+// in src's buffer; src's slots for dst in src's buffer (see custom_all_reduce.h).
+__device__ __forceinline__ uint64_t* P2pSentFlag(char* buffer, int src, int block) {
+  return reinterpret_cast<uint64_t*>(buffer) + kP2pSentFlags + src * kBlocks + block;
+}
+__device__ __forceinline__ uint64_t* P2pAckFlag(char* buffer, int dst, int block) {
+  return reinterpret_cast<uint64_t*>(buffer) + kP2pAckFlags + dst * kBlocks + block;
+}
+__device__ __forceinline__ char* P2pSlot(const LaunchArgs& a, int src, int dst, uint64_t n) {
+  const int region = dst < src ? dst : dst - 1;  // src has no region for itself
+  return a.buffers[src] + kFlagBytes + 2 * a.max_bytes +
+         (static_cast<size_t>(region) * 2 + (n & 1)) * a.p2p_max_bytes;
+}
+
+// After every thread's accesses: make them visible (writes) or complete (reads) system-wide, then
+// raise `flag` (in a peer's buffer) to `value`.
+__device__ __forceinline__ void Release(uint64_t* flag, uint64_t value) {
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) StoreReleaseSys(flag, value);
+}
+
+__global__ void __launch_bounds__(kThreads) SendKernel(const __grid_constant__ LaunchArgs a) {
+  __shared__ int abort_shared;
+  __shared__ uint64_t seq_shared;
+  if (!BeginCall(a, a.epochs + kSendCounters + a.peer * kBlocks, &abort_shared, &seq_shared)) {
+    return;
+  }
+  const Kernel k{a, seq_shared, GlobalTimerNs() + a.timeout_ns, &abort_shared};
+  const uint64_t n = seq_shared;
+  // Slot n % 2 last held message n - 2: every block of the receiver must have read its share
+  // (shares differ with the message size, so all of them). Thread t watches block t.
+  if (n > 2 && threadIdx.x < kBlocks) {
+    k.Spin(P2pAckFlag(a.buffers[a.rank], a.peer, threadIdx.x), n - 2, kWaitSlotFree, a.peer);
+  }
+  __syncthreads();
+  if (!k.Ok()) return;
+  const int64_t bytes = a.numel;
+  const int64_t units = (bytes + kUnitBytes - 1) / kUnitBytes;
+  const Range mine = BlockShare(0, units, blockIdx.x);
+  const char* in = static_cast<const char*>(a.data);
+  char* slot = P2pSlot(a, a.rank, a.peer, n);
+  for (int64_t u = mine.begin + threadIdx.x; u < mine.end; u += blockDim.x) {
+    StoreBufferUnit(slot, u, LoadByteUnit(in, u, bytes));
+  }
+  Release(P2pSentFlag(a.buffers[a.peer], a.rank, blockIdx.x), n);
+}
+
+__global__ void __launch_bounds__(kThreads) RecvKernel(const __grid_constant__ LaunchArgs a) {
+  __shared__ int abort_shared;
+  __shared__ uint64_t seq_shared;
+  if (!BeginCall(a, a.epochs + kRecvCounters + a.peer * kBlocks, &abort_shared, &seq_shared)) {
+    return;
+  }
+  const Kernel k{a, seq_shared, GlobalTimerNs() + a.timeout_ns, &abort_shared};
+  const uint64_t n = seq_shared;
+  if (threadIdx.x == 0) {
+    k.Spin(P2pSentFlag(a.buffers[a.rank], a.peer, blockIdx.x), n, kWaitMessage, a.peer);
+  }
+  __syncthreads();
+  if (!k.Ok()) return;
+  const int64_t bytes = a.numel;
+  const int64_t units = (bytes + kUnitBytes - 1) / kUnitBytes;
+  const Range mine = BlockShare(0, units, blockIdx.x);
+  char* out = static_cast<char*>(a.data);
+  const char* slot = P2pSlot(a, a.peer, a.rank, n);
+  for (int64_t u = mine.begin + threadIdx.x; u < mine.end; u += blockDim.x) {
+    StoreByteUnit(out, u, bytes, LoadBufferUnit(slot, u));
+  }
+  Release(P2pAckFlag(a.buffers[a.peer], a.rank, blockIdx.x), n);
+}
+
 bool ValidGroup(const LaunchArgs& a) {
   return a.nranks >= 1 && a.nranks <= kMaxRanks && a.rank >= 0 && a.rank < a.nranks && a.numel >= 0;
 }
 
+bool ValidP2p(const LaunchArgs& a) {
+  return ValidGroup(a) && a.peer >= 0 && a.peer < a.nranks && a.peer != a.rank &&
+         static_cast<size_t>(a.numel) <= a.p2p_max_bytes && (a.numel == 0 || a.data != nullptr);
+}
+
 }  // namespace
+
+cudaError_t LaunchSend(const LaunchArgs& args, cudaStream_t stream) {
+  if (!ValidP2p(args)) return cudaErrorInvalidValue;
+  if (args.numel == 0) return cudaSuccess;
+  SendKernel<<<kBlocks, kThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchRecv(const LaunchArgs& args, cudaStream_t stream) {
+  if (!ValidP2p(args)) return cudaErrorInvalidValue;
+  if (args.numel == 0) return cudaSuccess;
+  RecvKernel<<<kBlocks, kThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchAllGather(const LaunchArgs& args, cudaStream_t stream) {
   if (!ValidGroup(args) || static_cast<size_t>(args.numel) > args.max_bytes ||

@@ -194,7 +194,7 @@ struct CustomAllReduceCommunicator::State {
   CustomAllReduceOptions options;
   char* own = nullptr;                       // this rank's IPC buffer
   char* buffers[car::kMaxRanks] = {};        // every rank's, mapped here (own included)
-  uint64_t* epochs = nullptr;                // device [kBlocks] + the abort word after them
+  uint64_t* epochs = nullptr;                // device counters [car::kNumCounters]
   car::ErrorRecord* error_host = nullptr;    // mapped host memory
   car::ErrorRecord* error_device = nullptr;  // its device address
   cudaEvent_t done = nullptr;
@@ -207,7 +207,8 @@ struct CustomAllReduceCommunicator::State {
     std::copy(buffers, buffers + car::kMaxRanks, a.buffers);
     a.max_bytes = options.max_bytes;
     a.epochs = epochs;
-    a.abort = reinterpret_cast<uint32_t*>(epochs + car::kBlocks);
+    a.abort = reinterpret_cast<uint32_t*>(epochs + car::kAbortCounter);
+    a.p2p_max_bytes = options.p2p_max_bytes;
     a.error = error_device;
     a.timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(options.timeout));
     return a;
@@ -265,23 +266,50 @@ CustomAllReduceCommunicator::~CustomAllReduceCommunicator() {
 int CustomAllReduceCommunicator::rank() const { return inner_->rank(); }
 int CustomAllReduceCommunicator::size() const { return inner_->size(); }
 std::string CustomAllReduceCommunicator::name() const {
-  return absl::StrCat(inner_->name(), " + custom all-reduce");
+  return absl::StrCat(inner_->name(), " + custom all-reduce",
+                      state_->options.p2p_max_bytes > 0 ? " and p2p" : "");
 }
-bool CustomAllReduceCommunicator::buffers_small_sends() const {
-  return inner_->buffers_small_sends();
+int CustomAllReduceCommunicator::buffered_small_sends() const {
+  // The p2p kernels: two slots per pair (a Send waits, on the device, for the Recv of the
+  // message two before it). Without them the inner communicator sends.
+  return state_->options.p2p_max_bytes > 0 ? 2 : inner_->buffered_small_sends();
+}
+size_t CustomAllReduceCommunicator::stream_ordered_p2p_max_bytes() const {
+  return state_->options.p2p_max_bytes > 0 ? state_->options.p2p_max_bytes
+                                           : inner_->stream_ordered_p2p_max_bytes();
 }
 
 absl::Status CustomAllReduceCommunicator::CheckHealthy(const char* op) {
   if (broken_.ok() && state_->error_host->set != 0) {
     const car::ErrorRecord& e = *state_->error_host;
-    broken_ = absl::DeadlineExceededError(absl::StrFormat(
-        "%s: rank %d: an all-reduce kernel (call %llu, block %d) gave up after %.3gs waiting for "
-        "rank %d to %s (its flag says call %llu): a peer died, stalled or is in a different "
-        "operation; the custom all-reduce is unusable, the process should exit",
-        name(), state_->rank, static_cast<unsigned long long>(e.epoch), e.block,
-        absl::ToDoubleSeconds(state_->options.timeout), e.peer,
-        e.phase == 0 ? "stage its input" : "reduce its segment",
-        static_cast<unsigned long long>(e.seen)));
+    const auto epoch = static_cast<unsigned long long>(e.epoch);
+    const auto seen = static_cast<unsigned long long>(e.seen);
+    std::string what;
+    switch (e.phase) {
+      case car::kWaitSlotFree:
+        what = absl::StrFormat(
+            "a Send kernel (message %llu to rank %d, block %d) gave up after %.3gs waiting for "
+            "rank %d to receive message %llu (it acknowledged %llu)",
+            epoch, e.peer, e.block, absl::ToDoubleSeconds(state_->options.timeout), e.peer,
+            epoch - 2, seen);
+        break;
+      case car::kWaitMessage:
+        what = absl::StrFormat(
+            "a Recv kernel (message %llu from rank %d, block %d) gave up after %.3gs waiting for "
+            "rank %d to send it (its flag says message %llu)",
+            epoch, e.peer, e.block, absl::ToDoubleSeconds(state_->options.timeout), e.peer, seen);
+        break;
+      default:
+        what = absl::StrFormat(
+            "an all-reduce kernel (call %llu, block %d) gave up after %.3gs waiting for rank %d "
+            "to %s (its flag says call %llu)",
+            epoch, e.block, absl::ToDoubleSeconds(state_->options.timeout), e.peer,
+            e.phase == car::kWaitInputs ? "stage its input" : "reduce its segment", seen);
+    }
+    broken_ = absl::DeadlineExceededError(absl::StrCat(
+        name(), ": rank ", state_->rank, ": ", what,
+        ": a peer died, stalled or is in a different operation; the custom communicator is "
+        "unusable, the process should exit"));
   }
   if (broken_.ok()) return absl::OkStatus();
   return absl::Status(broken_.code(), absl::StrCat(op, ": ", broken_.message()));
@@ -370,13 +398,31 @@ absl::Status CustomAllReduceCommunicator::Launched(const char* kernel, cudaError
                                        kernel, " kernel: ", CudaErrorText(e)));
   return broken_;
 }
+bool CustomAllReduceCommunicator::ByKernel(const Tensor& t, int peer) const {
+  const State& s = *state_;
+  return t.device == Device::kCuda && t.bytes() <= s.options.p2p_max_bytes && peer >= 0 &&
+         peer < s.size && peer != s.rank;
+}
+
 absl::Status CustomAllReduceCommunicator::Send(const Tensor& t, int peer) {
   TP_RETURN_IF_ERROR(CheckHealthy("Send"));
-  return inner_->Send(t, peer);
+  if (!ByKernel(t, peer)) return inner_->Send(t, peer);
+  if (t.bytes() == 0) return absl::OkStatus();
+  car::LaunchArgs a = state_->Args();
+  a.data = t.data;
+  a.numel = static_cast<int64_t>(t.bytes());
+  a.peer = peer;
+  return Launched("send", car::LaunchSend(a, state_->options.stream));
 }
 absl::Status CustomAllReduceCommunicator::Recv(Tensor t, int peer) {
   TP_RETURN_IF_ERROR(CheckHealthy("Recv"));
-  return inner_->Recv(t, peer);
+  if (!ByKernel(t, peer)) return inner_->Recv(t, peer);
+  if (t.bytes() == 0) return absl::OkStatus();
+  car::LaunchArgs a = state_->Args();
+  a.data = t.data;
+  a.numel = static_cast<int64_t>(t.bytes());
+  a.peer = peer;
+  return Launched("recv", car::LaunchRecv(a, state_->options.stream));
 }
 absl::Status CustomAllReduceCommunicator::Broadcast(Tensor t, int root) {
   TP_RETURN_IF_ERROR(CheckHealthy("Broadcast"));
@@ -415,6 +461,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCustomAllReduceCommunicator(
     return absl::InvalidArgumentError(absl::StrCat(
         who, ": max_bytes must be a positive multiple of 256, got ", options.max_bytes));
   }
+  if (options.p2p_max_bytes % 256 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": p2p_max_bytes must be a multiple of 256, got ", options.p2p_max_bytes));
+  }
   int device = 0;
   TP_CUDA_CHECK(cudaGetDevice(&device));
 
@@ -450,17 +500,19 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCustomAllReduceCommunicator(
   // rank waits for the handles of a rank that gave up.
   cudaIpcMemHandle_t handle = {};
   const char* step = "";
+  const size_t buffer_bytes =
+      car::IpcBufferBytes(options.max_bytes, options.p2p_max_bytes, std::max(size, 1));
   auto allocate = [&]() -> cudaError_t {
     cudaError_t e;
     step = "allocating its IPC buffer";
-    if ((e = cudaMalloc(&state->own, car::IpcBufferBytes(options.max_bytes))) != cudaSuccess) {
+    if ((e = cudaMalloc(&state->own, buffer_bytes)) != cudaSuccess) {
       return e;
     }
     if ((e = cudaMemset(state->own, 0, car::kFlagBytes)) != cudaSuccess) return e;
-    if ((e = cudaMalloc(&state->epochs, (car::kBlocks + 1) * sizeof(uint64_t))) != cudaSuccess) {
+    if ((e = cudaMalloc(&state->epochs, car::kNumCounters * sizeof(uint64_t))) != cudaSuccess) {
       return e;
     }
-    if ((e = cudaMemset(state->epochs, 0, (car::kBlocks + 1) * sizeof(uint64_t))) != cudaSuccess) {
+    if ((e = cudaMemset(state->epochs, 0, car::kNumCounters * sizeof(uint64_t))) != cudaSuccess) {
       return e;
     }
     step = "allocating its mapped error record";
@@ -482,9 +534,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCustomAllReduceCommunicator(
   };
   if (const cudaError_t e = allocate(); e != cudaSuccess) {
     cudaGetLastError();
-    verdict =
-        Refuse(absl::StrCat("rank ", rank, " failed ", step, " (",
-                            car::IpcBufferBytes(options.max_bytes), " bytes): ", CudaErrorText(e)));
+    verdict = Refuse(absl::StrCat("rank ", rank, " failed ", step, " (", buffer_bytes,
+                                  " bytes): ", CudaErrorText(e)));
   }
   TP_ASSIGN_OR_RETURN(refusals, Agree(exchange, verdict));
   if (!refusals.empty()) {
@@ -518,7 +569,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCustomAllReduceCommunicator(
   }
   if (rank == 0) {
     TP_LOG(INFO) << inner->name() << ": custom all-reduce over CUDA IPC, " << size
-                 << " ranks, up to " << (options.max_bytes >> 10) << " KiB";
+                 << " ranks, up to " << (options.max_bytes >> 10) << " KiB"
+                 << (options.p2p_max_bytes > 0
+                         ? absl::StrCat("; p2p up to ", options.p2p_max_bytes >> 10, " KiB")
+                         : std::string());
   }
   return std::unique_ptr<Communicator>(
       new CustomAllReduceCommunicator(std::move(inner), std::move(state)));

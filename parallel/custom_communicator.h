@@ -1,6 +1,6 @@
 // The "custom" communicator: AllReduceSum and AllGather of device tensors by kernels over CUDA
-// IPC peer memory (parallel/custom_all_reduce.h), everything else by an inner communicator (NCCL
-// or MPI).
+// IPC peer memory (parallel/custom_all_reduce.h), and Send / Recv of device tensors too when it
+// has p2p slots (a PP chain's); everything else by an inner communicator (NCCL or MPI).
 // Works between processes on GPUs with peer access and between processes that share one GPU
 // (time-sliced, or co-resident under MPS). Only built when CUDA is on (TPSERVE_WITH_NCCL).
 #pragma once
@@ -45,6 +45,9 @@ struct CustomAllReduceOptions {
   // One-shot (every rank sums everything) up to this many bytes, two-shot (reduce-scatter +
   // all-gather) above.
   size_t one_shot_max_bytes = size_t{256} << 10;
+  // Largest Send / Recv done by the p2p kernels (a multiple of 256); 0: none, Send and Recv go to
+  // the inner communicator. The IPC buffer holds two slots of this for each peer.
+  size_t p2p_max_bytes = 0;
   AllReduceImpl impl = AllReduceImpl::kCustom;  // kAuto: return the inner one when impossible
   // AllReduceAddRmsNorm by one fused kernel (TPSERVE_FUSED_ALL_REDUCE_NORM in the workers).
   bool fuse_add_rms_norm = true;
@@ -70,11 +73,16 @@ class CustomAllReduceCommunicator : public Communicator {
   // Device tensors whose `in` has up to max_bytes: the IPC kernel (bit copies, any dtype),
   // enqueued on the stream without a host wait. Everything else: the inner communicator.
   absl::Status AllGather(const Tensor& in, Tensor out) override;
+  // With p2p slots, device tensors of up to p2p_max_bytes to / from another rank: the p2p
+  // kernels, enqueued on the stream without a host wait (a Send returns before the peer
+  // receives; on the device it waits only for the Recv of the pair's message two before it).
+  // Everything else: the inner communicator.
   absl::Status Send(const Tensor& t, int peer) override;
   absl::Status Recv(Tensor t, int peer) override;
   absl::Status Broadcast(Tensor t, int root) override;
   std::string name() const override;
-  bool buffers_small_sends() const override;
+  int buffered_small_sends() const override;
+  size_t stream_ordered_p2p_max_bytes() const override;
   // The collectives a decode step uses (AllReduceSum, AllGather of device tensors up to
   // max_bytes) are stream-ordered kernels: a CUDA graph may capture them.
   bool stream_ordered_collectives() const override { return true; }
@@ -92,6 +100,8 @@ class CustomAllReduceCommunicator : public Communicator {
       std::unique_ptr<Communicator>, const BytesAllGather&, const CustomAllReduceOptions&);
   CustomAllReduceCommunicator(std::unique_ptr<Communicator> inner, std::unique_ptr<State> state);
   absl::Status CheckHealthy(const char* op);
+  // Whether a Send / Recv of `t` with `peer` is the p2p kernel's.
+  bool ByKernel(const Tensor& t, int peer) const;
   // The status of a kernel launch (an error makes the communicator unusable).
   absl::Status Launched(const char* kernel, cudaError_t e);
 

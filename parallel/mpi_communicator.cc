@@ -154,7 +154,7 @@ class MpiCommunicator : public Communicator {
   }
 
   // Open MPI's eager limit (4 KB shared memory, 64 KB TCP) covers the pipeline's id messages.
-  bool buffers_small_sends() const override { return true; }
+  int buffered_small_sends() const override { return kManySends; }  // eager protocol
 
   absl::Status Send(const Tensor& t, int peer) override {
     TP_RETURN_IF_ERROR(Usable());

@@ -4,6 +4,7 @@
 #include "parallel/nccl_communicator.h"
 
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -109,6 +110,8 @@ class NcclCommunicator : public Communicator {
   int size() const override { return size_; }
   std::string name() const override { return absl::StrCat(name_, " (nccl)"); }
   bool stream_ordered_collectives() const override { return true; }
+  // Send and Recv are enqueued on the compute stream like the collectives.
+  size_t stream_ordered_p2p_max_bytes() const override { return SIZE_MAX; }
 
   absl::Status Health() override {
     std::lock_guard<std::mutex> lock(mu_);

@@ -60,15 +60,24 @@ absl::StatusOr<std::unique_ptr<Communicator>> NcclFromBytes(const std::string& i
 }
 #endif
 
-// A TP group's communicator with the custom all-reduce in front of `inner` when
-// options.all_reduce asks for it and is possible (see AllReduceImpl). `exchange` moves bytes
-// between the group's ranks.
+// The PP chain's custom communicator: its Send / Recv carry a stage's activations (decode
+// batches and prompt chunks up to this many bytes; larger ones go to the backend) and the
+// sampled ids; its all-reduce is unused, so its data halves are small.
+constexpr size_t kPpP2pMaxBytes = size_t{32} << 20;
+constexpr size_t kPpAllReduceMaxBytes = size_t{256} << 10;
+
+// A group's communicator with the custom communicator in front of `inner` when
+// options.all_reduce asks for it and is possible (see AllReduceImpl): for a TP group its
+// all-reduce and all-gather, for a PP chain (`pp_chain`) its Send and Recv. A PP chain takes the
+// custom one only where possible (kCustom acts as kAuto there: stages on other hosts keep the
+// backend). `exchange` moves bytes between the group's ranks.
 template <typename MakeExchange>
-absl::StatusOr<std::unique_ptr<Communicator>> WithAllReduce(std::unique_ptr<Communicator> inner,
-                                                            const GroupOptions& options, Ops* ops,
-                                                            MakeExchange make_exchange) {
+absl::StatusOr<std::unique_ptr<Communicator>> WithCustom(std::unique_ptr<Communicator> inner,
+                                                         const GroupOptions& options, Ops* ops,
+                                                         bool pp_chain,
+                                                         MakeExchange make_exchange) {
   if (options.all_reduce == AllReduceImpl::kBackend || inner->size() == 1) return inner;
-  const bool custom = options.all_reduce == AllReduceImpl::kCustom;
+  const bool custom = options.all_reduce == AllReduceImpl::kCustom && !pp_chain;
   if (ops == nullptr || ops->device() != Device::kCuda || options.cuda_stream == nullptr) {
     if (!custom) return inner;
     return absl::InvalidArgumentError(
@@ -80,8 +89,12 @@ absl::StatusOr<std::unique_ptr<Communicator>> WithAllReduce(std::unique_ptr<Comm
   CustomAllReduceOptions o;
   o.stream = static_cast<cudaStream_t>(options.cuda_stream);
   o.timeout = options.timeout;
-  o.impl = options.all_reduce;
+  o.impl = custom ? AllReduceImpl::kCustom : AllReduceImpl::kAuto;
   o.fuse_add_rms_norm = EnvBool(env::kFusedAllReduceNorm);
+  if (pp_chain) {
+    o.max_bytes = kPpAllReduceMaxBytes;
+    o.p2p_max_bytes = kPpP2pMaxBytes;
+  }
   Communicator* raw = inner.get();
   return MakeCustomAllReduceCommunicator(std::move(inner), make_exchange(raw), o);
 #else
@@ -145,8 +158,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> GroupFromMpi(MPI_Comm sub,
         absl::StrCat(name, ": the NCCL backend needs a CUDA build (this one has none)"));
 #endif
   }
-  if (comm.ok() && tp_group) {
-    comm = WithAllReduce(std::move(comm).value(), options, ops, [&](Communicator*) {
+  if (comm.ok()) {
+    comm = WithCustom(std::move(comm).value(), options, ops, !tp_group, [&](Communicator*) {
 #ifdef TPSERVE_WITH_NCCL
       return MpiBytesAllGather(sub, options.timeout,
                                absl::StrCat(name, ": rank ", rank, " exchanging CUDA IPC handles"));
@@ -238,14 +251,17 @@ absl::StatusOr<ProcessGroups> MakeProcessGroupsFromNcclIds(int rank, const Group
     TP_ASSIGN_OR_RETURN(
         g.tp_comm, NcclFromBytes(ids.tp_ids[g.stage], g.tp_rank, g.tp, options, TpName(g.stage)));
     TP_ASSIGN_OR_RETURN(g.tp_comm,
-                        WithAllReduce(std::move(g.tp_comm), options, ops,
-                                      [](Communicator* c) { return DeviceBytesAllGather(c); }));
+                        WithCustom(std::move(g.tp_comm), options, ops, /*pp_chain=*/false,
+                                   [](Communicator* c) { return DeviceBytesAllGather(c); }));
   }
   if (g.pp == 1) {
     g.pp_comm = MakeSingleRankCommunicator(ops);
   } else {
     TP_ASSIGN_OR_RETURN(
         g.pp_comm, NcclFromBytes(ids.pp_ids[g.tp_rank], g.stage, g.pp, options, PpName(g.tp_rank)));
+    TP_ASSIGN_OR_RETURN(g.pp_comm,
+                        WithCustom(std::move(g.pp_comm), options, ops, /*pp_chain=*/true,
+                                   [](Communicator* c) { return DeviceBytesAllGather(c); }));
   }
   return g;
 #else

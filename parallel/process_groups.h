@@ -44,7 +44,10 @@ struct GroupOptions {
   void* cuda_stream = nullptr;
   // TP groups of device tensors (ops on CUDA, cuda_stream set): the custom all-reduce wraps the
   // backend communicator (AllReduceSum of up to 64 MiB by the IPC kernel, everything else by
-  // the backend). PP chains always use the backend.
+  // the backend). PP chains: with kCustom or kAuto, the custom communicator wraps the chain
+  // where every stage can map every other's memory (kAuto's rule, even for kCustom), for its
+  // Send and Recv of device tensors up to 32 MiB (stream-ordered, so a CUDA graph captures a
+  // stage's boundary); else the backend.
   AllReduceImpl all_reduce = AllReduceImpl::kBackend;
 };
 

@@ -72,6 +72,15 @@ BatchMeta CudaGraphRunner::Pad(const BatchMeta& meta, int seqs, int blocks) cons
   return p;
 }
 
+namespace {
+
+// The first `n` rows of a forward's logits; a stage that is not the last has none (empty).
+Tensor FirstRows(const Tensor& logits, int n) {
+  return logits.data == nullptr ? Tensor() : logits.rows(0, n);
+}
+
+}  // namespace
+
 absl::StatusOr<Tensor> CudaGraphRunner::RunDecode(const BatchMeta& meta) {
   if (!meta.all_decode() || static_cast<int>(meta.logits_rows.size()) != meta.num_seqs) {
     return absl::InvalidArgumentError("CUDA graphs replay decode-only batches");
@@ -87,9 +96,13 @@ absl::StatusOr<Tensor> CudaGraphRunner::RunDecode(const BatchMeta& meta) {
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     // One eager run first: it lets cuBLASLt pick its algorithms and grows any buffer outside
-    // the capture. It writes the same K/V the replay below writes again.
+    // the capture, and it is this step's forward (the capture only records; the graph first
+    // runs at the next step of the bucket). So every call runs exactly one forward, captured or
+    // not, and the transfers stay matched with peers that capture at other times or not at all
+    // (a stage that recaptures after a buffer moved sends one residual, as its next stage
+    // receives one).
     ops_->SetBatch(padded);
-    TP_RETURN_IF_ERROR(model_->Run(padded, *cache_).status());
+    TP_ASSIGN_OR_RETURN(const Tensor eager, model_->Run(padded, *cache_));
     ops_->SetBatch(padded);
     if (ops_->layout_generation() != generation_) {
       Clear();
@@ -107,18 +120,18 @@ absl::StatusOr<Tensor> CudaGraphRunner::RunDecode(const BatchMeta& meta) {
     }
     TP_CUDA_CHECK(cudaGraphInstantiate(&graph->exec, g, 0));
     TP_CUDA_CHECK(cudaGraphDestroy(g));
-    graph->logits = *logits;
-    it = graphs_.emplace(key, std::move(graph)).first;
-  } else {
-    ops_->SetBatch(padded);
-    if (ops_->layout_generation() != generation_) {
-      Clear();
-      generation_ = ops_->layout_generation();
-      return RunDecode(meta);
-    }
+    graph->logits = *logits;  // the activation buffers the eager run wrote too
+    graphs_.emplace(key, std::move(graph));
+    return FirstRows(eager, meta.num_seqs);
+  }
+  ops_->SetBatch(padded);
+  if (ops_->layout_generation() != generation_) {
+    Clear();
+    generation_ = ops_->layout_generation();
+    return RunDecode(meta);
   }
   TP_CUDA_CHECK(cudaGraphLaunch(it->second->exec, ops_->stream()));
-  return it->second->logits.rows(0, meta.num_seqs);
+  return FirstRows(it->second->logits, meta.num_seqs);
 }
 
 }  // namespace tpserve

@@ -1,6 +1,8 @@
 // Decode steps replayed as CUDA graphs, one per (batch-size bucket, block-table-width bucket),
-// so the ~300 kernel launches of a step cost one launch. Only for single-GPU layouts (tp = pp =
-// 1); host-staged communicators cannot be captured. Built only with CUDA.
+// so the ~300 kernel launches of a step cost one launch. At tp > 1 and pp > 1 the TP
+// collectives and the stage boundary's Send / Recv are captured inside, so only stream-ordered
+// communicators qualify (ShardRunner decides); host-staged ones cannot be captured. Built only
+// with CUDA.
 #pragma once
 
 #include <map>
@@ -23,8 +25,10 @@ class CudaGraphRunner {
   CudaGraphRunner(CudaOps* ops, LlamaModel* model, KvCache* cache, int max_seqs);
   ~CudaGraphRunner();
 
-  // Runs a decode-only batch (meta.all_decode()): pads it to its bucket, captures the graph of
-  // that bucket on first use, replays it. Returns the logits of the real rows.
+  // Runs a decode-only batch (meta.all_decode()): pads it to its bucket and replays the bucket's
+  // graph; on the bucket's first use runs the forward eagerly and captures the graph for the
+  // next time (one forward per call either way). Returns the logits of the real rows (the last
+  // stage), or an empty tensor (other pipeline stages).
   absl::StatusOr<Tensor> RunDecode(const BatchMeta& meta);
   int num_graphs() const { return static_cast<int>(graphs_.size()); }
 

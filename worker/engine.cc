@@ -225,13 +225,19 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
 
   // Pipeline micro-batches: with pp stages the sequences are dealt round-robin into k groups,
   // and the groups take turns, so that stage s runs group g while stage s + 1 runs group g - 1.
-  // The last stage sends each group's sampled ids to every other stage (small eager sends);
+  // The last stage sends each group's sampled ids to every other stage (small buffered sends);
   // a stage receives them just before it schedules that group again. Every rank updates the
   // sequences in the same order, so all agree on the batches without further messages.
+  // k is at most b, the small sends the pp communicator buffers per peer (a pair's Send waits
+  // for the Recv of the message b before it): a stage receives the ids of step m just before
+  // its step m + k, so the last stage's Send of step m's ids waits at most for a Recv that the
+  // stage posted before its step m - b + k <= m, never for one behind a later step (NCCL: b = 0,
+  // ids and activations would wait for each other on one stream, k = 1; the custom p2p
+  // kernels: 2; MPI's eager protocol: many).
   int k = 1;
   if (plan_.pp > 1) {
     k = options_.pp_micro_batches > 0 ? options_.pp_micro_batches : plan_.pp;
-    if (!pp->buffers_small_sends()) k = 1;  // e.g. NCCL: ids and activations on one stream
+    k = std::min(k, std::max(1, pp->buffered_small_sends()));
   }
   k = std::max(1, std::min<int>(k, static_cast<int>(seqs.size())));
   std::vector<std::vector<Seq*>> groups(k);
@@ -256,6 +262,8 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
       Tensor t(ids_buffer.get(), {static_cast<int64_t>(f.ids.size())}, DType::kI32, ops_->device());
       TP_RETURN_IF_ERROR(pp->Recv(t, plan_.pp - 1));
       ops_->CopyToHost(f.ids.data(), t.data, f.ids.size() * sizeof(int32_t));
+      // A stream-ordered Recv that gave up left garbage: ask before using the ids.
+      TP_RETURN_IF_ERROR(pp->Health());
     }
     const double step_ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - f.start)

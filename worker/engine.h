@@ -32,8 +32,9 @@ struct EngineOptions : ShardRunnerOptions {
   std::string device_map;
   ParallelContext comms;
   Ops* ops = nullptr;  // optional: use these ops instead of creating them from `device`
-  // Micro-batches in flight through the pipeline stages (pp > 1): 0 means pp. Needs a pp
-  // communicator whose small sends are buffered (MPI); otherwise the stages take turns.
+  // Micro-batches in flight through the pipeline stages (pp > 1): 0 means pp. At most as many
+  // as the pp communicator buffers small sends (Communicator::buffered_small_sends: MPI many,
+  // the custom p2p kernels 2, NCCL none: the stages take turns).
   int pp_micro_batches = 0;
 };
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
+#include "common/logging.h"
 #include "common/sampling.h"
 #include "common/status.h"
 #include "worker/shard_loader.h"
@@ -86,16 +87,31 @@ absl::StatusOr<std::unique_ptr<ShardRunner>> ShardRunner::Create(
   r->model_ = std::move(loaded.model);
   r->cache_ = std::move(loaded.cache);
 #ifdef TPSERVE_HAVE_CUDA
-  // Graphs need every collective of a decode step to be stream-ordered: at tp > 1 the TP
-  // group's all-reduce and all-gather (the custom IPC kernels or NCCL), not the host-staged MPI
-  // ones. pp > 1 stays eager (the stage boundary's send / recv are not captured yet).
+  // Graphs need every transfer of a decode step to be stream-ordered: at tp > 1 the TP group's
+  // all-reduce and all-gather (the custom IPC kernels or NCCL), at pp > 1 the stage boundary's
+  // Send / Recv of the residual stream (the custom p2p kernels or NCCL), not the host-staged MPI
+  // ones. Stages need not decide alike: a replayed, a captured and an eager step send and
+  // receive the same messages (CudaGraphRunner::RunDecode runs one forward per call).
   const bool capturable_tp = plan.tp == 1 || comms.tp->stream_ordered_collectives();
-  if (cuda != nullptr && options.cuda_graphs && plan.pp == 1 && capturable_tp) {
+  bool capturable_pp = plan.pp == 1;
+  r->graph_max_seqs_ = reserve.max_seqs;
+  if (plan.pp > 1 && comms.pp->stream_ordered_p2p()) {
+    // The largest decode batch a graph replays: its residual must fit the stream-ordered p2p.
+    const size_t residual = static_cast<size_t>(r->GraphSeqLimit()) * files.config().hidden_size *
+                            DTypeSize(ops->compute_dtype());
+    capturable_pp = residual <= comms.pp->stream_ordered_p2p_max_bytes();
+    if (!capturable_pp) {
+      TP_LOG(WARNING) << "decode steps run eagerly: a graph's residual of " << residual
+                      << " bytes exceeds the stream-ordered sends of " << comms.pp->name();
+    }
+  }
+  if (cuda != nullptr && options.cuda_graphs && capturable_tp && capturable_pp) {
     // Decode graphs are captured by WarmUpGraphs (else on the first use of each bucket).
     r->graphs_ =
         std::make_unique<CudaGraphRunner>(cuda, r->model_.get(), r->cache_.get(), reserve.max_seqs);
-    r->graph_max_seqs_ = reserve.max_seqs;
     r->graph_max_blocks_ = reserve.max_blocks_per_seq;
+  } else {
+    r->graph_max_seqs_ = 0;
   }
 #endif
   const RankShard& shard = r->model_->shard();
@@ -219,8 +235,9 @@ absl::StatusOr<Tensor> ShardRunner::Forward(const BatchMeta& meta, bool graphs) 
 #ifdef TPSERVE_HAVE_CUDA
   if (graphs && UsesGraphs(meta)) {
     absl::StatusOr<Tensor> logits = graphs_->RunDecode(meta);
-    // The replay's collectives are not visible to a watchdog one by one: it follows the replay.
+    // The replay's transfers are not visible to a watchdog one by one: it follows the replay.
     if (logits.ok() && tp_ > 1) comms_.tp->TrackStreamWork("a decode graph replay");
+    if (logits.ok() && pp_ > 1) comms_.pp->TrackStreamWork("a decode graph replay");
     return logits;
   }
 #else

@@ -32,10 +32,12 @@ struct ShardRunnerOptions {
   // --kv-cache-dtype (ShardLoadOptions::kv_cache_dtype): nullopt is the compute dtype.
   std::optional<DType> kv_cache_dtype;
   ModelOptions model;
-  // Replay decode-only steps as CUDA graphs. The rule (UsesGraphs): CUDA ops, pp = 1, this
-  // switch on, and at tp > 1 a TP communicator whose collectives are stream-ordered
-  // (Communicator::stream_ordered_collectives: NCCL, the custom all-reduce); host-staged MPI
-  // collectives cannot be captured.
+  // Replay decode-only steps as CUDA graphs. The rule (UsesGraphs): CUDA ops, this switch on,
+  // at tp > 1 a TP communicator whose collectives are stream-ordered
+  // (Communicator::stream_ordered_collectives: NCCL, the custom all-reduce), and at pp > 1 a PP
+  // communicator whose Send / Recv of a decode batch's residual are
+  // (Communicator::stream_ordered_p2p: NCCL, the custom p2p kernels); host-staged MPI transfers
+  // cannot be captured.
   bool cuda_graphs = true;
   // Which ranks sample and report: the last stage's tp rank 0 (a worker: only its result is
   // read), or every tp rank of the last stage (the in-process engine, whose ranks all need the

@@ -5,6 +5,11 @@
 // two all-reduces replayed with new inputs; host tensors and the other operations delegated to
 // the inner communicator; a rank alone in an all-reduce gives up after the timeout with an error
 // naming the ranks; the process groups wrap the TP group with --all-reduce custom / auto.
+// Point-to-point (p2p slots): Send / Recv around the ring of ranks, byte for byte, at odd sizes
+// and offsets, many messages in a row with no host wait (slot reuse, two sends ahead of their
+// receives), interleaved with all-reduces, captured in a CUDA graph and replayed with new inputs;
+// a Recv whose sender never comes and a Send whose receiver never comes give up at the deadline
+// naming the ranks; the process groups wrap the PP chain for its Send / Recv.
 #include "parallel/custom_communicator.h"
 
 #include <cuda_runtime.h>
@@ -144,7 +149,8 @@ class CustomAllReduceTest : public ::testing::Test {
   }
 
   std::unique_ptr<CustomAllReduceCommunicator> Make(size_t max_bytes, size_t one_shot_max_bytes,
-                                                    absl::Duration timeout = kTimeout) {
+                                                    absl::Duration timeout = kTimeout,
+                                                    size_t p2p_max_bytes = 0) {
     absl::StatusOr<std::unique_ptr<Communicator>> inner =
         MakeMpiCommunicator(MPI_COMM_WORLD, nullptr, timeout, "test group");
     TP_CHECK(inner.ok()) << inner.status();
@@ -153,6 +159,7 @@ class CustomAllReduceTest : public ::testing::Test {
     o.timeout = timeout;
     o.max_bytes = max_bytes;
     o.one_shot_max_bytes = one_shot_max_bytes;
+    o.p2p_max_bytes = p2p_max_bytes;
     o.impl = AllReduceImpl::kCustom;
     absl::StatusOr<std::unique_ptr<Communicator>> c = MakeCustomAllReduceCommunicator(
         std::move(inner).value(), MpiBytesAllGather(MPI_COMM_WORLD, timeout, "test exchange"), o);
@@ -237,6 +244,84 @@ class CustomAllReduceTest : public ::testing::Test {
   void Barrier() {
     int32_t token = 0;
     ASSERT_TRUE(world_->Broadcast(Tensor(&token, {1}, DType::kI32), 0).ok());
+  }
+
+  static char MessageByte(int src, uint64_t salt, int64_t i) {
+    return static_cast<char>(SplitMix(salt * 1000003 + src * 7919 + i) & 0xff);
+  }
+
+  // Device buffers of one ring message: what this rank sends to rank + 1 and what it receives
+  // from rank - 1, each `offset` bytes into its allocation.
+  struct Message {
+    int64_t bytes = 0;
+    int64_t offset = 0;
+    uint64_t salt = 0;
+    std::vector<char> host_in;  // kept until the stream passed its upload
+    char* d_send = nullptr;
+    char* d_recv = nullptr;
+  };
+
+  Message NewMessage(int64_t bytes, int64_t offset, uint64_t salt) {
+    Message m;
+    m.bytes = bytes;
+    m.offset = offset;
+    m.salt = salt;
+    m.host_in.resize(bytes);
+    for (int64_t i = 0; i < bytes; ++i) m.host_in[i] = MessageByte(WorldRank(), salt, i);
+    TP_CHECK(cudaMalloc(&m.d_send, bytes + offset + 1) == cudaSuccess);
+    TP_CHECK(cudaMalloc(&m.d_recv, bytes + offset + 1) == cudaSuccess);
+    TP_CHECK(cudaMemsetAsync(m.d_recv, 0x5a, bytes + offset + 1, stream_) == cudaSuccess);
+    TP_CHECK(cudaMemcpyAsync(m.d_send + offset, m.host_in.data(), bytes, cudaMemcpyHostToDevice,
+                             stream_) == cudaSuccess);
+    return m;
+  }
+
+  // After the stream finished: the bytes received are the previous rank's, nothing around them
+  // was written. Frees the buffers.
+  void CheckAndFree(Message& m) {
+    const int prev = (WorldRank() + WorldSize() - 1) % WorldSize();
+    std::vector<char> got(m.bytes + m.offset + 1);
+    CUDA_OK(cudaMemcpy(got.data(), m.d_recv, got.size(), cudaMemcpyDeviceToHost));
+    int64_t bad = 0;
+    for (int64_t i = 0; i < m.bytes; ++i) bad += got[m.offset + i] != MessageByte(prev, m.salt, i);
+    for (int64_t i = 0; i < m.offset; ++i) bad += got[i] != 0x5a;
+    bad += got[m.offset + m.bytes] != 0x5a;
+    EXPECT_EQ(bad, 0) << "message of " << m.bytes << " bytes at offset " << m.offset << ", salt "
+                      << m.salt;
+    cudaFree(m.d_send);
+    cudaFree(m.d_recv);
+  }
+
+  // `count` messages around the ring (rank r sends to r + 1, receives from r - 1), sizes and
+  // offsets cycled, enqueued `burst` sends ahead of their receives with no host wait in
+  // between, then checked byte for byte.
+  void RingExchange(CustomAllReduceCommunicator& comm, const std::vector<int64_t>& sizes, int count,
+                    int burst, uint64_t salt) {
+    SCOPED_TRACE(::testing::Message() << count << " ring messages, burst " << burst);
+    const int n = WorldSize(), me = WorldRank();
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
+    const int64_t offsets[] = {0, 1, 6, 13};
+    std::vector<Message> msgs;
+    for (int i = 0; i < count; ++i) {
+      msgs.push_back(NewMessage(sizes[i % sizes.size()], offsets[i % 4], salt + i));
+    }
+    for (int i = 0; i < count; i += burst) {
+      for (int j = i; j < std::min(count, i + burst); ++j) {
+        const Message& m = msgs[j];
+        const absl::Status s =
+            comm.Send(Tensor(m.d_send + m.offset, {m.bytes}, DType::kI8, Device::kCuda), next);
+        ASSERT_TRUE(s.ok()) << s;
+      }
+      for (int j = i; j < std::min(count, i + burst); ++j) {
+        const Message& m = msgs[j];
+        const absl::Status s =
+            comm.Recv(Tensor(m.d_recv + m.offset, {m.bytes}, DType::kI8, Device::kCuda), prev);
+        ASSERT_TRUE(s.ok()) << s;
+      }
+    }
+    const absl::Status s = comm.Synchronize();
+    ASSERT_TRUE(s.ok()) << s;
+    for (Message& m : msgs) CheckAndFree(m);
   }
 
   cudaStream_t stream_ = nullptr;
@@ -550,6 +635,205 @@ TEST_F(CustomAllReduceTest, ARankAloneGivesUpAfterTheTimeout) {
     cudaFree(d);
   }
   Barrier();  // nobody frees its buffer while rank 0's kernel may still write flags into it
+}
+
+// Send / Recv by the p2p kernels around the ring: odd sizes (partial 16-byte units) and
+// unaligned offsets, up to p2p_max_bytes; one message at a time, then many in a row with no host
+// wait (each slot reused many times), then two sends ahead of their receives (both slots full).
+TEST_F(CustomAllReduceTest, SendRecvAroundTheRingByteForByte) {
+  SKIP_WITHOUT_GPU();
+  const size_t p2p_max = size_t{2} << 20;
+  auto comm = Make(size_t{1} << 20, size_t{64} << 10, kTimeout, p2p_max);
+  EXPECT_THAT(comm->name(), HasSubstr("custom all-reduce and p2p"));
+  EXPECT_TRUE(comm->stream_ordered_p2p());
+  EXPECT_EQ(comm->stream_ordered_p2p_max_bytes(), p2p_max);
+  EXPECT_EQ(comm->buffered_small_sends(), 2);
+  const std::vector<int64_t> sizes = {
+      1, 2, 15, 16, 17, 4097, 65536, (1 << 20) + 6, 12345, static_cast<int64_t>(p2p_max) - 13};
+  uint64_t salt = 1000;
+  for (int64_t bytes : sizes) {
+    RingExchange(*comm, {bytes}, 1, 1, salt);
+    salt += 10;
+  }
+  RingExchange(*comm, sizes, 40, 1, salt += 100);        // slot reuse: each slot 20 times
+  RingExchange(*comm, sizes, 40, 2, salt += 100);        // two sends before their receives
+  RingExchange(*comm, {8, 4096}, 200, 2, salt += 1000);  // many small ones (the ids of a step)
+}
+
+// The p2p counters are independent of the all-reduce's epochs: sends, all-reduces and receives
+// alternate on one stream, checked after each round.
+TEST_F(CustomAllReduceTest, SendRecvInterleavedWithAllReduces) {
+  SKIP_WITHOUT_GPU();
+  auto comm = Make(size_t{4} << 20, size_t{64} << 10, kTimeout, size_t{1} << 20);
+  const int n = WorldSize(), me = WorldRank();
+  for (int round = 0; round < 8; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    Message m = NewMessage(1000 + 777 * round, round % 3, 2000 + round);
+    const int64_t numel = round % 2 == 0 ? 3001 : 400001;  // one-shot, two-shot
+    const Case c = MakeCase(numel, false, 2100 + round);
+    char* d = nullptr;
+    CUDA_OK(cudaMalloc(&d, numel * 2));
+    CUDA_OK(cudaMemcpyAsync(d, c.input.data(), numel * 2, cudaMemcpyHostToDevice, stream_));
+    ASSERT_TRUE(
+        comm->Send(Tensor(m.d_send + m.offset, {m.bytes}, DType::kI8, Device::kCuda), (me + 1) % n)
+            .ok());
+    ASSERT_TRUE(comm->AllReduceSum(Tensor(d, {numel}, DType::kBF16, Device::kCuda)).ok());
+    ASSERT_TRUE(comm->Recv(Tensor(m.d_recv + m.offset, {m.bytes}, DType::kI8, Device::kCuda),
+                           (me + n - 1) % n)
+                    .ok());
+    const absl::Status s = comm->Synchronize();
+    ASSERT_TRUE(s.ok()) << s;
+    std::vector<char> got(numel * 2);
+    CUDA_OK(cudaMemcpy(got.data(), d, numel * 2, cudaMemcpyDeviceToHost));
+    cudaFree(d);
+    EXPECT_EQ(Mismatches(c, got, false), 0);
+    CheckAndFree(m);
+  }
+}
+
+// A pipeline stage's boundary as a decode graph holds it: a Send to the next rank and a Recv from
+// the previous one captured once, replayed with new inputs (the message counters live on the
+// device), with eager messages before and after.
+TEST_F(CustomAllReduceTest, CapturedSendAndRecvReplayWithNewInputs) {
+  SKIP_WITHOUT_GPU();
+  auto comm = Make(size_t{1} << 20, size_t{64} << 10, kTimeout, size_t{1} << 20);
+  const int n = WorldSize(), me = WorldRank();
+  const int64_t bytes = 2 * 4096 * 8 + 6;  // a residual of 8 rows, and an odd tail
+  RingExchange(*comm, {100}, 3, 1, 3000);  // eager first: counters need not start at 0
+  Message m = NewMessage(bytes, 0, 0);
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  const absl::Status s1 =
+      comm->Send(Tensor(m.d_send, {bytes}, DType::kI8, Device::kCuda), (me + 1) % n);
+  const absl::Status s2 =
+      comm->Recv(Tensor(m.d_recv, {bytes}, DType::kI8, Device::kCuda), (me + n - 1) % n);
+  CUDA_OK(cudaStreamEndCapture(stream_, &graph));
+  ASSERT_TRUE(s1.ok()) << s1;
+  ASSERT_TRUE(s2.ok()) << s2;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (uint64_t replay = 0; replay < 7; ++replay) {
+    SCOPED_TRACE(::testing::Message() << "replay " << replay);
+    std::vector<char> in(bytes);
+    for (int64_t i = 0; i < bytes; ++i) in[i] = MessageByte(me, 3100 + replay, i);
+    CUDA_OK(cudaMemcpyAsync(m.d_send, in.data(), bytes, cudaMemcpyHostToDevice, stream_));
+    CUDA_OK(cudaGraphLaunch(exec, stream_));
+    const absl::Status s = comm->Synchronize();
+    ASSERT_TRUE(s.ok()) << s;
+    std::vector<char> got(bytes);
+    CUDA_OK(cudaMemcpy(got.data(), m.d_recv, bytes, cudaMemcpyDeviceToHost));
+    int64_t bad = 0;
+    for (int64_t i = 0; i < bytes; ++i) {
+      bad += got[i] != MessageByte((me + n - 1) % n, 3100 + replay, i);
+    }
+    EXPECT_EQ(bad, 0);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaFree(m.d_send);
+  cudaFree(m.d_recv);
+  RingExchange(*comm, {5000, 7}, 5, 2, 3200);  // eager again after the replays
+}
+
+// Rank 0 receives from rank 1, which never sends: the Recv kernel gives up at the deadline and
+// the error names both ranks and the message; then rank 1 sends three messages to rank 0, which
+// never receives: the third Send (slot 1 again) gives up waiting for the first to be received.
+TEST_F(CustomAllReduceTest, P2pWithAPeerThatNeverComesGivesUpAtTheDeadline) {
+  SKIP_WITHOUT_GPU();
+  char* d = nullptr;
+  CUDA_OK(cudaMalloc(&d, 4096));
+  {
+    auto comm = Make(size_t{1} << 20, size_t{64} << 10, absl::Milliseconds(500), size_t{1} << 20);
+    if (WorldRank() == 0) {
+      const absl::Time start = absl::Now();
+      ASSERT_TRUE(comm->Recv(Tensor(d, {4096}, DType::kI8, Device::kCuda), 1).ok());
+      const absl::Status s = comm->Synchronize();
+      EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+      EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+      EXPECT_THAT(std::string(s.message()),
+                  HasSubstr("rank 0: a Recv kernel (message 1 from rank 1"));
+      EXPECT_THAT(std::string(s.message()), HasSubstr("waiting for rank 1 to send it"));
+      const absl::Status again = comm->Send(Tensor(d, {16}, DType::kI8, Device::kCuda), 1);
+      EXPECT_EQ(again.code(), absl::StatusCode::kDeadlineExceeded);
+      EXPECT_THAT(std::string(again.message()), HasSubstr("Send: "));
+      EXPECT_FALSE(comm->Health().ok());
+    }
+    Barrier();  // nobody frees its buffer while rank 0's kernel may still read flags
+  }
+  {
+    auto comm = Make(size_t{1} << 20, size_t{64} << 10, absl::Milliseconds(500), size_t{1} << 20);
+    if (WorldRank() == 1) {
+      for (int i = 0; i < 3; ++i) {
+        ASSERT_TRUE(comm->Send(Tensor(d, {4096}, DType::kI8, Device::kCuda), 0).ok());
+      }
+      const absl::Status s = comm->Synchronize();
+      EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+      EXPECT_THAT(std::string(s.message()),
+                  HasSubstr("rank 1: a Send kernel (message 3 to rank 0"));
+      EXPECT_THAT(std::string(s.message()), HasSubstr("waiting for rank 0 to receive message 1"));
+    }
+    Barrier();
+  }
+  cudaFree(d);
+}
+
+// The process groups put the custom communicator in front of the PP chain (for its Send / Recv)
+// when the TP all-reduce is custom: activations down the chain, ids from the last stage up.
+TEST_F(CustomAllReduceTest, ProcessGroupsWrapThePpChain) {
+  SKIP_WITHOUT_GPU();
+  int device = 0;
+  CUDA_OK(cudaGetDevice(&device));
+  CudaOps ops(device);
+  GroupOptions o;
+  o.tp = 1;
+  o.pp = WorldSize();
+  o.backend = CommBackend::kMpi;
+  o.timeout = kTimeout;
+  o.cuda_stream = ops.stream();
+  o.all_reduce = AllReduceImpl::kCustom;
+  absl::StatusOr<ProcessGroups> g = MakeProcessGroupsFromMpi(MPI_COMM_WORLD, o, &ops);
+  ASSERT_TRUE(g.ok()) << g.status();
+  Communicator& pp = *g->pp_comm;
+  EXPECT_THAT(pp.name(), HasSubstr("custom all-reduce and p2p"));
+  EXPECT_TRUE(pp.stream_ordered_p2p());
+  EXPECT_EQ(pp.buffered_small_sends(), 2);
+  const int stage = g->stage, last = WorldSize() - 1;
+  const int64_t numel = 4096 * 3 + 1;  // bf16 activations
+  uint16_t* act = static_cast<uint16_t*>(ops.Alloc(numel * 2));
+  int32_t* ids = static_cast<int32_t*>(ops.Alloc(64 * 4));
+  for (int step = 0; step < 5; ++step) {
+    std::vector<uint16_t> a(numel);
+    if (stage == 0) {
+      for (int64_t i = 0; i < numel; ++i) a[i] = static_cast<uint16_t>(i * 3 + step);
+      ops.CopyToDevice(act, a.data(), numel * 2);
+    } else {
+      ASSERT_TRUE(pp.Recv(Tensor(act, {numel}, DType::kBF16, Device::kCuda), stage - 1).ok());
+    }
+    if (stage < last) {
+      ASSERT_TRUE(pp.Send(Tensor(act, {numel}, DType::kBF16, Device::kCuda), stage + 1).ok());
+    }
+    std::vector<int32_t> got_ids(64, -1);
+    if (stage == last) {
+      ops.CopyToHost(a.data(), act, numel * 2);
+      int64_t bad = 0;
+      for (int64_t i = 0; i < numel; ++i) bad += a[i] != static_cast<uint16_t>(i * 3 + step);
+      EXPECT_EQ(bad, 0) << "step " << step;
+      for (int i = 0; i < 64; ++i) got_ids[i] = 100 * step + i;
+      ops.CopyToDevice(ids, got_ids.data(), 64 * 4);
+      for (int s = 0; s < last; ++s) {
+        ASSERT_TRUE(pp.Send(Tensor(ids, {64}, DType::kI32, Device::kCuda), s).ok());
+      }
+    } else {
+      ASSERT_TRUE(pp.Recv(Tensor(ids, {64}, DType::kI32, Device::kCuda), last).ok());
+      ops.CopyToHost(got_ids.data(), ids, 64 * 4);
+      for (int i = 0; i < 64; ++i) EXPECT_EQ(got_ids[i], 100 * step + i) << "step " << step;
+    }
+    EXPECT_TRUE(pp.Health().ok());
+  }
+  ops.Synchronize();
+  ops.Free(act);
+  ops.Free(ids);
+  Barrier();
 }
 
 // The process groups put the custom all-reduce in front of the TP group's backend when asked.

@@ -2,8 +2,9 @@
 // Engine::Generate with a tp x pp layout, to compare with one rank. On the CPU through the
 // host-staged MPI communicator; with --device cuda every rank on one GPU (or rank % GPUs), the
 // TP group's collectives by the backend (MPI when ranks share a GPU, else NCCL) or by the custom
-// IPC kernels (--all-reduce custom), decode steps as CUDA graphs unless --graphs 0 (graphs need
-// stream-ordered collectives: custom or NCCL). Run under mpirun with tp * pp ranks:
+// IPC kernels (--all-reduce custom, which at pp > 1 also carries the PP chain's Send / Recv),
+// decode steps as CUDA graphs unless --graphs 0 (graphs need stream-ordered collectives and, at
+// pp > 1, stream-ordered Send / Recv: custom or NCCL). Run under mpirun with tp * pp ranks:
 //   mpirun -np 2 model_parallel_bench --tp 2 --pp 1 [--model DIR] [--batch 1] [--prompt 32]
 //       [--new-tokens 128] [--repeats 3] [--device cpu|cuda] [--all-reduce backend|custom]
 //       [--graphs 0|1]
@@ -35,7 +36,10 @@ class TimedCommunicator : public Communicator {
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   std::string name() const override { return inner_->name(); }
-  bool buffers_small_sends() const override { return inner_->buffers_small_sends(); }
+  int buffered_small_sends() const override { return inner_->buffered_small_sends(); }
+  size_t stream_ordered_p2p_max_bytes() const override {
+    return inner_->stream_ordered_p2p_max_bytes();
+  }
   // Stream-ordered calls only enqueue: the time counted is the host's, not the transfer's.
   bool stream_ordered_collectives() const override { return inner_->stream_ordered_collectives(); }
   absl::Status Health() override { return inner_->Health(); }

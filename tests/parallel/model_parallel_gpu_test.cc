@@ -6,8 +6,10 @@
 // and the greedy tokens are equal except at near-ties of the reference (after which the
 // sequences are no longer comparable). Rank 0 computes the reference and broadcasts it. The
 // *_custom layouts run the TP all-reduce and the logits all-gather by the CUDA IPC kernels
-// (parallel/custom_communicator.h) instead of through the host; *_graphs layouts also replay the
-// decode steps as CUDA graphs with those kernels captured inside.
+// (parallel/custom_communicator.h) instead of through the host, and at pp > 1 the stage
+// boundary's Send / Recv and the sampled ids too (the p2p kernels; the engine then keeps two
+// micro-batches in flight); *_graphs layouts also replay the decode steps as CUDA graphs with
+// those kernels captured inside, on every stage.
 #include <unistd.h>
 
 #include <algorithm>
@@ -110,7 +112,9 @@ std::vector<Case> AllCases() {
           Layout{2, 1, "tp2_custom", true}, Layout{2, 2, "tp2pp2_custom", true},
           Layout{4, 1, "tp4_custom", true}, Layout{2, 1, "tp2_nccl_shared_gpu", false, true},
           Layout{2, 1, "tp2_custom_graphs", true, false, true},
-          Layout{4, 1, "tp4_custom_graphs", true, false, true}}) {
+          Layout{4, 1, "tp4_custom_graphs", true, false, true},
+          Layout{1, 2, "pp2_custom_graphs", true, false, true},
+          Layout{2, 2, "tp2pp2_custom_graphs", true, false, true}}) {
       cases.push_back({model, l});
     }
   }
@@ -287,9 +291,13 @@ TEST_P(ModelParallelGpuTest, MatchesOneRankWithinBf16Tolerance) {
   absl::StatusOr<std::unique_ptr<Engine>> engine =
       Engine::Create(g_world->ModelDir(c.model), options);
   ASSERT_TRUE(engine.ok()) << engine.status();
-  // Graphs are captured at warm-up, for every batch bucket; none without them.
+  // Graphs are captured at warm-up, for every batch bucket, on every rank (every stage);
+  // none without them.
   if (layout.graphs) {
-    EXPECT_GT((*engine)->runner().num_graphs(), 0);
+    EXPECT_GT((*engine)->runner().num_graphs(), 0) << "rank " << groups->rank;
+    if (layout.pp > 1) {
+      EXPECT_TRUE(groups->pp_comm->stream_ordered_p2p()) << groups->pp_comm->name();
+    }
   } else {
     EXPECT_EQ((*engine)->runner().num_graphs(), 0);
   }

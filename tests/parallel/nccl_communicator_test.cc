@@ -93,6 +93,8 @@ TEST(NcclCommunicatorTest, WorldOfOneCollectivesCapturedInAGraph) {
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   std::unique_ptr<Communicator> c = WorldOfOne(stream);
   EXPECT_TRUE(c->stream_ordered_collectives());
+  EXPECT_TRUE(c->stream_ordered_p2p());     // Send / Recv on the same stream
+  EXPECT_EQ(c->buffered_small_sends(), 0);  // a Send waits for its Recv: no micro-batches
   const int64_t n = 3001;
   float *d_in = nullptr, *d_out = nullptr;
   uint16_t* d_b = nullptr;
