@@ -78,6 +78,7 @@ struct PeerInfo {
   char boot_id[40] = {};  // the kernel's boot id: containers on one machine share it
   char bus_id[32] = {};   // finds the peer's GPU among this process's devices
   char uuid[16] = {};     // the same GPU (MIG instances of one GPU differ here)
+  int32_t mps = 0;        // this process's contexts on the GPU are shared through MPS
 };
 
 PeerInfo ThisRank(int device) {
@@ -91,6 +92,12 @@ PeerInfo ThisRank(int device) {
   cudaDeviceProp prop;
   TP_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   std::memcpy(info.uuid, prop.uuid.bytes, sizeof(info.uuid));
+  int mps = 0;
+  if (cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, device) != cudaSuccess) {
+    cudaGetLastError();
+    mps = 0;
+  }
+  info.mps = mps;
   return info;
 }
 
@@ -183,6 +190,34 @@ absl::StatusOr<std::string> RanksSharingAGpu(const BytesAllGather& exchange) {
             std::string(infos[r].bus_id, strnlen(infos[r].bus_id, sizeof(infos[r].bus_id))), " on ",
             std::string(infos[r].host, strnlen(infos[r].host, sizeof(infos[r].host))));
       }
+    }
+  }
+  return std::string();
+}
+
+absl::StatusOr<std::string> CustomKernelsUnreliable(const BytesAllGather& exchange) {
+  int device = 0;
+  TP_CUDA_CHECK(cudaGetDevice(&device));
+  TP_ASSIGN_OR_RETURN(std::vector<std::string> all, exchange(Bytes(ThisRank(device))));
+  std::vector<PeerInfo> infos;
+  for (const std::string& b : all) infos.push_back(FromBytes<PeerInfo>(b));
+  for (size_t r = 0; r < infos.size(); ++r) {
+    if (infos[r].mps == 0) continue;
+    std::vector<size_t> sharing;
+    for (size_t s = 0; s < infos.size(); ++s) {
+      if (OneMachine(infos[r], infos[s]) &&
+          std::memcmp(infos[r].uuid, infos[s].uuid, sizeof(infos[r].uuid)) == 0) {
+        sharing.push_back(s);
+      }
+    }
+    if (static_cast<int>(sharing.size()) > kMaxProcessesPerGpuUnderMps) {
+      return absl::StrCat(
+          sharing.size(), " ranks (", absl::StrJoin(sharing, ", "), ") share the GPU ",
+          std::string(infos[r].bus_id, strnlen(infos[r].bus_id, sizeof(infos[r].bus_id))),
+          " under MPS, where the custom kernels lose flag stores with more than ",
+          kMaxProcessesPerGpuUnderMps,
+          " processes (kernels/cuda/NOTES.md); run them without MPS (time-sliced) or with at most ",
+          kMaxProcessesPerGpuUnderMps, " per GPU");
     }
   }
   return std::string();

@@ -32,6 +32,15 @@ BytesAllGather DeviceBytesAllGather(Communicator* comm);
 // one machine use the same GPU, else which ranks share which GPU (NCCL refuses such a group).
 absl::StatusOr<std::string> RanksSharingAGpu(const BytesAllGather& exchange);
 
+// Under MPS, with more than this many processes on one GPU, the custom kernels were seen to lose
+// flag stores (a peer's raised flag never seen by the waiting rank; kernels/cuda/NOTES.md): the
+// process groups then keep the backend for every group of the job (CustomKernelsUnreliable).
+inline constexpr int kMaxProcessesPerGpuUnderMps = 2;
+
+// Collective over `exchange`'s ranks (a whole job): "" when the custom kernels may be used, else
+// why not (more than kMaxProcessesPerGpuUnderMps ranks sharing one GPU through MPS).
+absl::StatusOr<std::string> CustomKernelsUnreliable(const BytesAllGather& exchange);
+
 struct CustomAllReduceOptions {
   // The stream that produces and consumes the tensors (the ops' stream); the kernel runs on it
   // and nothing waits on the host, so a call can be captured into a CUDA graph.

@@ -203,8 +203,29 @@ absl::StatusOr<ProcessGroups> MakeProcessGroupsFromMpi(MPI_Comm world, const Gro
     return absl::UnavailableError(
         absl::StrCat("bootstrap: rank ", rank, " MPI_Comm_split failed: ", MpiError(rc)));
   }
-  TP_ASSIGN_OR_RETURN(g.tp_comm, GroupFromMpi(tp_sub, options, ops, TpName(g.stage), true));
-  TP_ASSIGN_OR_RETURN(g.pp_comm, GroupFromMpi(pp_sub, options, ops, PpName(g.tp_rank), false));
+  GroupOptions effective = options;
+#ifdef TPSERVE_WITH_NCCL
+  if (options.all_reduce != AllReduceImpl::kBackend && ops != nullptr &&
+      ops->device() == Device::kCuda && world_size > 1) {
+    // Decided once for the whole job (every rank the same), before any group wraps itself.
+    TP_ASSIGN_OR_RETURN(const std::string why,
+                        CustomKernelsUnreliable(MpiBytesAllGather(
+                            world, options.timeout,
+                            absl::StrCat("bootstrap: rank ", rank, " describing its GPU"))));
+    if (!why.empty()) {
+      if (options.all_reduce == AllReduceImpl::kCustom) {
+        MPI_Comm_free(&tp_sub);
+        MPI_Comm_free(&pp_sub);
+        return absl::FailedPreconditionError(
+            absl::StrCat("--all-reduce custom: ", why, " (or use --all-reduce nccl or auto)"));
+      }
+      if (rank == 0) TP_LOG(INFO) << "custom all-reduce and p2p off: " << why;
+      effective.all_reduce = AllReduceImpl::kBackend;
+    }
+  }
+#endif
+  TP_ASSIGN_OR_RETURN(g.tp_comm, GroupFromMpi(tp_sub, effective, ops, TpName(g.stage), true));
+  TP_ASSIGN_OR_RETURN(g.pp_comm, GroupFromMpi(pp_sub, effective, ops, PpName(g.tp_rank), false));
   TP_CHECK(g.tp_comm->rank() == g.tp_rank && g.tp_comm->size() == g.tp);
   TP_CHECK(g.pp_comm->rank() == g.stage && g.pp_comm->size() == g.pp);
   return g;

@@ -22,6 +22,7 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/model_config.h"
 #include "kernels/cuda/cuda_ops.h"
@@ -276,6 +277,12 @@ TEST_P(ModelParallelGpuTest, MatchesOneRankWithinBf16Tolerance) {
   }
   absl::StatusOr<ProcessGroups> groups =
       MakeProcessGroupsFromMpi(MPI_COMM_WORLD, group_options, ops->get());
+  if (!groups.ok() && layout.custom_all_reduce &&
+      absl::StrContains(groups.status().message(), "under MPS")) {
+    // Refused alike on every rank (more than 2 processes on the GPU under MPS).
+    std::printf("%s: %s\n", layout.name.c_str(), std::string(groups.status().message()).c_str());
+    GTEST_SKIP() << groups.status();
+  }
   ASSERT_TRUE(groups.ok()) << groups.status();
   EngineOptions options = BaseOptions();
   options.ops = ops->get();
