@@ -343,6 +343,25 @@ __device__ __forceinline__ void StoreByteUnit(char* p, int64_t u, int64_t bytes,
   }
 }
 
+// This block's share of a message of `bytes` bytes (the same on every rank for the same size).
+__device__ __forceinline__ Range ByteShare(int64_t bytes) {
+  return BlockShare(0, (bytes + kUnitBytes - 1) / kUnitBytes, blockIdx.x);
+}
+
+// The units `share` of the byte array `in` into the IPC buffer area `staged`, and back out.
+__device__ __forceinline__ void StageBytes(char* staged, const char* in, int64_t bytes,
+                                           Range share) {
+  for (int64_t u = share.begin + threadIdx.x; u < share.end; u += blockDim.x) {
+    StoreBufferUnit(staged, u, LoadByteUnit(in, u, bytes));
+  }
+}
+__device__ __forceinline__ void UnstageBytes(char* out, const char* staged, int64_t bytes,
+                                             Range share) {
+  for (int64_t u = share.begin + threadIdx.x; u < share.end; u += blockDim.x) {
+    StoreByteUnit(out, u, bytes, LoadBufferUnit(staged, u));
+  }
+}
+
 // One-shot all-gather: stage own bytes, signal, copy every rank's staged bytes of this block's
 // units to that rank's slot of the output.
 __global__ void __launch_bounds__(kThreads) AllGatherKernel(const __grid_constant__ LaunchArgs a) {
@@ -351,21 +370,12 @@ __global__ void __launch_bounds__(kThreads) AllGatherKernel(const __grid_constan
   if (!BeginCall(a, a.epochs, &abort_shared, &epoch_shared)) return;
   const Kernel k{a, epoch_shared, GlobalTimerNs() + a.timeout_ns, &abort_shared};
   const int64_t bytes = a.numel;
-  const int64_t units = (bytes + kUnitBytes - 1) / kUnitBytes;
-  const Range mine = BlockShare(0, units, blockIdx.x);
-  const char* in = static_cast<const char*>(a.data);
-  char* staged = k.Data(a.rank);
-  for (int64_t u = mine.begin + threadIdx.x; u < mine.end; u += blockDim.x) {
-    StoreBufferUnit(staged, u, LoadByteUnit(in, u, bytes));
-  }
+  const Range mine = ByteShare(bytes);
+  StageBytes(k.Data(a.rank), static_cast<const char*>(a.data), bytes, mine);
   k.Signal(0);
   if (!k.Wait(0)) return;
   for (int j = 0; j < a.nranks; ++j) {
-    const char* src = k.Data(j);
-    char* dst = static_cast<char*>(a.out) + j * bytes;
-    for (int64_t u = mine.begin + threadIdx.x; u < mine.end; u += blockDim.x) {
-      StoreByteUnit(dst, u, bytes, LoadBufferUnit(src, u));
-    }
+    UnstageBytes(static_cast<char*>(a.out) + j * bytes, k.Data(j), bytes, mine);
   }
 }
 
@@ -471,14 +481,8 @@ __global__ void __launch_bounds__(kThreads) SendKernel(const __grid_constant__ L
   }
   __syncthreads();
   if (!k.Ok()) return;
-  const int64_t bytes = a.numel;
-  const int64_t units = (bytes + kUnitBytes - 1) / kUnitBytes;
-  const Range mine = BlockShare(0, units, blockIdx.x);
-  const char* in = static_cast<const char*>(a.data);
-  char* slot = P2pSlot(a, a.rank, a.peer, n);
-  for (int64_t u = mine.begin + threadIdx.x; u < mine.end; u += blockDim.x) {
-    StoreBufferUnit(slot, u, LoadByteUnit(in, u, bytes));
-  }
+  StageBytes(P2pSlot(a, a.rank, a.peer, n), static_cast<const char*>(a.data), a.numel,
+             ByteShare(a.numel));
   Release(P2pSentFlag(a.buffers[a.peer], a.rank, blockIdx.x), n);
 }
 
@@ -495,14 +499,8 @@ __global__ void __launch_bounds__(kThreads) RecvKernel(const __grid_constant__ L
   }
   __syncthreads();
   if (!k.Ok()) return;
-  const int64_t bytes = a.numel;
-  const int64_t units = (bytes + kUnitBytes - 1) / kUnitBytes;
-  const Range mine = BlockShare(0, units, blockIdx.x);
-  char* out = static_cast<char*>(a.data);
-  const char* slot = P2pSlot(a, a.peer, a.rank, n);
-  for (int64_t u = mine.begin + threadIdx.x; u < mine.end; u += blockDim.x) {
-    StoreByteUnit(out, u, bytes, LoadBufferUnit(slot, u));
-  }
+  UnstageBytes(static_cast<char*>(a.data), P2pSlot(a, a.peer, a.rank, n), a.numel,
+               ByteShare(a.numel));
   Release(P2pAckFlag(a.buffers[a.peer], a.rank, blockIdx.x), n);
 }
 

@@ -109,6 +109,17 @@ bool OneMachine(const PeerInfo& a, const PeerInfo& b) {
              : std::strncmp(a.host, b.host, sizeof(a.host)) == 0;
 }
 
+// The same GPU of one machine (MIG instances of one GPU differ in their uuid).
+bool SameGpu(const PeerInfo& a, const PeerInfo& b) {
+  return OneMachine(a, b) && std::memcmp(a.uuid, b.uuid, sizeof(a.uuid)) == 0;
+}
+
+// A NUL-padded fixed-size text field as a string.
+template <size_t N>
+std::string Text(const char (&field)[N]) {
+  return std::string(field, strnlen(field, N));
+}
+
 template <typename T>
 std::string Bytes(const T& v) {
   return std::string(reinterpret_cast<const char*>(&v), sizeof(v));
@@ -119,6 +130,16 @@ T FromBytes(const std::string& s) {
   TP_CHECK(s.size() == sizeof(T));
   std::memcpy(&v, s.data(), sizeof(T));
   return v;
+}
+
+// Collective: every rank's PeerInfo (for the current CUDA device), in rank order.
+absl::StatusOr<std::vector<PeerInfo>> ExchangePeerInfos(const BytesAllGather& exchange) {
+  int device = 0;
+  TP_CUDA_CHECK(cudaGetDevice(&device));
+  TP_ASSIGN_OR_RETURN(std::vector<std::string> all, exchange(Bytes(ThisRank(device))));
+  std::vector<PeerInfo> infos;
+  for (const std::string& b : all) infos.push_back(FromBytes<PeerInfo>(b));
+  return infos;
 }
 
 // A fixed-size verdict: ok, or why not.
@@ -144,7 +165,7 @@ Verdict CanMapEveryPeer(const std::vector<PeerInfo>& infos, int rank, int device
       return Refuse(absl::StrCat("rank ", s, " runs on host ", p.host, ", rank ", rank, " on ",
                                  me.host, " (CUDA IPC needs one host)"));
     }
-    if (std::memcmp(me.uuid, p.uuid, sizeof(me.uuid)) == 0) continue;  // the same GPU
+    if (SameGpu(me, p)) continue;
     int peer_device = -1;
     if (cudaDeviceGetByPCIBusId(&peer_device, p.bus_id) != cudaSuccess) {
       cudaGetLastError();
@@ -168,7 +189,7 @@ absl::StatusOr<std::vector<std::string>> Agree(const BytesAllGather& exchange,
   std::vector<std::string> reasons;
   for (const std::string& b : all) {
     const Verdict v = FromBytes<Verdict>(b);
-    if (v.ok == 0) reasons.push_back(std::string(v.reason, strnlen(v.reason, sizeof(v.reason))));
+    if (v.ok == 0) reasons.push_back(Text(v.reason));
   }
   return reasons;
 }
@@ -176,19 +197,12 @@ absl::StatusOr<std::vector<std::string>> Agree(const BytesAllGather& exchange,
 }  // namespace
 
 absl::StatusOr<std::string> RanksSharingAGpu(const BytesAllGather& exchange) {
-  int device = 0;
-  TP_CUDA_CHECK(cudaGetDevice(&device));
-  TP_ASSIGN_OR_RETURN(std::vector<std::string> all, exchange(Bytes(ThisRank(device))));
-  std::vector<PeerInfo> infos;
-  for (const std::string& b : all) infos.push_back(FromBytes<PeerInfo>(b));
+  TP_ASSIGN_OR_RETURN(const std::vector<PeerInfo> infos, ExchangePeerInfos(exchange));
   for (size_t r = 0; r < infos.size(); ++r) {
     for (size_t s = r + 1; s < infos.size(); ++s) {
-      if (OneMachine(infos[r], infos[s]) &&
-          std::memcmp(infos[r].uuid, infos[s].uuid, sizeof(infos[r].uuid)) == 0) {
-        return absl::StrCat(
-            "ranks ", r, " and ", s, " share the GPU ",
-            std::string(infos[r].bus_id, strnlen(infos[r].bus_id, sizeof(infos[r].bus_id))), " on ",
-            std::string(infos[r].host, strnlen(infos[r].host, sizeof(infos[r].host))));
+      if (SameGpu(infos[r], infos[s])) {
+        return absl::StrCat("ranks ", r, " and ", s, " share the GPU ", Text(infos[r].bus_id),
+                            " on ", Text(infos[r].host));
       }
     }
   }
@@ -196,24 +210,17 @@ absl::StatusOr<std::string> RanksSharingAGpu(const BytesAllGather& exchange) {
 }
 
 absl::StatusOr<std::string> CustomKernelsUnreliable(const BytesAllGather& exchange) {
-  int device = 0;
-  TP_CUDA_CHECK(cudaGetDevice(&device));
-  TP_ASSIGN_OR_RETURN(std::vector<std::string> all, exchange(Bytes(ThisRank(device))));
-  std::vector<PeerInfo> infos;
-  for (const std::string& b : all) infos.push_back(FromBytes<PeerInfo>(b));
+  TP_ASSIGN_OR_RETURN(const std::vector<PeerInfo> infos, ExchangePeerInfos(exchange));
   for (size_t r = 0; r < infos.size(); ++r) {
     if (infos[r].mps == 0) continue;
     std::vector<size_t> sharing;
     for (size_t s = 0; s < infos.size(); ++s) {
-      if (OneMachine(infos[r], infos[s]) &&
-          std::memcmp(infos[r].uuid, infos[s].uuid, sizeof(infos[r].uuid)) == 0) {
-        sharing.push_back(s);
-      }
+      if (SameGpu(infos[r], infos[s])) sharing.push_back(s);
     }
     if (static_cast<int>(sharing.size()) > kMaxProcessesPerGpuUnderMps) {
       return absl::StrCat(
           sharing.size(), " ranks (", absl::StrJoin(sharing, ", "), ") share the GPU ",
-          std::string(infos[r].bus_id, strnlen(infos[r].bus_id, sizeof(infos[r].bus_id))),
+          Text(infos[r].bus_id),
           " under MPS, where the custom kernels lose flag stores with more than ",
           kMaxProcessesPerGpuUnderMps,
           " processes (kernels/cuda/NOTES.md); run them without MPS (time-sliced) or with at most ",
@@ -439,25 +446,25 @@ bool CustomAllReduceCommunicator::ByKernel(const Tensor& t, int peer) const {
          peer < s.size && peer != s.rank;
 }
 
-absl::Status CustomAllReduceCommunicator::Send(const Tensor& t, int peer) {
-  TP_RETURN_IF_ERROR(CheckHealthy("Send"));
-  if (!ByKernel(t, peer)) return inner_->Send(t, peer);
+absl::Status CustomAllReduceCommunicator::LaunchP2p(const char* kernel, const Tensor& t, int peer,
+                                                    cudaError_t (*launch)(const car::LaunchArgs&,
+                                                                          cudaStream_t)) {
   if (t.bytes() == 0) return absl::OkStatus();
   car::LaunchArgs a = state_->Args();
   a.data = t.data;
   a.numel = static_cast<int64_t>(t.bytes());
   a.peer = peer;
-  return Launched("send", car::LaunchSend(a, state_->options.stream));
+  return Launched(kernel, launch(a, state_->options.stream));
+}
+absl::Status CustomAllReduceCommunicator::Send(const Tensor& t, int peer) {
+  TP_RETURN_IF_ERROR(CheckHealthy("Send"));
+  if (!ByKernel(t, peer)) return inner_->Send(t, peer);
+  return LaunchP2p("send", t, peer, car::LaunchSend);
 }
 absl::Status CustomAllReduceCommunicator::Recv(Tensor t, int peer) {
   TP_RETURN_IF_ERROR(CheckHealthy("Recv"));
   if (!ByKernel(t, peer)) return inner_->Recv(t, peer);
-  if (t.bytes() == 0) return absl::OkStatus();
-  car::LaunchArgs a = state_->Args();
-  a.data = t.data;
-  a.numel = static_cast<int64_t>(t.bytes());
-  a.peer = peer;
-  return Launched("recv", car::LaunchRecv(a, state_->options.stream));
+  return LaunchP2p("recv", t, peer, car::LaunchRecv);
 }
 absl::Status CustomAllReduceCommunicator::Broadcast(Tensor t, int root) {
   TP_RETURN_IF_ERROR(CheckHealthy("Broadcast"));
@@ -504,9 +511,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCustomAllReduceCommunicator(
   TP_CUDA_CHECK(cudaGetDevice(&device));
 
   // 1. Can every rank map every peer?
-  TP_ASSIGN_OR_RETURN(std::vector<std::string> info_bytes, exchange(Bytes(ThisRank(device))));
-  std::vector<PeerInfo> infos;
-  for (const std::string& b : info_bytes) infos.push_back(FromBytes<PeerInfo>(b));
+  TP_ASSIGN_OR_RETURN(const std::vector<PeerInfo> infos, ExchangePeerInfos(exchange));
   Verdict verdict = size > car::kMaxRanks
                         ? Refuse(absl::StrCat("the group has ", size, " ranks, at most ",
                                               car::kMaxRanks, " are supported"))

@@ -20,6 +20,10 @@
 
 namespace tpserve {
 
+namespace car {
+struct LaunchArgs;  // custom_all_reduce.h
+}  // namespace car
+
 // Every rank's `mine`, in rank order: a collective byte exchange over the group's ranks.
 using BytesAllGather =
     std::function<absl::StatusOr<std::vector<std::string>>(const std::string& mine)>;
@@ -113,6 +117,9 @@ class CustomAllReduceCommunicator : public Communicator {
   bool ByKernel(const Tensor& t, int peer) const;
   // The status of a kernel launch (an error makes the communicator unusable).
   absl::Status Launched(const char* kernel, cudaError_t e);
+  // Launches the Send or Recv kernel `launch` for `t` with `peer` (a message of t's bytes).
+  absl::Status LaunchP2p(const char* kernel, const Tensor& t, int peer,
+                         cudaError_t (*launch)(const car::LaunchArgs&, cudaStream_t));
 
   std::unique_ptr<Communicator> inner_;
   std::unique_ptr<State> state_;
