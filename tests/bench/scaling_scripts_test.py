@@ -155,6 +155,17 @@ class TpModelTest(unittest.TestCase):
     """tools/scaling/tp_model.py: calibrated to the measured TP = 1 figures, and the shape its
     terms must give (sub-linear speedups, a faster all-reduce never predicting slower)."""
 
+    def assert_tp_speedups_grow_sublinearly(self, rows):
+        """Per all-reduce, TP = 2 < 4 < 8 in batch-1 speedup, each below its TP (batch 64 too)."""
+        for impl in ("custom", "vllm"):
+            prev = 1.0
+            for tp in (2, 4, 8):
+                r = rows[(f"tp{tp}", impl)]
+                self.assertGreater(r["batch1_speedup"], prev)
+                self.assertLess(r["batch1_speedup"], tp)
+                self.assertLess(r["batch64_speedup"], tp)
+                prev = r["batch1_speedup"]
+
     def test_tp1_reproduces_the_measurement(self):
         m = tp_model.MEASURED
         rows = {(r["config"], r["all_reduce"]): r for r in tp_model.table()}
@@ -165,14 +176,7 @@ class TpModelTest(unittest.TestCase):
 
     def test_speedups_are_sublinear_and_ordered(self):
         rows = {(r["config"], r["all_reduce"]): r for r in tp_model.table()}
-        for impl in ("custom", "vllm"):
-            prev = 1.0
-            for tp in (2, 4, 8):
-                r = rows[(f"tp{tp}", impl)]
-                self.assertGreater(r["batch1_speedup"], prev)
-                self.assertLess(r["batch1_speedup"], tp)
-                self.assertLess(r["batch64_speedup"], tp)
-                prev = r["batch1_speedup"]
+        self.assert_tp_speedups_grow_sublinearly(rows)
         for tp in (2, 4, 8):
             self.assertGreater(rows[(f"tp{tp}", "custom")]["batch1_speedup"],
                                rows[(f"tp{tp}", "vllm")]["batch1_speedup"])
@@ -195,14 +199,7 @@ class TpModelTest(unittest.TestCase):
         self.assertAlmostEqual(rows[("tp1", "-")]["batch1_ms"], m["batch1_ms"], places=9)
         self.assertAlmostEqual(rows[("tp1", "-")]["batch64_tokens_per_s"],
                                64 / m["batch64_ms"] * 1e3, places=6)
-        for impl in ("custom", "vllm"):
-            prev = 1.0
-            for tp in (2, 4, 8):
-                r = rows[(f"tp{tp}", impl)]
-                self.assertGreater(r["batch1_speedup"], prev)
-                self.assertLess(r["batch1_speedup"], tp)
-                self.assertLess(r["batch64_speedup"], tp)
-                prev = r["batch1_speedup"]
+        self.assert_tp_speedups_grow_sublinearly(rows)
         # Slower shard kernels than the bandwidth model assumes: never a better prediction.
         bw = {(r["config"], r["all_reduce"]): r for r in tp_model.table()}
         for tp in (2, 4, 8):
