@@ -19,6 +19,7 @@
 #include "kernels/cuda/kv_quant.cuh"  // CheckKvCaches
 #include "kernels/cuda/kv_read.cuh"
 #include "kernels/cuda/launchers.h"
+#include "kernels/cuda/mma_util.cuh"
 #include "kernels/head_dims.h"
 
 namespace tpserve::cuda {
@@ -33,10 +34,6 @@ namespace {
 constexpr int kBN = 64;  // keys per tile
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // Element offset of (row, 8-element chunk) in a [rows][kD] tile; chunks XOR-swizzled by row so
 // that ldmatrix over 8 consecutive rows hits 8 different bank groups (kD >= 64; a 32-wide row
 // has 4 chunks, and the XOR stays inside the row).
@@ -44,40 +41,6 @@ template <int kD>
 __device__ __forceinline__ int Swizzle(int row, int chunk) {
   constexpr int kMask = (kD / 8 < 8 ? kD / 8 : 8) - 1;
   return row * kD + ((chunk ^ (row & kMask)) << 3);
-}
-
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
-  int bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void CpAsync4(uint32_t dst, const void* src, bool valid) {
-  int bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kN>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kN));
-}
-
-__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {

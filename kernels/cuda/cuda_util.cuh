@@ -35,6 +35,21 @@ __device__ __forceinline__ Bf16x8 FloatToBf16x8(const float f[8]) {
   return v;
 }
 
+// The rotation of a RoPE pair (a, b) = elements (i, i + D/2) by the angle with cosine c and sine
+// s, each product and sum rounded on its own (no contraction into an FMA), so that every kernel
+// that rotates (RopeKvWrite, the GEMMs' RoPE/KV epilogues) gets the same bits.
+__device__ __forceinline__ void RopeRotate(float a, float b, float c, float s, float& ra,
+                                           float& rb) {
+  ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  rb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
+// silu(g) * u as SiluMul computes it (before its bf16 rounding); the GEMMs that read SiluMul's
+// output from gate_up directly use the same expression.
+__device__ __forceinline__ float SiluMulValue(float g, float u) {
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, __expf(-g))), u);
+}
+
 // Streaming 16-byte load that skips L1 (weights and KV read exactly once).
 __device__ __forceinline__ uint4 LoadStreaming(const void* p) {
   uint4 r;
@@ -44,7 +59,8 @@ __device__ __forceinline__ uint4 LoadStreaming(const void* p) {
   return r;
 }
 
-__device__ __forceinline__ float WarpSum(float v) {
+template <typename T>
+__device__ __forceinline__ T WarpSum(T v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
@@ -57,13 +73,14 @@ __device__ __forceinline__ float WarpMax(float v) {
 }
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024). All threads get the result.
-__device__ __forceinline__ float BlockSum(float v, float* scratch /* [32] shared */) {
+template <typename T>
+__device__ __forceinline__ T BlockSum(T v, T* scratch /* [32] shared */) {
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   v = WarpSum(v);
   __syncthreads();
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  v = lane < nwarps ? scratch[lane] : 0.0f;
+  v = lane < nwarps ? scratch[lane] : T{0};
   return WarpSum(v);
 }
 

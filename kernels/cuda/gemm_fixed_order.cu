@@ -31,6 +31,7 @@
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
+#include "kernels/cuda/mma_util.cuh"
 
 namespace tpserve::cuda {
 namespace {
@@ -45,14 +46,6 @@ __host__ __device__ __forceinline__ int NumSlices(int chunks) {
 }
 __host__ __device__ __forceinline__ int SliceBegin(int s, int chunks, int slices) {
   return static_cast<int>(static_cast<int64_t>(s) * chunks / slices);
-}
-
-__device__ __forceinline__ void Mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // One chunk into d (rows g, g + 8 of a 16-row tile, tokens 2t, 2t + 1 of an 8-token tile): wr =
@@ -161,20 +154,6 @@ __global__ void __launch_bounds__(kThreads)
 constexpr int kStages = 3;
 constexpr int kStageChunks = 2;
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
-  const int bytes = valid ? 16 : 0;  // 0: zero-fill
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)), "l"(src),
-               "r"(bytes));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kN>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kN));
-}
-
 // kStageChunks chunks from chunk0 of rows [row0, row0 + kRows) of src ([rows, K]) into dst as
 // [chunk][kRows][32] (64 bytes a row), zero past c_end, K and `rows`.
 template <int kRows>
@@ -185,7 +164,7 @@ __device__ __forceinline__ void LoadTileChunks(uint4* dst, const __nv_bfloat16* 
     const int c = p / (kRows * 4), r = (p >> 2) % kRows, piece = p & 3;
     const int chunk = chunk0 + c, k = chunk * kChunk + piece * 8, row = row0 + r;
     const bool ok = chunk < c_end && k < K && row < rows;
-    CpAsync16(dst + p, ok ? src + static_cast<int64_t>(row) * K + k : src, ok);
+    CpAsync16(SmemAddr(dst + p), ok ? src + static_cast<int64_t>(row) * K + k : src, ok);
   }
 }
 

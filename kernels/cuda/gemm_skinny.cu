@@ -15,6 +15,7 @@
 // the total does not depend on the order of arrival); the consumer reads the record after its
 // wait and scales its dot products by rsqrt(mean + eps). No norm kernel runs between them.
 #include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/gemm_epilogue.cuh"
 #include "kernels/cuda/launchers.h"
 
 namespace tpserve::cuda {
@@ -86,18 +87,6 @@ __device__ __forceinline__ void LoadInput(const __nv_bfloat16* __restrict__ x, i
   }
 }
 
-// The RoPE/KV epilogue's arguments (see RopeKvWrite in kernels/ops.h).
-struct RopeKvArgs {
-  const float* inv_freq = nullptr;
-  const int32_t* positions = nullptr;
-  const int32_t* slots = nullptr;
-  int num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
-  int64_t num_slots = 0;
-  __nv_bfloat16* q_out = nullptr;
-  __nv_bfloat16* k_cache = nullptr;
-  __nv_bfloat16* v_cache = nullptr;
-};
-
 // The deferred norm's arguments. kNorm 1 (consumer): x still has to be scaled per row by
 // rsqrt(in_sums[row] / dim + eps). kNorm 2 (producer): residual += y, normed = residual * gamma,
 // sums of squares of the rows added into out_sums.
@@ -110,42 +99,6 @@ struct NormArgs {
   __nv_bfloat16* normed = nullptr;
   unsigned long long* out_sums = nullptr;
 };
-
-// The row scale rsqrt(sum / dim + eps) of a deferred norm, from the record's kNormSumSlots
-// counters of one row, lane i of a full warp holding counter i; every lane gets the result.
-__device__ __forceinline__ float RowScaleOfSums(unsigned long long v, int dim, float eps) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const float ss = static_cast<float>(static_cast<double>(v) * (1.0 / kNormSumScale));
-  return rsqrtf(ss / dim + eps);
-}
-
-// Rotates the pair (a, b) = rows (i, i + D/2) of `head` for token m and stores it as
-// RopeKvWrite does: q heads to q_out, k heads rotated and v heads as they are to the caches.
-__device__ __forceinline__ void StoreRopeKvPair(const RopeKvArgs& p, int m, int head, int i,
-                                                float a, float b) {
-  const int half = p.head_dim / 2;
-  if (head < p.num_q_heads + p.num_kv_heads) {
-    float sn, cs;
-    sincosf(static_cast<float>(p.positions[m]) * p.inv_freq[i], &sn, &cs);
-    const float ra = a * cs - b * sn, rb = b * cs + a * sn;
-    a = ra;
-    b = rb;
-  }
-  __nv_bfloat16* dst;
-  if (head < p.num_q_heads) {
-    dst = p.q_out + (static_cast<int64_t>(m) * p.num_q_heads + head) * p.head_dim;
-  } else {
-    const int64_t slot = p.slots[m];
-    if (slot < 0 || slot >= p.num_slots) return;  // padding
-    const int kv = head - p.num_q_heads;
-    dst = kv < p.num_kv_heads
-              ? p.k_cache + (slot * p.num_kv_heads + kv) * p.head_dim
-              : p.v_cache + (slot * p.num_kv_heads + kv - p.num_kv_heads) * p.head_dim;
-  }
-  dst[i] = __float2bfloat16(a);
-  dst[i + half] = __float2bfloat16(b);
-}
 
 template <int kMT, int kR, int kU, bool kSwiGlu, bool kRopeKv = false, int kNorm = 0>
 __global__ void __launch_bounds__(kWarps * 32)

@@ -62,9 +62,11 @@ __global__ void __launch_bounds__(kWarps * 32)
       float2 a = __bfloat1622float2(s2[j]);
       float2 b = __bfloat1622float2(s2[j + half / 2]);
       const int i = 2 * j;
-      float c0 = cos_s[i], s0 = sin_s[i], c1 = cos_s[i + 1], s1 = sin_s[i + 1];
-      d2[j] = __floats2bfloat162_rn(a.x * c0 - b.x * s0, a.y * c1 - b.y * s1);
-      d2[j + half / 2] = __floats2bfloat162_rn(b.x * c0 + a.x * s0, b.y * c1 + a.y * s1);
+      float ra0, rb0, ra1, rb1;
+      RopeRotate(a.x, b.x, cos_s[i], sin_s[i], ra0, rb0);
+      RopeRotate(a.y, b.y, cos_s[i + 1], sin_s[i + 1], ra1, rb1);
+      d2[j] = __floats2bfloat162_rn(ra0, ra1);
+      d2[j + half / 2] = __floats2bfloat162_rn(rb0, rb1);
     }
   }
 }
@@ -127,9 +129,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&b[u]), fb);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          const float cs = cos_s[c * 8 + e], sn = sin_s[c * 8 + e];
-          ra[e] = fa[e] * cs - fb[e] * sn;
-          rb[e] = fb[e] * cs + fa[e] * sn;
+          RopeRotate(fa[e], fb[e], cos_s[c * 8 + e], sin_s[c * 8 + e], ra[e], rb[e]);
         }
         *reinterpret_cast<Bf16x8*>(dst) = FloatToBf16x8(ra);
         *reinterpret_cast<Bf16x8*>(dst + half) = FloatToBf16x8(rb);

@@ -15,7 +15,7 @@ __global__ void SiluMulKernel(const Bf16x8* __restrict__ gate_up, int vecs_per_r
   Bf16x8ToFloat(g[i], fg);
   Bf16x8ToFloat(g[i + vecs_per_row], fu);
 #pragma unroll
-  for (int e = 0; e < 8; ++e) r[e] = fg[e] / (1.0f + __expf(-fg[e])) * fu[e];
+  for (int e = 0; e < 8; ++e) r[e] = SiluMulValue(fg[e], fu[e]);
   out[static_cast<int64_t>(row) * vecs_per_row + i] = FloatToBf16x8(r);
 }
 
