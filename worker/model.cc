@@ -453,6 +453,9 @@ absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
   // the next RMSNorm (AllReduceAddRmsNorm; same bits as the two steps): `normed_ready` says the
   // previous layer's MLP all-reduce already produced this layer's normed input.
   const bool fuse_norms = plan_.tp == 1;
+  // Deterministic mode's AddRmsNorm has its own arithmetic (the chain GEMMs' deferred norm),
+  // which the communicator's fused kernel does not have: the two steps there.
+  const bool fuse_all_reduce_norms = !ops_->deterministic();
   RowScale pending;
   bool normed_ready = false;
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -485,8 +488,11 @@ absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
                                      normed);
     } else {
       ops_->Gemm(attn, layer.wo, o_bias, proj);
-      TP_ASSIGN_OR_RETURN(const bool fused,
-                          tp.AllReduceAddRmsNorm(proj, residual, layer.post_norm, eps, normed));
+      bool fused = false;
+      if (fuse_all_reduce_norms) {
+        TP_ASSIGN_OR_RETURN(fused,
+                            tp.AllReduceAddRmsNorm(proj, residual, layer.post_norm, eps, normed));
+      }
       if (!fused) {
         TP_RETURN_IF_ERROR(tp.AllReduceSum(proj));
         ops_->AddRmsNorm(residual, proj, layer.post_norm, eps, normed);
@@ -499,7 +505,7 @@ absl::StatusOr<Tensor> LlamaModel::Run(const BatchMeta& meta, KvCache& cache) {
                                             layers_[l + 1].input_norm, eps, normed);
     } else {
       ops_->SiluMulGemm(gate_up, layer.w_down, mlp_act, proj);
-      if (plan_.tp > 1 && l + 1 < layers_.size()) {
+      if (plan_.tp > 1 && l + 1 < layers_.size() && fuse_all_reduce_norms) {
         TP_ASSIGN_OR_RETURN(
             normed_ready,
             tp.AllReduceAddRmsNorm(proj, residual, layers_[l + 1].input_norm, eps, normed));

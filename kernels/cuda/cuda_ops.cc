@@ -259,6 +259,7 @@ void CudaOps::SetDeterministic(bool on) {
   Ops::SetDeterministic(on);
   lt_->set_fixed_algorithm(on);
   det_fixed_order_gemm_ = EnvString(env::kDeterministicGemm) == "fixed-order";
+  det_chain_ = on && EnvString(env::kDeterministicGemm) == "cublaslt-chain";
   det_partition_ = on ? static_cast<int>(std::stoi(EnvString(env::kDeterministicPartition))) : 0;
   ++generation_;  // graphs captured before bake in the other kernels
 }
@@ -449,7 +450,8 @@ void CudaOps::AddRmsNorm(Tensor residual, const Tensor& x, const Tensor& weight,
   if (Ablated("AddRmsNorm")) return;
   OpScope scope(
       this, "AddRmsNorm", [&] { return Dims(x); }, 4.0 * x.bytes());
-  cuda::LaunchAddRmsNorm(residual, x, weight, eps, out, stream_);
+  // Deterministic mode: the fixed-point arithmetic of the chain GEMMs' deferred norm.
+  cuda::LaunchAddRmsNorm(residual, x, weight, eps, out, stream_, /*fixed_point=*/deterministic_);
 }
 
 void CudaOps::set_skinny_max_m(int m) {
@@ -468,10 +470,12 @@ void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor 
       deterministic_ && det_fixed_order_gemm_ && m > 0 && cuda::FixedOrderGemmFits(x, w, y);
   const bool skinny = !deterministic_ && m > 0 && m <= skinny_max_m_ && k % 8 == 0 &&
                       Aligned16(x.data) && Aligned16(w.data);
+  const bool chain = ChainFits(m, k, x.data, w.data);
   OpScope scope(
       this,
       fixed_order ? "Gemm.fixedOrder"
       : skinny    ? "Gemm.skinny"
+      : chain     ? "Gemm.chain"
                   : "Gemm.cublasLt",
       [&] { return GemmShape(m, w.dim(0), k); },
       double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
@@ -479,6 +483,8 @@ void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor 
     cuda::LaunchFixedOrderGemm(x, w, bias, y, stream_);
   } else if (skinny) {
     cuda::LaunchSkinnyGemm(x, w, bias, y, stream_);
+  } else if (chain) {
+    cuda::LaunchChainGemv(x, w, bias, y, stream_);
   } else {
     lt_->Run(x, w, bias, y, stream_);
   }
@@ -503,8 +509,23 @@ void CudaOps::SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Te
     cuda::LaunchSkinnySwiGluGemm(gate_up, w, y, stream_);
     return;
   }
+  if (fused_skinny_ && ChainFits(m, k, gate_up.data, w.data)) {
+    OpScope scope(
+        this, "SiluMulGemm.chain", [&] { return GemmShape(m, w.dim(0), k); },
+        double(w.bytes()) + double(gate_up.bytes()) + double(y.bytes()));
+    cuda::LaunchChainSwiGluGemv(gate_up, w, y, stream_);
+    return;
+  }
   SiluMul(gate_up, act);
   Gemm(act, w, nullptr, y);
+}
+
+bool CudaOps::ChainFits(int64_t m, int64_t k, const void* x, const void* w) const {
+  return det_chain_ && cuda::ChainGemvFits(m, k, x, w);
+}
+
+bool CudaOps::ChainFusedFits(int64_t m, int64_t k, const void* x, const void* w) const {
+  return ChainFits(m, k, x, w) && m <= cuda::kSkinnyFusedMaxM;
 }
 
 bool CudaOps::SkinnyFusedFits(int64_t m, int64_t k, const void* x, const void* w) const {
@@ -544,6 +565,16 @@ RowScale CudaOps::GemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor*
       return RowScale{record, n, eps};
     }
   }
+  if (fused_norm_ && ablated_.empty() && ChainFusedFits(m, k, x.data, w.data)) {
+    if (unsigned long long* record = NextNormRecord()) {
+      OpScope scope(
+          this, "GemmAddRmsNorm.chain", [&] { return GemmShape(m, n, k); },
+          double(w.bytes()) + double(x.bytes()) + 4.0 * double(y.bytes()));
+      cuda::LaunchChainGemvAddNorm(x, w, bias, y, residual, gamma, normed, /*swiglu=*/false, record,
+                                   stream_);
+      return RowScale{record, n, eps};
+    }
+  }
   return Ops::GemmAddRmsNorm(x, w, bias, y, residual, gamma, eps, normed);
 }
 
@@ -563,6 +594,17 @@ RowScale CudaOps::SiluMulGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, 
       return RowScale{record, n, eps};
     }
   }
+  if (fused_norm_ && fused_skinny_ && ablated_.empty() &&
+      ChainFusedFits(m, k, gate_up.data, w.data)) {
+    if (unsigned long long* record = NextNormRecord()) {
+      OpScope scope(
+          this, "SiluMulGemmAddRmsNorm.chain", [&] { return GemmShape(m, n, k); },
+          double(w.bytes()) + double(gate_up.bytes()) + 4.0 * double(y.bytes()));
+      cuda::LaunchChainGemvAddNorm(gate_up, w, nullptr, y, residual, gamma, normed,
+                                   /*swiglu=*/true, record, stream_);
+      return RowScale{record, n, eps};
+    }
+  }
   return Ops::SiluMulGemmAddRmsNorm(gate_up, w, act, y, residual, gamma, eps, normed);
 }
 
@@ -579,6 +621,14 @@ void CudaOps::GemmScaledRows(const Tensor& x, const RowScale& x_scale, const Ten
         double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
     cuda::LaunchSkinnyGemmScaledRows(x, static_cast<const unsigned long long*>(x_scale.record),
                                      x_scale.eps, w, bias, y, stream_);
+    return;
+  }
+  if (ChainFusedFits(m, k, x.data, w.data)) {
+    OpScope scope(
+        this, "GemmScaledRows.chain", [&] { return GemmShape(m, w.dim(0), k); },
+        double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
+    cuda::LaunchChainGemvScaledRows(x, static_cast<const unsigned long long*>(x_scale.record),
+                                    x_scale.eps, w, bias, y, stream_);
     return;
   }
   ApplyRowScale(x, x_scale);
@@ -631,6 +681,16 @@ void CudaOps::QkvRopeKvWrite(const Tensor& x, const RowScale& x_scale, const Ten
         this, "QkvRopeKvWrite.skinny", [&] { return GemmShape(m, w_qkv.dim(0), k); },
         double(w_qkv.bytes()) + double(x.bytes()) + 2.0 * double(qkv.bytes()));
     cuda::LaunchSkinnyQkvRopeKvWrite(
+        x, w_qkv, bias, inv_freq, num_q_heads, num_kv_heads, head_dim, *batch_, q_out, k_cache,
+        v_cache, stream_, static_cast<const unsigned long long*>(x_scale.record), x_scale.eps);
+    return;
+  }
+  if (fused_skinny_ && k_cache.dtype == DType::kBF16 && ChainFusedFits(m, k, x.data, w_qkv.data) &&
+      m == batch_->num_tokens && cuda::ChainQkvRopeKvFits(head_dim)) {
+    OpScope scope(
+        this, "QkvRopeKvWrite.chain", [&] { return GemmShape(m, w_qkv.dim(0), k); },
+        double(w_qkv.bytes()) + double(x.bytes()) + 2.0 * double(qkv.bytes()));
+    cuda::LaunchChainQkvRopeKvWrite(
         x, w_qkv, bias, inv_freq, num_q_heads, num_kv_heads, head_dim, *batch_, q_out, k_cache,
         v_cache, stream_, static_cast<const unsigned long long*>(x_scale.record), x_scale.eps);
     return;

@@ -199,6 +199,11 @@ class CudaOps final : public Ops {
   int skinny_max_m_ = 2;
   bool fused_skinny_ = true;
   bool fused_norm_ = true;
+  // Deterministic mode with cuBLASLt's fixed algorithm: decode GEMMs (M <= kChainGemvMaxM) run
+  // the chain kernels, which have its bits (TPSERVE_DETERMINISTIC_GEMM=cublaslt-chain).
+  bool det_chain_ = false;
+  bool ChainFits(int64_t m, int64_t k, const void* x, const void* w) const;
+  bool ChainFusedFits(int64_t m, int64_t k, const void* x, const void* w) const;
   // Deferred norms: kMaxNormRecords records of cuda::kNormRecordWords counters; each batch
   // (SetBatch) uses them in order from the first, which zeroes all of them.
   static constexpr int kMaxNormRecords = 256;

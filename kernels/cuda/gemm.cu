@@ -244,6 +244,33 @@ void LtGemm::Tune(Plan& plan, const Tensor& x, const Tensor& w, Tensor y, cudaSt
   plan.tuned = true;
 }
 
+std::string LtGemm::DescribePlan(int64_t m, int64_t n, int64_t k) const {
+  for (const auto& [key, plan] : plans_) {
+    if (std::get<0>(key) != m || std::get<1>(key) != n || std::get<2>(key) != k) continue;
+    std::string out;
+    const std::pair<const char*, cublasLtMatmulAlgoConfigAttributes_t> attrs[] = {
+        {"id", CUBLASLT_ALGO_CONFIG_ID},
+        {"tile", CUBLASLT_ALGO_CONFIG_TILE_ID},
+        {"stages", CUBLASLT_ALGO_CONFIG_STAGES_ID},
+        {"splitk", CUBLASLT_ALGO_CONFIG_SPLITK_NUM},
+        {"reduction", CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME},
+        {"swizzle", CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING},
+        {"custom", CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION},
+        {"inner", CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID},
+        {"cluster", CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID}};
+    for (const auto& [name, attr] : attrs) {
+      int32_t v = 0;
+      size_t written = 0;
+      if (cublasLtMatmulAlgoConfigGetAttribute(&plan.algo, attr, &v, sizeof(v), &written) ==
+          CUBLAS_STATUS_SUCCESS) {
+        out += std::string(out.empty() ? "" : " ") + name + "=" + std::to_string(v);
+      }
+    }
+    return out;
+  }
+  return "";
+}
+
 void LtGemm::Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                  cudaStream_t stream) {
   TP_CHECK_CUDA_TENSOR(x, DType::kBF16);

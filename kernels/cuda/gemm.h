@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -31,6 +32,9 @@ class LtGemm {
 
   void Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, cudaStream_t stream);
   size_t num_plans() const { return plans_.size(); }
+  // The configuration of the algorithm a plan of (m, n, k) runs (cuBLASLt's algorithm id, tile,
+  // stages, split-K, ...), or "" when no such plan was made.
+  std::string DescribePlan(int64_t m, int64_t n, int64_t k) const;
   // The split-K override the plan of this problem took (0: none, or no such plan).
   int PlanSplitK(int64_t m, int64_t n, int64_t k) const {
     for (const auto& [key, plan] : plans_) {

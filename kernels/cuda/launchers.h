@@ -121,8 +121,10 @@ void LaunchEmbedding(const Tensor& table, int64_t row_offset, const DeviceBatch&
                      cudaStream_t stream);
 void LaunchRmsNorm(const Tensor& x, const Tensor& weight, float eps, Tensor out,
                    cudaStream_t stream);
+// fixed_point (deterministic mode): the sum of squares in fixed point and out = bf16(bf16(h *
+// weight) * scale), the arithmetic a deferred norm over the chain GEMMs gives (gemm_epilogue.cuh).
 void LaunchAddRmsNorm(Tensor residual, const Tensor& x, const Tensor& weight, float eps, Tensor out,
-                      cudaStream_t stream);
+                      cudaStream_t stream, bool fixed_point = false);
 void LaunchRope(Tensor q, Tensor k, const Tensor& inv_freq, int head_dim, const DeviceBatch& b,
                 cudaStream_t stream);
 // KvWrite and RopeKvWrite write bf16 caches or quantized ones (kF8E4M3, kI8, kI4 with scales,
@@ -172,6 +174,43 @@ bool FixedOrderGemmFits(const Tensor& x, const Tensor& w, const Tensor& y);
 void LaunchFixedOrderGemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                           cudaStream_t stream,
                           FixedOrderGemmVariant variant = FixedOrderGemmVariant::kAuto);
+
+// Deterministic mode's decode GEMMs (gemm_lt_chain.cu): y[M, N] = x[M, K] w[N, K]^T (+ bias) for
+// M <= kChainGemvMaxM with the bits of cuBLASLt's fixed algorithm (LtGemm::set_fixed_algorithm),
+// each output one chain of mma.m16n8k16 over K in order. Needs K % 16 == 0 and 16-byte aligned
+// x and w (ChainGemvFits). The fused forms (M <= kSkinnyFusedMaxM) give the bits of the unfused
+// ops in deterministic mode: SwiGLU input (SiluMul then the GEMM), a deferred norm's row scale
+// on the input (ApplyRowScale then the GEMM), the RoPE/KV epilogue (RopeKvWrite after the GEMM;
+// head_dim % 32 == 0, bf16 caches), and the deferred norm's producer (AddRmsNorm's arithmetic in
+// deterministic mode: LaunchAddRmsNorm's `fixed_point`).
+inline constexpr int64_t kChainGemvMaxM = 16;
+bool ChainGemvFits(int64_t m, int64_t k, const void* x, const void* w);
+void LaunchChainGemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                     cudaStream_t stream);
+// y = SiluMul(gate_up) w^T for gate_up [M, 2K].
+void LaunchChainSwiGluGemv(const Tensor& gate_up, const Tensor& w, Tensor y, cudaStream_t stream);
+// y = ApplyRowScale(x) w^T (+ bias): x a deferred norm's output, `record` its producer's.
+void LaunchChainGemvScaledRows(const Tensor& x, const unsigned long long* record, float eps,
+                               const Tensor& w, const Tensor* bias, Tensor y, cudaStream_t stream);
+// The deferred norm's producer (as LaunchSkinnyGemmAddNorm): y = x w^T (+ bias) (swiglu: x =
+// gate_up [M, 2K] through SiluMul); residual += y; normed = bf16(residual * gamma); the rows'
+// fixed-point sums of squares added into `record` (zero before the call).
+void LaunchChainGemvAddNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                            Tensor residual, const Tensor& gamma, Tensor normed, bool swiglu,
+                            unsigned long long* record, cudaStream_t stream);
+// Ops::QkvRopeKvWrite for M = b.num_tokens <= kSkinnyFusedMaxM (x_sums: x is a deferred norm's
+// output, scaled on the way in).
+bool ChainQkvRopeKvFits(int head_dim);
+void LaunchChainQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
+                               const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
+                               int head_dim, const DeviceBatch& b, Tensor q_out, Tensor k_cache,
+                               Tensor v_cache, cudaStream_t stream,
+                               const unsigned long long* x_sums = nullptr, float eps = 0.0f);
+// Reference GEMM y = x w^T (+ bias) as one chain of mma.m16n8k16 per output over K in order, from
+// zero, one warp per output tile: w in the A operand (weights_a) or in B. Needs K % 16 == 0.
+// Tests only.
+void LaunchChainGemmReference(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                              bool weights_a, cudaStream_t stream);
 
 // Skinny GEMM y[M, N] = x[M, K] w[N, K]^T (+ bias) for small M, streaming w once.
 inline constexpr int kSkinnyMaxM = 16;

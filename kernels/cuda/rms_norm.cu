@@ -3,6 +3,7 @@
 // programmatic dependent launch (cuda_util.cuh), so the next kernel's blocks (a skinny GEMM
 // prefetching its weights) start while these run.
 #include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/gemm_epilogue.cuh"
 #include "kernels/cuda/launchers.h"
 
 namespace tpserve::cuda {
@@ -12,17 +13,21 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxVecs = 8;
 
-template <bool kAdd>
+// kFixed (deterministic mode): the sum of squares and the output as gemm_epilogue.cuh defines
+// them, so that a deferred norm split over two chain GEMMs gives the same bits.
+template <bool kAdd, bool kFixed = false>
 __global__ void __launch_bounds__(kThreads)
     RmsNormKernel(Bf16x8* __restrict__ residual, const Bf16x8* __restrict__ x,
                   const Bf16x8* __restrict__ weight, float eps, int vecs, int hidden,
                   Bf16x8* __restrict__ out) {
   __shared__ float scratch[32];
+  __shared__ unsigned long long fixed_scratch[32];
   PdlLaunchDependents();
   PdlWait();  // x and the residual come from the previous kernels
   int64_t base = static_cast<int64_t>(blockIdx.x) * vecs;
   float v[kMaxVecs][8];
   float ss = 0.0f;
+  unsigned long long ss_fixed = 0ull;
 #pragma unroll
   for (int j = 0; j < kMaxVecs; ++j) {
     int i = threadIdx.x + j * kThreads;
@@ -39,11 +44,21 @@ __global__ void __launch_bounds__(kThreads)
       }
       Bf16x8ToFloat(a, v[j]);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) ss += v[j][e] * v[j][e];
+      for (int e = 0; e < 8; ++e) {
+        if constexpr (kFixed) {
+          ss_fixed += NormSquareFixed(v[j][e]);
+        } else {
+          ss += v[j][e] * v[j][e];
+        }
+      }
     }
   }
-  ss = BlockSum(ss, scratch);
-  float rstd = rsqrtf(ss / hidden + eps);
+  float rstd;
+  if constexpr (kFixed) {
+    rstd = RowScaleOfTotal(BlockSum(ss_fixed, fixed_scratch), hidden, eps);
+  } else {
+    rstd = rsqrtf(BlockSum(ss, scratch) / hidden + eps);
+  }
 #pragma unroll
   for (int j = 0; j < kMaxVecs; ++j) {
     int i = threadIdx.x + j * kThreads;
@@ -51,7 +66,13 @@ __global__ void __launch_bounds__(kThreads)
       float w[8];
       Bf16x8ToFloat(weight[i], w);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) v[j][e] = v[j][e] * rstd * w[e];
+      for (int e = 0; e < 8; ++e) {
+        if constexpr (kFixed) {
+          v[j][e] = __fmul_rn(__bfloat162float(__float2bfloat16(__fmul_rn(v[j][e], w[e]))), rstd);
+        } else {
+          v[j][e] = v[j][e] * rstd * w[e];
+        }
+      }
       out[base + i] = FloatToBf16x8(v[j]);
     }
   }
@@ -84,7 +105,7 @@ void LaunchRmsNorm(const Tensor& x, const Tensor& weight, float eps, Tensor out,
 }
 
 void LaunchAddRmsNorm(Tensor residual, const Tensor& x, const Tensor& weight, float eps, Tensor out,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, bool fixed_point) {
   CheckNormArgs("AddRmsNorm", x, weight, out);
   TP_CHECK_CUDA_TENSOR(residual, DType::kBF16);
   TP_CHECK(residual.numel() == x.numel())
@@ -92,9 +113,9 @@ void LaunchAddRmsNorm(Tensor residual, const Tensor& x, const Tensor& weight, fl
   int hidden = static_cast<int>(x.dim(-1));
   int rows = static_cast<int>(x.numel() / hidden);
   if (rows == 0) return;
-  LaunchPdl(RmsNormKernel<true>, dim3(rows), dim3(kThreads), 0, stream, residual.ptr<Bf16x8>(),
-            x.ptr<const Bf16x8>(), weight.ptr<const Bf16x8>(), eps, hidden / 8, hidden,
-            out.ptr<Bf16x8>());
+  LaunchPdl(fixed_point ? RmsNormKernel<true, true> : RmsNormKernel<true>, dim3(rows),
+            dim3(kThreads), 0, stream, residual.ptr<Bf16x8>(), x.ptr<const Bf16x8>(),
+            weight.ptr<const Bf16x8>(), eps, hidden / 8, hidden, out.ptr<Bf16x8>());
   TP_CUDA_CHECK_LAUNCH();
 }
 

@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/check.h"
 #include "common/model_config.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "tests/testing/determinism_harness.h"
@@ -102,19 +103,29 @@ TEST(DeterminismGpuTest, TinyCoder) {
   CheckModel(SourceDir() + "/models/tiny-coder", 300, 200, 64);
 }
 
+std::string DeepSeek67BShapeDir() {
+  if (const char* full = std::getenv("TPSERVE_DS67_DIR")) return full;
+  auto config =
+      LoadModelConfig(SourceDir() + "/tests/data/deepseek-coder-6.7b-instruct.config.json");
+  TP_CHECK(config.ok()) << config.status();
+  config->num_layers = 2;  // the shapes of every op; two layers keep the job quick
+  return testing_util::WriteTestModel(*config, "ds67_2layers", 1, DType::kBF16);
+}
+
 TEST(DeterminismGpuTest, DeepSeek67BShape) {
   SKIP_WITHOUT_GPU();
-  std::string dir;
-  if (const char* full = std::getenv("TPSERVE_DS67_DIR")) {
-    dir = full;
-  } else {
-    auto config =
-        LoadModelConfig(SourceDir() + "/tests/data/deepseek-coder-6.7b-instruct.config.json");
-    ASSERT_TRUE(config.ok()) << config.status();
-    config->num_layers = 2;  // the shapes of every op; two layers keep the job quick
-    dir = testing_util::WriteTestModel(*config, "ds67_2layers", 1, DType::kBF16);
-  }
-  CheckModel(dir, 600, 300, 128);
+  CheckModel(DeepSeek67BShapeDir(), 600, 300, 128);
+}
+
+// TPSERVE_DETERMINISTIC_GEMM=cublaslt-chain: decode steps of up to 16 rows through the chain
+// GEMMs and their fusions (RoPE/KV epilogue, SwiGLU input, the deferred norm), larger batches
+// and prefill chunks through cuBLASLt and the unfused ops: the same bits.
+TEST(DeterminismGpuTest, ChainGemmsTinyCoderAnd67BShape) {
+  SKIP_WITHOUT_GPU();
+  ASSERT_EQ(setenv("TPSERVE_DETERMINISTIC_GEMM", "cublaslt-chain", 1), 0);
+  CheckModel(SourceDir() + "/models/tiny-coder", 300, 200, 64);
+  CheckModel(DeepSeek67BShapeDir(), 600, 300, 128);
+  unsetenv("TPSERVE_DETERMINISTIC_GEMM");
 }
 
 }  // namespace

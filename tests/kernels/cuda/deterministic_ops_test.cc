@@ -15,6 +15,7 @@
 
 #include "common/bf16.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/gemm.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
@@ -209,6 +210,43 @@ TEST_F(DeterministicOpsTest, FixedOrderGemmVariantsAgreeAndAreExact) {
       }
     }
     bufs_.clear();
+  }
+}
+
+// cuBLASLt's fixed algorithm (deterministic mode) against one chain of mma.m16n8k16 per output
+// over K in order (LaunchChainGemmReference, w in the A or the B operand): whether the unsplit
+// cuBLASLt kernel's arithmetic is that chain, bit for bit.
+TEST_F(DeterministicOpsTest, ChainGemmAgainstTheFixedCublasLtAlgorithm) {
+  struct Shape {
+    int64_t n, k;
+  };
+  const Shape shapes[] = {{12288, 4096}, {4096, 4096}, {22016, 4096}, {4096, 11008},
+                          {32256, 4096}, {384, 256},   {256, 640}};
+  cudaStream_t stream = static_cast<CudaOps*>(ops_.get())->stream();
+  cuda::LtGemm lt;
+  lt.set_fixed_algorithm(true);
+  for (const Shape& s : shapes) {
+    for (int64_t m : {int64_t{1}, int64_t{8}, int64_t{64}, int64_t{300}}) {
+      Tensor x = Upload(RandomBf16Bits(rng_, size_t(m * s.k), 1.0f), {m, s.k});
+      Tensor w = Upload(RandomBf16Bits(rng_, size_t(s.n * s.k), 0.05f), {s.n, s.k});
+      Tensor y_lt = Out({m, s.n}), y_a = Out({m, s.n}), y_b = Out({m, s.n});
+      lt.Run(x, w, nullptr, y_lt, stream);
+      cuda::LaunchChainGemmReference(x, w, nullptr, y_a, /*weights_a=*/true, stream);
+      cuda::LaunchChainGemmReference(x, w, nullptr, y_b, /*weights_a=*/false, stream);
+      const auto lt_bits = Bits(y_lt, 0, m * s.n), a_bits = Bits(y_a, 0, m * s.n),
+                 b_bits = Bits(y_b, 0, m * s.n);
+      int64_t diff_a = 0, diff_b = 0, diff_ab = 0;
+      for (int64_t i = 0; i < m * s.n; ++i) {
+        diff_a += lt_bits[i] != a_bits[i];
+        diff_b += lt_bits[i] != b_bits[i];
+        diff_ab += a_bits[i] != b_bits[i];
+      }
+      std::cout << "N=" << s.n << " K=" << s.k << " M=" << m << " [" << lt.DescribePlan(m, s.n, s.k)
+                << "] differ from cuBLASLt: w as A " << diff_a << ", w as B " << diff_b << " of "
+                << m * s.n << " (A vs B " << diff_ab << ")" << std::endl;
+      EXPECT_TRUE(diff_a == 0 || diff_b == 0) << "N=" << s.n << " K=" << s.k << " M=" << m;
+      bufs_.clear();
+    }
   }
 }
 

@@ -1,0 +1,503 @@
+// Decode-sized GEMMs with the bits of cuBLASLt's fixed algorithm (deterministic mode).
+//
+// The fixed algorithm (LtGemm::set_fixed_algorithm: unsplit, one per weight shape) computes every
+// output as one chain of tensor-core k16 steps over K in order from zero, then the bias, then one
+// rounding to bf16: deterministic_ops_test ChainGemmAgainstTheFixedCublasLtAlgorithm finds the
+// plain chain of mma.m16n8k16 below (LaunchChainGemmReference) equal to it bit for bit on the
+// 6.7B and tiny-coder shapes at M = 1, 8, 64 and 300. So a decode batch may run this file's
+// kernels and a prefill chunk cuBLASLt, and a token's row has the same bits in both.
+//
+// The chain GEMV (M <= 16): a block owns kRT = 2 tiles of 16 weight rows (the A operand,
+// through ldmatrix from shared memory) and all tokens (the B operand, 8 per mma, read from global
+// memory: L1/L2-resident); all 4 warps stream the weights with cp.async through a kStages ring
+// of kKT-wide K tiles, and warp (token tile, row tile) runs that tile's chain. The first stages go
+// out before the programmatic-launch wait (weights do not depend on the previous kernel).
+// Fused forms for decode steps of at most kSkinnyFusedMaxM tokens (deterministic mode's versions
+// of the skinny kernel's fusions, each giving the bits of the unfused ops):
+// - input SwiGLU: B = bf16(SiluMulValue(gate, up)), as SiluMul stores it;
+// - input row scale (a deferred norm's consumer): B = bf16(x * scale), as ApplyRowScale;
+// - RoPE/KV epilogue: the block's two tiles are rows (i, i + D/2) of one head, rotated and stored
+//   as RopeKvWrite does;
+// - add-norm epilogue (a deferred norm's producer): y, residual += y, normed = bf16(h * gamma)
+//   and each element's NormSquareFixed added into the record, as AddRmsNorm in deterministic
+//   mode.
+#include <algorithm>
+
+#include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/gemm_epilogue.cuh"
+#include "kernels/cuda/launchers.h"
+#include "kernels/cuda/mma_util.cuh"
+
+namespace tpserve::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kRT = 2;    // 16-row weight tiles per block
+constexpr int kKT = 256;  // K elements per pipeline stage
+constexpr int kStages = 4;
+constexpr int kRowStride = kKT + 8;  // +16 bytes: 8 consecutive rows hit 8 different bank groups
+
+enum Input { kInPlain = 0, kInSwiGlu = 1, kInScaled = 2 };
+enum Output { kOutStore = 0, kOutRopeKv = 1, kOutAddNorm = 2 };
+
+// A stage: kRT * 16 weight rows, then the input rows of its K tile (kTok tokens; gate rows then
+// up rows for the SwiGLU input).
+template <int kTok, int kIn>
+struct Stage {
+  static constexpr int kXRows = kIn == kInSwiGlu ? 2 * kTok : kTok;
+  static constexpr int kElems = (kRT * 16 + kXRows) * kRowStride;
+  static constexpr size_t kSmemBytes = size_t{kStages} * kElems * 2;
+};
+
+struct ChainArgs {
+  const __nv_bfloat16* x = nullptr;  // [M, K], or gate_up [M, 2K] for kInSwiGlu
+  const __nv_bfloat16* w = nullptr;  // [N, K]
+  const __nv_bfloat16* bias = nullptr;
+  __nv_bfloat16* y = nullptr;  // [M, N] (kOutStore, kOutAddNorm)
+  int M = 0, N = 0, K = 0;
+  const unsigned long long* in_sums = nullptr;  // kInScaled: the producer's record
+  float eps = 0.0f;
+  __nv_bfloat16* residual = nullptr;  // kOutAddNorm
+  const __nv_bfloat16* gamma = nullptr;
+  __nv_bfloat16* normed = nullptr;
+  unsigned long long* out_sums = nullptr;
+  RopeKvArgs rope;  // kOutRopeKv
+};
+
+// First weight row of tile j of this block.
+template <int kOut>
+__device__ __forceinline__ int TileRow(const ChainArgs& a, int j) {
+  if constexpr (kOut == kOutRopeKv) {
+    const int half = a.rope.head_dim / 2, blocks_per_head = half / 16;
+    const int head = blockIdx.x / blocks_per_head, i0 = (blockIdx.x % blocks_per_head) * 16;
+    return head * a.rope.head_dim + j * half + i0;
+  } else {
+    return (blockIdx.x * kRT + j) * 16;
+  }
+}
+
+template <int kTok, int kIn, int kOut>
+__global__ void __launch_bounds__(kThreads) ChainGemvKernel(const ChainArgs a) {
+  constexpr int kMT = (kTok + 7) / 8;  // 8-token tiles
+  static_assert(kRT * kMT <= kThreads / 32, "a warp per (row tile, token tile)");
+  using St = Stage<kTok, kIn>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto* stages = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+  PdlLaunchDependents();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int K = a.K, N = a.N, M = a.M;
+  const int num_kt = (K + kKT - 1) / kKT;
+  constexpr int kVecs = kKT / 8;
+
+  auto issue_w = [&](int kt) {
+    if (kt >= num_kt) return;
+    __nv_bfloat16* dst = stages + (kt % kStages) * St::kElems;
+    const int k0 = kt * kKT;
+    for (int i = tid; i < kRT * 16 * kVecs; i += kThreads) {
+      const int r = i / kVecs, c = i % kVecs;
+      const int row = TileRow<kOut>(a, r / 16) + r % 16, k = k0 + c * 8;
+      const bool valid = row < N && k < K;
+      CpAsync16(SmemAddr(dst + r * kRowStride + c * 8),
+                valid ? a.w + static_cast<int64_t>(row) * K + k : a.w, valid);
+    }
+  };
+  auto issue_x = [&](int kt) {
+    if (kt < num_kt) {
+      __nv_bfloat16* dst = stages + (kt % kStages) * St::kElems + kRT * 16 * kRowStride;
+      const int k0 = kt * kKT;
+      for (int i = tid; i < St::kXRows * kVecs; i += kThreads) {
+        const int r = i / kVecs, c = i % kVecs, k = k0 + c * 8;
+        const int token = r % kTok;
+        const bool valid = token < M && k < K;
+        const __nv_bfloat16* src =
+            kIn == kInSwiGlu ? a.x + static_cast<int64_t>(token) * 2 * K + (r >= kTok ? K : 0) + k
+                             : a.x + static_cast<int64_t>(token) * K + k;
+        CpAsync16(SmemAddr(dst + r * kRowStride + c * 8), valid ? src : a.x, valid);
+      }
+    }
+    CpAsyncCommit();  // an empty group past the end keeps the wait counts uniform
+  };
+  // The weights do not depend on the previous kernel: the first stages' go out before the wait
+  // (they join stage 0's group); the inputs after it.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue_w(s);
+  PdlWait();  // x, the record and the residual come from earlier kernels
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue_x(s);
+
+  float scale[kSkinnyFusedMaxM];  // kInScaled: tokens 0, 1 (every lane of every warp)
+  if constexpr (kIn == kInScaled) {
+#pragma unroll
+    for (int r = 0; r < kSkinnyFusedMaxM; ++r) {
+      scale[r] =
+          RowScaleOfSums(r < M ? __ldcg(a.in_sums + r * kNormSumSlots + lane) : 0ull, K, a.eps);
+    }
+  }
+  const int j = warp % kRT, mt = warp / kRT;
+  const bool chain_warp = warp < kRT * kMT;
+  const int m = mt * 8 + g;  // this lane's token in the B operand
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // ldmatrix.x4 row addresses: lanes 0-7 rows 0-7 (k 0-7), 8-15 rows 8-15 (k 0-7), 16-23 rows
+  // 0-7 (k 8-15), 24-31 rows 8-15 (k 8-15): registers 0-3 are the A fragment.
+  const int lm_row = (lane & 7) + ((lane >> 3) & 1) * 8, lm_col = (lane >> 4) * 8;
+  for (int kt = 0; kt < num_kt; ++kt) {
+    CpAsyncWait<kStages - 2>();
+    __syncthreads();  // stage kt landed for everyone; stage kt - 1's slot is free
+    issue_w(kt + kStages - 1);
+    issue_x(kt + kStages - 1);
+    __nv_bfloat16* stage = stages + (kt % kStages) * St::kElems;
+    __nv_bfloat16* xs = stage + kRT * 16 * kRowStride;
+    const int k0 = kt * kKT;
+    if constexpr (kIn != kInPlain) {
+      // The input's transform, in place, by all threads: row `token` becomes SiluMul's output
+      // (from its gate row and up row) or ApplyRowScale's.
+      for (int i = tid; i < M * kKT; i += kThreads) {
+        const int token = i / kKT, c = i % kKT;
+        __nv_bfloat16* e = xs + token * kRowStride + c;
+        if constexpr (kIn == kInSwiGlu) {
+          const float gv = __bfloat162float(*e);
+          const float uv = __bfloat162float(xs[(kTok + token) * kRowStride + c]);
+          *e = __float2bfloat16(SiluMulValue(gv, uv));
+        } else {
+          *e = __float2bfloat16(__fmul_rn(__bfloat162float(*e), scale[token]));
+        }
+      }
+      __syncthreads();
+    }
+    if (chain_warp) {
+      const uint32_t a_base = SmemAddr(stage + (j * 16 + lm_row) * kRowStride + lm_col);
+      const __nv_bfloat16* b_row = xs + min(m, kTok - 1) * kRowStride + 2 * t;
+      const int groups = min(kKT, K - k0) / 16;
+      constexpr int kGroups = kKT / 16;
+      if (groups == kGroups) {
+        // A full stage: every fragment first, then the kGroups dependent mma back to back (the
+        // chain's latency is the mma's alone).
+        uint32_t af[kGroups][4], bf[kGroups][2];
+#pragma unroll
+        for (int q = 0; q < kGroups; ++q) {
+          LdMatrixX4(af[q], a_base + q * 32);
+          bf[q][0] = m < M ? *reinterpret_cast<const uint32_t*>(b_row + q * 16) : 0u;
+          bf[q][1] = m < M ? *reinterpret_cast<const uint32_t*>(b_row + q * 16 + 8) : 0u;
+        }
+#pragma unroll
+        for (int q = 0; q < kGroups; ++q) Mma16816(d, af[q], bf[q][0], bf[q][1]);
+      } else {
+        for (int q = 0; q < groups; ++q) {
+          uint32_t af[4];
+          LdMatrixX4(af, a_base + q * 32);
+          uint32_t b0 = 0u, b1 = 0u;
+          if (m < M) {
+            b0 = *reinterpret_cast<const uint32_t*>(b_row + q * 16);
+            b1 = *reinterpret_cast<const uint32_t*>(b_row + q * 16 + 8);
+          }
+          Mma16816(d, af, b0, b1);
+        }
+      }
+    }
+  }
+  CpAsyncWait<0>();
+
+  // d[i]: weight row TileRow(j) + g (+ 8 for i >= 2), token mt * 8 + 2t + (i & 1).
+  const int row0 = TileRow<kOut>(a, j);
+  if constexpr (kOut == kOutStore) {
+    if (!chain_warp) return;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + g + (i >= 2 ? 8 : 0), token = mt * 8 + 2 * t + (i & 1);
+      if (row < N && token < M) {
+        float v = d[i];
+        if (a.bias != nullptr) v = __fadd_rn(v, __bfloat162float(a.bias[row]));
+        a.y[static_cast<int64_t>(token) * N + row] = __float2bfloat16(v);
+      }
+    }
+  } else if constexpr (kOut == kOutAddNorm) {
+    if (!chain_warp) return;
+    unsigned long long sq[2] = {0ull, 0ull};  // tokens 2t, 2t + 1 (kMT = 1: only t = 0 is real)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + g + (i >= 2 ? 8 : 0), token = 2 * t + (i & 1);
+      if (row < N && token < M) {
+        float v = d[i];
+        if (a.bias != nullptr) v = __fadd_rn(v, __bfloat162float(a.bias[row]));
+        const int64_t at = static_cast<int64_t>(token) * N + row;
+        const __nv_bfloat16 yb = __float2bfloat16(v);
+        a.y[at] = yb;
+        const __nv_bfloat16 hb =
+            __float2bfloat16(__fadd_rn(__bfloat162float(a.residual[at]), __bfloat162float(yb)));
+        a.residual[at] = hb;
+        const float h = __bfloat162float(hb);
+        a.normed[at] = __float2bfloat16(__fmul_rn(h, __bfloat162float(a.gamma[row])));
+        sq[i & 1] += NormSquareFixed(h);
+      }
+    }
+    // Sum over the lanes of each token (the same t), then one atomic per token and tile.
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      sq[0] += __shfl_xor_sync(0xffffffffu, sq[0], o);
+      sq[1] += __shfl_xor_sync(0xffffffffu, sq[1], o);
+    }
+    if (g == 0) {
+      const int slot = (blockIdx.x * kRT + j) % kNormSumSlots;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int token = 2 * t + e;
+        if (token < M) atomicAdd(a.out_sums + token * kNormSumSlots + slot, sq[e]);
+      }
+    }
+  } else {  // kOutRopeKv: the two tiles meet in shared memory (the ring is idle now)
+    __syncthreads();
+    auto* pair = reinterpret_cast<float*>(smem_raw);  // [kRT][16 rows][kSkinnyFusedMaxM]
+    if (chain_warp) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = g + (i >= 2 ? 8 : 0), token = 2 * t + (i & 1);
+        if (token < kSkinnyFusedMaxM) {
+          float v = d[i];
+          if (a.bias != nullptr) v = __fadd_rn(v, __bfloat162float(a.bias[row0 + r]));
+          pair[(j * 16 + r) * kSkinnyFusedMaxM + token] =
+              __bfloat162float(__float2bfloat16(v));  // as the GEMM would store it
+        }
+      }
+    }
+    __syncthreads();
+    if (tid < 16 * M) {
+      const int r = tid % 16, token = tid / 16;
+      const int half = a.rope.head_dim / 2, blocks_per_head = half / 16;
+      StoreRopeKvPair(a.rope, token, blockIdx.x / blocks_per_head,
+                      (blockIdx.x % blocks_per_head) * 16 + r, pair[r * kSkinnyFusedMaxM + token],
+                      pair[(16 + r) * kSkinnyFusedMaxM + token]);
+    }
+  }
+}
+
+template <int kTok, int kIn, int kOut>
+void Launch(const ChainArgs& a, int blocks, cudaStream_t stream) {
+  constexpr size_t kSmem = Stage<kTok, kIn>::kSmemBytes;
+  static bool configured = false;  // the ring is above the default 48 KB of shared memory
+  if (!configured) {
+    TP_CUDA_CHECK(cudaFuncSetAttribute(ChainGemvKernel<kTok, kIn, kOut>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kSmem)));
+    configured = true;
+  }
+  LaunchPdl(ChainGemvKernel<kTok, kIn, kOut>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
+            kSmem, stream, a);
+}
+
+// Plain and SwiGLU inputs at any M up to kChainGemvMaxM.
+template <int kIn>
+void LaunchForM(const ChainArgs& a, cudaStream_t stream) {
+  const int blocks = CeilDiv(a.N, kRT * 16);
+  if (a.M <= 2) {
+    Launch<2, kIn, kOutStore>(a, blocks, stream);
+  } else if (a.M <= 8) {
+    Launch<8, kIn, kOutStore>(a, blocks, stream);
+  } else {
+    Launch<16, kIn, kOutStore>(a, blocks, stream);
+  }
+}
+
+// The GEMM arguments every entry point checks: bf16, [M, K] x [N, K], K % 16 == 0, aligned.
+ChainArgs GemmArgs(const char* op, const Tensor& x, int64_t x_width, const Tensor& w,
+                   const Tensor* bias, int64_t max_m) {
+  TP_CHECK_CUDA_TENSOR(x, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(w, DType::kBF16);
+  const int64_t K = w.dim(-1), N = w.dim(0);
+  const int64_t M = x.numel() / std::max<int64_t>(x_width, 1);
+  TP_CHECK(w.ndim == 2 && x.dim(-1) == x_width && M >= 0 && M <= max_m && K % 16 == 0 &&
+           IsAligned16(x.data) && IsAligned16(w.data) && N < (int64_t{1} << 31))
+      << op << ": x " << x.ShapeString() << ", w " << w.ShapeString() << " (needs M <= " << max_m
+      << ", K % 16 == 0, 16-byte aligned)";
+  if (bias != nullptr) {
+    TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
+    TP_CHECK(bias->numel() == N) << op << ": bias " << bias->ShapeString() << ", N " << N;
+  }
+  ChainArgs a;
+  a.x = x.ptr<const __nv_bfloat16>();
+  a.w = w.ptr<const __nv_bfloat16>();
+  a.bias = bias != nullptr ? bias->ptr<const __nv_bfloat16>() : nullptr;
+  a.M = static_cast<int>(M);
+  a.N = static_cast<int>(N);
+  a.K = static_cast<int>(K);
+  return a;
+}
+
+int TileBlocks(int N) { return CeilDiv(N, kRT * 16); }
+
+}  // namespace
+
+bool ChainGemvFits(int64_t m, int64_t k, const void* x, const void* w) {
+  return m >= 1 && m <= kChainGemvMaxM && k > 0 && k % 16 == 0 && IsAligned16(x) && IsAligned16(w);
+}
+
+void LaunchChainGemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                     cudaStream_t stream) {
+  ChainArgs a = GemmArgs("ChainGemv", x, w.dim(-1), w, bias, kChainGemvMaxM);
+  TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
+  TP_CHECK(y.numel() == int64_t{a.M} * a.N) << "ChainGemv: y " << y.ShapeString();
+  if (a.M == 0 || a.N == 0) return;
+  a.y = y.ptr<__nv_bfloat16>();
+  LaunchForM<kInPlain>(a, stream);
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+void LaunchChainSwiGluGemv(const Tensor& gate_up, const Tensor& w, Tensor y, cudaStream_t stream) {
+  ChainArgs a = GemmArgs("ChainSwiGluGemv", gate_up, 2 * w.dim(-1), w, nullptr, kChainGemvMaxM);
+  TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
+  TP_CHECK(y.numel() == int64_t{a.M} * a.N) << "ChainSwiGluGemv: y " << y.ShapeString();
+  if (a.M == 0 || a.N == 0) return;
+  a.y = y.ptr<__nv_bfloat16>();
+  LaunchForM<kInSwiGlu>(a, stream);
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+void LaunchChainGemvScaledRows(const Tensor& x, const unsigned long long* record, float eps,
+                               const Tensor& w, const Tensor* bias, Tensor y, cudaStream_t stream) {
+  ChainArgs a = GemmArgs("ChainGemvScaledRows", x, w.dim(-1), w, bias, kSkinnyFusedMaxM);
+  TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
+  TP_CHECK(y.numel() == int64_t{a.M} * a.N && record != nullptr)
+      << "ChainGemvScaledRows: y " << y.ShapeString();
+  if (a.M == 0 || a.N == 0) return;
+  a.y = y.ptr<__nv_bfloat16>();
+  a.in_sums = record;
+  a.eps = eps;
+  Launch<2, kInScaled, kOutStore>(a, TileBlocks(a.N), stream);
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+void LaunchChainGemvAddNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                            Tensor residual, const Tensor& gamma, Tensor normed, bool swiglu,
+                            unsigned long long* record, cudaStream_t stream) {
+  const int64_t K = w.dim(-1);
+  ChainArgs a = GemmArgs("ChainGemvAddNorm", x, swiglu ? 2 * K : K, w, bias, kSkinnyFusedMaxM);
+  TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(residual, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(gamma, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(normed, DType::kBF16);
+  const int64_t mn = int64_t{a.M} * a.N;
+  TP_CHECK(y.numel() == mn && residual.numel() == mn && normed.numel() == mn &&
+           gamma.numel() == a.N && record != nullptr)
+      << "ChainGemvAddNorm: y " << y.ShapeString() << ", residual " << residual.ShapeString()
+      << ", gamma " << gamma.ShapeString();
+  if (a.M == 0 || a.N == 0) return;
+  a.y = y.ptr<__nv_bfloat16>();
+  a.residual = residual.ptr<__nv_bfloat16>();
+  a.gamma = gamma.ptr<const __nv_bfloat16>();
+  a.normed = normed.ptr<__nv_bfloat16>();
+  a.out_sums = record;
+  if (swiglu) {
+    Launch<2, kInSwiGlu, kOutAddNorm>(a, TileBlocks(a.N), stream);
+  } else {
+    Launch<2, kInPlain, kOutAddNorm>(a, TileBlocks(a.N), stream);
+  }
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+bool ChainQkvRopeKvFits(int head_dim) { return head_dim % 32 == 0; }
+
+void LaunchChainQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tensor* bias,
+                               const Tensor& inv_freq, int num_q_heads, int num_kv_heads,
+                               int head_dim, const DeviceBatch& b, Tensor q_out, Tensor k_cache,
+                               Tensor v_cache, cudaStream_t stream,
+                               const unsigned long long* x_sums, float eps) {
+  ChainArgs a = GemmArgs("ChainQkvRopeKvWrite", x, w_qkv.dim(-1), w_qkv, bias, kSkinnyFusedMaxM);
+  TP_CHECK_CUDA_TENSOR(inv_freq, DType::kF32);
+  TP_CHECK_CUDA_TENSOR(q_out, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(k_cache, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(v_cache, DType::kBF16);
+  TP_CHECK(ChainQkvRopeKvFits(head_dim) && a.N == (num_q_heads + 2 * num_kv_heads) * head_dim &&
+           a.M == b.num_tokens && inv_freq.numel() == head_dim / 2 &&
+           q_out.numel() == int64_t{a.M} * num_q_heads * head_dim && k_cache.ndim == 4 &&
+           k_cache.dim(1) == b.block_size && k_cache.dim(2) == num_kv_heads &&
+           k_cache.dim(3) == head_dim && v_cache.numel() == k_cache.numel())
+      << "ChainQkvRopeKvWrite: w_qkv " << w_qkv.ShapeString() << ", q_out " << q_out.ShapeString()
+      << ", k_cache " << k_cache.ShapeString() << ", heads " << num_q_heads << "/" << num_kv_heads
+      << ", head_dim " << head_dim << ", tokens " << b.num_tokens << " (needs head_dim % 32 == 0)";
+  if (a.M == 0) return;
+  a.rope.inv_freq = inv_freq.ptr<const float>();
+  a.rope.positions = b.positions;
+  a.rope.slots = b.slot_mapping;
+  a.rope.num_q_heads = num_q_heads;
+  a.rope.num_kv_heads = num_kv_heads;
+  a.rope.head_dim = head_dim;
+  a.rope.num_slots = k_cache.dim(0) * k_cache.dim(1);
+  a.rope.q_out = q_out.ptr<__nv_bfloat16>();
+  a.rope.k_cache = k_cache.ptr<__nv_bfloat16>();
+  a.rope.v_cache = v_cache.ptr<__nv_bfloat16>();
+  a.in_sums = x_sums;
+  a.eps = eps;
+  const int blocks = a.N / 32;  // per head: (D / 2) / 16 blocks of two 16-row tiles
+  if (x_sums != nullptr) {
+    Launch<2, kInScaled, kOutRopeKv>(a, blocks, stream);
+  } else {
+    Launch<2, kInPlain, kOutRopeKv>(a, blocks, stream);
+  }
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+// ---- the reference chain ----------------------------------------------------------------------
+
+namespace {
+
+__device__ __forceinline__ uint32_t Pair(const __nv_bfloat16* base, int row, int rows, int K,
+                                         int k) {
+  if (row >= rows) return 0u;
+  return *reinterpret_cast<const uint32_t*>(base + static_cast<int64_t>(row) * K + k);
+}
+
+// One warp per output tile, 4-byte fragment loads: w in the A operand (16 rows) and x in B
+// (8 tokens), or x in A and w in B.
+template <bool kWeightsA>
+__global__ void ChainGemmReferenceKernel(const __nv_bfloat16* __restrict__ x,
+                                         const __nv_bfloat16* __restrict__ w,
+                                         const __nv_bfloat16* __restrict__ bias,
+                                         __nv_bfloat16* __restrict__ y, int M, int N, int K) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int a_rows = kWeightsA ? N : M, b_rows = kWeightsA ? M : N;
+  const int a_tiles = (a_rows + 15) / 16, b_tiles = (b_rows + 7) / 8;
+  if (warp >= a_tiles * b_tiles) return;
+  const int a0 = (warp % a_tiles) * 16, b0 = (warp / a_tiles) * 8;
+  const __nv_bfloat16* A = kWeightsA ? w : x;
+  const __nv_bfloat16* B = kWeightsA ? x : w;
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int k = 0; k < K; k += 16) {
+    Mma16816(d, Pair(A, a0 + g, a_rows, K, k + 2 * t), Pair(A, a0 + g + 8, a_rows, K, k + 2 * t),
+             Pair(A, a0 + g, a_rows, K, k + 2 * t + 8),
+             Pair(A, a0 + g + 8, a_rows, K, k + 2 * t + 8), Pair(B, b0 + g, b_rows, K, k + 2 * t),
+             Pair(B, b0 + g, b_rows, K, k + 2 * t + 8));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const int ar = a0 + g + (i >= 2 ? 8 : 0), br = b0 + 2 * t + (i & 1);
+    const int row = kWeightsA ? ar : br, token = kWeightsA ? br : ar;
+    if (row < N && token < M) {
+      float v = d[i];
+      if (bias != nullptr) v += __bfloat162float(bias[row]);
+      y[static_cast<int64_t>(token) * N + row] = __float2bfloat16_rn(v);
+    }
+  }
+}
+
+}  // namespace
+
+void LaunchChainGemmReference(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                              bool weights_a, cudaStream_t stream) {
+  TP_CHECK_CUDA_TENSOR(x, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(w, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
+  const int64_t K = x.dim(-1), M = x.numel() / std::max<int64_t>(K, 1), N = w.dim(0);
+  TP_CHECK(K % 16 == 0 && w.dim(1) == K && y.numel() == M * N)
+      << "ChainGemmReference: x " << x.ShapeString() << ", w " << w.ShapeString();
+  if (M == 0 || N == 0) return;
+  const int64_t tiles =
+      weights_a ? ((N + 15) / 16) * ((M + 7) / 8) : ((M + 15) / 16) * ((N + 7) / 8);
+  const int blocks = static_cast<int>((tiles + 7) / 8);
+  const auto* bp = bias != nullptr ? bias->ptr<const __nv_bfloat16>() : nullptr;
+  auto kernel = weights_a ? ChainGemmReferenceKernel<true> : ChainGemmReferenceKernel<false>;
+  kernel<<<blocks, 256, 0, stream>>>(x.ptr<const __nv_bfloat16>(), w.ptr<const __nv_bfloat16>(), bp,
+                                     y.ptr<__nv_bfloat16>(), static_cast<int>(M),
+                                     static_cast<int>(N), static_cast<int>(K));
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace tpserve::cuda
