@@ -7,11 +7,11 @@
 // 6.7B and tiny-coder shapes at M = 1, 8, 64 and 300. So a decode batch may run this file's
 // kernels and a prefill chunk cuBLASLt, and a token's row has the same bits in both.
 //
-// The chain GEMV (M <= 16): a block owns kRT = 2 tiles of 16 weight rows (the A operand,
-// through ldmatrix from shared memory) and all tokens (the B operand, 8 per mma, read from global
-// memory: L1/L2-resident); all 4 warps stream the weights with cp.async through a kStages ring
-// of kKT-wide K tiles, and warp (token tile, row tile) runs that tile's chain. The first stages go
-// out before the programmatic-launch wait (weights do not depend on the previous kernel).
+// The chain GEMV (M <= 16): a block owns kRT = 2 tiles of 16 weight rows (the A operand, through
+// ldmatrix) and all tokens (the B operand, 8 per mma), both staged through shared memory by
+// cp.async in a ring of K tiles (ChainDefault: 8 warps, 4 stages of 256, the copies issued by the
+// warps without a chain); warp (token tile, row tile) runs that tile's chain. The first stages'
+// weights go out before the programmatic-launch wait (they do not depend on the previous kernel).
 // Fused forms for decode steps of at most kSkinnyFusedMaxM tokens (deterministic mode's versions
 // of the skinny kernel's fusions, each giving the bits of the unfused ops):
 // - input SwiGLU: B = bf16(SiluMulValue(gate, up)), as SiluMul stores it;
@@ -31,23 +31,43 @@
 namespace tpserve::cuda {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kRT = 2;    // 16-row weight tiles per block
-constexpr int kKT = 256;  // K elements per pipeline stage
-constexpr int kStages = 4;
-constexpr int kRowStride = kKT + 8;  // +16 bytes: 8 consecutive rows hit 8 different bank groups
+constexpr int kRT = 2;  // 16-row weight tiles per block
+
+// A pipeline configuration: threads per block, K elements per stage, stages in the ring, and
+// whether only the warps that run no chain issue the copies. ChainDefault is what the launchers
+// use; the others exist for tpserve-cuda-bench --det-gemm.
+template <int kThreadsT, int kKTT, int kStagesT, bool kProducersOnlyT>
+struct ChainCfg {
+  static constexpr int kThreads = kThreadsT;
+  static constexpr int kKT = kKTT;
+  static constexpr int kStages = kStagesT;
+  static constexpr bool kProducersOnly = kProducersOnlyT;
+  static constexpr int kRowStride = kKT + 8;  // +16 bytes: 8 rows hit 8 different bank groups
+};
+// 8 warps, copies by the 6-7 warps without a chain: the fastest at M = 1 in the
+// tpserve-cuda-bench --chain sweep (H200, 2026-12-04; kernels/cuda/NOTES.md).
+using ChainDefault = ChainCfg<256, 256, 4, true>;
 
 enum Input { kInPlain = 0, kInSwiGlu = 1, kInScaled = 2 };
 enum Output { kOutStore = 0, kOutRopeKv = 1, kOutAddNorm = 2 };
 
-// A stage: kRT * 16 weight rows, then the input rows of its K tile (kTok tokens; gate rows then
-// up rows for the SwiGLU input).
-template <int kTok, int kIn>
+// A stage: kRT * 16 weight rows, then (kTok > 2) the input rows of its K tile (gate rows then up
+// rows for the SwiGLU input). With kTok = 2 (the fused decode forms) the whole input is instead
+// read once, transformed, and kept after the ring: kTok rows of XStride(K).
+template <int kTok, int kIn, class C>
 struct Stage {
-  static constexpr int kXRows = kIn == kInSwiGlu ? 2 * kTok : kTok;
-  static constexpr int kElems = (kRT * 16 + kXRows) * kRowStride;
-  static constexpr size_t kSmemBytes = size_t{kStages} * kElems * 2;
+  static constexpr bool kUpfront = kTok <= 2;
+  static constexpr int kXRows = kUpfront ? 0 : kIn == kInSwiGlu ? 2 * kTok : kTok;
+  static constexpr int kElems = (kRT * 16 + kXRows) * C::kRowStride;
+  static constexpr size_t kRingBytes = size_t{C::kStages} * kElems * 2;
+  __host__ __device__ static constexpr int XStride(int K) {
+    return (K + C::kKT - 1) / C::kKT * C::kKT + 8;
+  }
+  static size_t SmemBytes(int K) {
+    return kRingBytes + (kUpfront ? size_t{2} * kTok * XStride(K) : 0);
+  }
 };
+constexpr size_t kMaxSmem = 227 * 1024;
 
 struct ChainArgs {
   const __nv_bfloat16* x = nullptr;  // [M, K], or gate_up [M, 2K] for kInSwiGlu
@@ -76,16 +96,24 @@ __device__ __forceinline__ int TileRow(const ChainArgs& a, int j) {
   }
 }
 
-template <int kTok, int kIn, int kOut>
-__global__ void __launch_bounds__(kThreads) ChainGemvKernel(const ChainArgs a) {
+template <int kTok, int kIn, int kOut, class C>
+__global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a) {
+  constexpr int kThreads = C::kThreads, kKT = C::kKT, kStages = C::kStages;
+  constexpr int kRowStride = C::kRowStride;
   constexpr int kMT = (kTok + 7) / 8;  // 8-token tiles
   static_assert(kRT * kMT <= kThreads / 32, "a warp per (row tile, token tile)");
-  using St = Stage<kTok, kIn>;
+  static_assert(!C::kProducersOnly || kRT * kMT < kThreads / 32,
+                "producers-only needs a spare warp");
+  using St = Stage<kTok, kIn, C>;
+  // The threads that issue the copies: all, or those of the warps without a chain.
+  constexpr int kChainThreads = kRT * kMT * 32;
+  constexpr int kIssuers = C::kProducersOnly ? kThreads - kChainThreads : kThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto* stages = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   PdlLaunchDependents();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int K = a.K, N = a.N, M = a.M;
+  const int issuer = C::kProducersOnly ? tid - kChainThreads : tid;  // < 0: issues nothing
   const int num_kt = (K + kKT - 1) / kKT;
   constexpr int kVecs = kKT / 8;
 
@@ -93,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) ChainGemvKernel(const ChainArgs a) {
     if (kt >= num_kt) return;
     __nv_bfloat16* dst = stages + (kt % kStages) * St::kElems;
     const int k0 = kt * kKT;
-    for (int i = tid; i < kRT * 16 * kVecs; i += kThreads) {
+    for (int i = issuer < 0 ? kRT * 16 * kVecs : issuer; i < kRT * 16 * kVecs; i += kIssuers) {
       const int r = i / kVecs, c = i % kVecs;
       const int row = TileRow<kOut>(a, r / 16) + r % 16, k = k0 + c * 8;
       const bool valid = row < N && k < K;
@@ -105,7 +133,8 @@ __global__ void __launch_bounds__(kThreads) ChainGemvKernel(const ChainArgs a) {
     if (kt < num_kt) {
       __nv_bfloat16* dst = stages + (kt % kStages) * St::kElems + kRT * 16 * kRowStride;
       const int k0 = kt * kKT;
-      for (int i = tid; i < St::kXRows * kVecs; i += kThreads) {
+      for (int i = issuer < 0 ? St::kXRows * kVecs : issuer; i < St::kXRows * kVecs;
+           i += kIssuers) {
         const int r = i / kVecs, c = i % kVecs, k = k0 + c * 8;
         const int token = r % kTok;
         const bool valid = token < M && k < K;
@@ -120,10 +149,15 @@ __global__ void __launch_bounds__(kThreads) ChainGemvKernel(const ChainArgs a) {
   // The weights do not depend on the previous kernel: the first stages' go out before the wait
   // (they join stage 0's group); the inputs after it.
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue_w(s);
+  for (int s = 0; s < kStages - 1; ++s) {
+    issue_w(s);
+    if constexpr (St::kUpfront) CpAsyncCommit();  // stage s: group s
+  }
   PdlWait();  // x, the record and the residual come from earlier kernels
+  if constexpr (!St::kUpfront) {
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue_x(s);
+    for (int s = 0; s < kStages - 1; ++s) issue_x(s);  // stage 0's weights join its group
+  }
 
   float scale[kSkinnyFusedMaxM];  // kInScaled: tokens 0, 1 (every lane of every warp)
   if constexpr (kIn == kInScaled) {
@@ -131,6 +165,33 @@ __global__ void __launch_bounds__(kThreads) ChainGemvKernel(const ChainArgs a) {
     for (int r = 0; r < kSkinnyFusedMaxM; ++r) {
       scale[r] =
           RowScaleOfSums(r < M ? __ldcg(a.in_sums + r * kNormSumSlots + lane) : 0ull, K, a.eps);
+    }
+  }
+  // kTok = 2: the input rows, transformed once (SiluMul's or ApplyRowScale's output), after the
+  // ring; the first barrier of the loop publishes them.
+  __nv_bfloat16* const xsm = stages + kStages * St::kElems;
+  const int x_stride = St::XStride(K);
+  if constexpr (St::kUpfront) {
+    const int vecs = K / 8;
+    for (int i = tid; i < M * vecs; i += kThreads) {
+      const int token = i / vecs, c = (i % vecs) * 8;
+      float f[8];
+      if constexpr (kIn == kInSwiGlu) {
+        const __nv_bfloat16* row = a.x + static_cast<int64_t>(token) * 2 * K;
+        float u[8];
+        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(row + c), f);
+        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(row + K + c), u);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = SiluMulValue(f[e], u[e]);
+      } else {
+        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(a.x + static_cast<int64_t>(token) * K + c),
+                      f);
+        if constexpr (kIn == kInScaled) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) f[e] = __fmul_rn(f[e], scale[token]);
+        }
+      }
+      *reinterpret_cast<Bf16x8*>(xsm + token * x_stride + c) = FloatToBf16x8(f);
     }
   }
   const int j = warp % kRT, mt = warp / kRT;
@@ -144,11 +205,15 @@ __global__ void __launch_bounds__(kThreads) ChainGemvKernel(const ChainArgs a) {
     CpAsyncWait<kStages - 2>();
     __syncthreads();  // stage kt landed for everyone; stage kt - 1's slot is free
     issue_w(kt + kStages - 1);
-    issue_x(kt + kStages - 1);
+    if constexpr (St::kUpfront) {
+      CpAsyncCommit();
+    } else {
+      issue_x(kt + kStages - 1);
+    }
     __nv_bfloat16* stage = stages + (kt % kStages) * St::kElems;
     __nv_bfloat16* xs = stage + kRT * 16 * kRowStride;
     const int k0 = kt * kKT;
-    if constexpr (kIn != kInPlain) {
+    if constexpr (kIn != kInPlain && !St::kUpfront) {
       // The input's transform, in place, by all threads: row `token` becomes SiluMul's output
       // (from its gate row and up row) or ApplyRowScale's.
       for (int i = tid; i < M * kKT; i += kThreads) {
@@ -166,7 +231,8 @@ __global__ void __launch_bounds__(kThreads) ChainGemvKernel(const ChainArgs a) {
     }
     if (chain_warp) {
       const uint32_t a_base = SmemAddr(stage + (j * 16 + lm_row) * kRowStride + lm_col);
-      const __nv_bfloat16* b_row = xs + min(m, kTok - 1) * kRowStride + 2 * t;
+      const __nv_bfloat16* b_row = St::kUpfront ? xsm + min(m, kTok - 1) * x_stride + k0 + 2 * t
+                                                : xs + min(m, kTok - 1) * kRowStride + 2 * t;
       const int groups = min(kKT, K - k0) / 16;
       constexpr int kGroups = kKT / 16;
       if (groups == kGroups) {
@@ -270,18 +336,35 @@ __global__ void __launch_bounds__(kThreads) ChainGemvKernel(const ChainArgs a) {
   }
 }
 
-template <int kTok, int kIn, int kOut>
+template <int kTok, int kIn, int kOut, class C = ChainDefault>
 void Launch(const ChainArgs& a, int blocks, cudaStream_t stream) {
-  constexpr size_t kSmem = Stage<kTok, kIn>::kSmemBytes;
+  const size_t smem = Stage<kTok, kIn, C>::SmemBytes(a.K);
+  TP_CHECK(smem <= kMaxSmem) << "ChainGemv: K " << a.K << " needs " << smem
+                             << " bytes of shared memory (ChainGemvFits)";
   static bool configured = false;  // the ring is above the default 48 KB of shared memory
   if (!configured) {
-    TP_CUDA_CHECK(cudaFuncSetAttribute(ChainGemvKernel<kTok, kIn, kOut>,
+    TP_CUDA_CHECK(cudaFuncSetAttribute(ChainGemvKernel<kTok, kIn, kOut, C>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(kSmem)));
+                                       static_cast<int>(kMaxSmem)));
     configured = true;
   }
-  LaunchPdl(ChainGemvKernel<kTok, kIn, kOut>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
-            kSmem, stream, a);
+  LaunchPdl(ChainGemvKernel<kTok, kIn, kOut, C>, dim3(static_cast<unsigned>(blocks)),
+            dim3(C::kThreads), smem, stream, a);
+}
+
+// The pipeline of the kTok = 2 forms by N: 16 warps (14 issuing copies) for the narrow
+// projections (o, down: 54.7% / 73.2% of copy at M = 1 against 54.3% / 73.2% with 8 warps and
+// 42.8% / 48.1% with 4, tpserve-cuda-bench --chain on the H200), 8 warps and a 3-stage ring above
+// (with the input rows kept after the ring, 4 stages leave 2 blocks an SM: qkv 65.0%).
+using ChainNarrow = ChainCfg<512, 256, 4, true>;
+using ChainWide = ChainCfg<256, 256, 3, true>;
+template <int kTok, int kIn, int kOut>
+void LaunchAuto(const ChainArgs& a, int blocks, cudaStream_t stream) {
+  if (a.N <= 8192) {
+    Launch<kTok, kIn, kOut, ChainNarrow>(a, blocks, stream);
+  } else {
+    Launch<kTok, kIn, kOut, ChainWide>(a, blocks, stream);
+  }
 }
 
 // Plain and SwiGLU inputs at any M up to kChainGemvMaxM.
@@ -289,7 +372,7 @@ template <int kIn>
 void LaunchForM(const ChainArgs& a, cudaStream_t stream) {
   const int blocks = CeilDiv(a.N, kRT * 16);
   if (a.M <= 2) {
-    Launch<2, kIn, kOutStore>(a, blocks, stream);
+    LaunchAuto<2, kIn, kOutStore>(a, blocks, stream);
   } else if (a.M <= 8) {
     Launch<8, kIn, kOutStore>(a, blocks, stream);
   } else {
@@ -327,17 +410,48 @@ int TileBlocks(int N) { return CeilDiv(N, kRT * 16); }
 }  // namespace
 
 bool ChainGemvFits(int64_t m, int64_t k, const void* x, const void* w) {
-  return m >= 1 && m <= kChainGemvMaxM && k > 0 && k % 16 == 0 && IsAligned16(x) && IsAligned16(w);
+  // K up to 32768: the kTok = 2 forms keep their transformed input rows in shared memory.
+  return m >= 1 && m <= kChainGemvMaxM && k > 0 && k % 16 == 0 && k <= 32768 && IsAligned16(x) &&
+         IsAligned16(w);
 }
 
+int ChainGemvNumConfigs() { return 9; }
+
 void LaunchChainGemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, int config) {
   ChainArgs a = GemmArgs("ChainGemv", x, w.dim(-1), w, bias, kChainGemvMaxM);
   TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
   TP_CHECK(y.numel() == int64_t{a.M} * a.N) << "ChainGemv: y " << y.ShapeString();
+  TP_CHECK(config == 0 || (config < ChainGemvNumConfigs() && a.M <= 2))
+      << "ChainGemv: config " << config << " (1-8 exist for M <= 2)";
   if (a.M == 0 || a.N == 0) return;
   a.y = y.ptr<__nv_bfloat16>();
-  LaunchForM<kInPlain>(a, stream);
+  const int blocks = CeilDiv(a.N, kRT * 16);
+  switch (config) {
+    case 1:
+      Launch<2, kInPlain, kOutStore, ChainCfg<128, 256, 4, false>>(a, blocks, stream);
+      break;
+    case 2:
+      Launch<2, kInPlain, kOutStore, ChainCfg<128, 128, 8, false>>(a, blocks, stream);
+      break;
+    case 3:
+      Launch<2, kInPlain, kOutStore, ChainCfg<128, 512, 3, false>>(a, blocks, stream);
+      break;
+    case 4:
+      Launch<2, kInPlain, kOutStore, ChainCfg<128, 256, 4, true>>(a, blocks, stream);
+      break;
+    case 5:
+      Launch<2, kInPlain, kOutStore, ChainCfg<256, 256, 4, false>>(a, blocks, stream);
+      break;
+    case 6:
+      Launch<2, kInPlain, kOutStore, ChainCfg<256, 256, 6, true>>(a, blocks, stream);
+      break;
+    case 7:
+      Launch<2, kInPlain, kOutStore, ChainCfg<512, 256, 4, true>>(a, blocks, stream);
+      break;
+    default:
+      LaunchForM<kInPlain>(a, stream);
+  }
   TP_CUDA_CHECK_LAUNCH();
 }
 
@@ -361,7 +475,7 @@ void LaunchChainGemvScaledRows(const Tensor& x, const unsigned long long* record
   a.y = y.ptr<__nv_bfloat16>();
   a.in_sums = record;
   a.eps = eps;
-  Launch<2, kInScaled, kOutStore>(a, TileBlocks(a.N), stream);
+  LaunchAuto<2, kInScaled, kOutStore>(a, TileBlocks(a.N), stream);
   TP_CUDA_CHECK_LAUNCH();
 }
 
@@ -386,9 +500,9 @@ void LaunchChainGemvAddNorm(const Tensor& x, const Tensor& w, const Tensor* bias
   a.normed = normed.ptr<__nv_bfloat16>();
   a.out_sums = record;
   if (swiglu) {
-    Launch<2, kInSwiGlu, kOutAddNorm>(a, TileBlocks(a.N), stream);
+    LaunchAuto<2, kInSwiGlu, kOutAddNorm>(a, TileBlocks(a.N), stream);
   } else {
-    Launch<2, kInPlain, kOutAddNorm>(a, TileBlocks(a.N), stream);
+    LaunchAuto<2, kInPlain, kOutAddNorm>(a, TileBlocks(a.N), stream);
   }
   TP_CUDA_CHECK_LAUNCH();
 }
@@ -428,9 +542,9 @@ void LaunchChainQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tenso
   a.eps = eps;
   const int blocks = a.N / 32;  // per head: (D / 2) / 16 blocks of two 16-row tiles
   if (x_sums != nullptr) {
-    Launch<2, kInScaled, kOutRopeKv>(a, blocks, stream);
+    LaunchAuto<2, kInScaled, kOutRopeKv>(a, blocks, stream);
   } else {
-    Launch<2, kInPlain, kOutRopeKv>(a, blocks, stream);
+    LaunchAuto<2, kInPlain, kOutRopeKv>(a, blocks, stream);
   }
   TP_CUDA_CHECK_LAUNCH();
 }

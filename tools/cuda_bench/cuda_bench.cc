@@ -7,7 +7,9 @@
 //   the same with every decode-attention kernel and partition for each KV-cache dtype;
 //   --det-gemm: the GEMMs of deterministic mode against the default path at M = 1 .. 2048;
 //   --shards: one decode layer's GEMMs and attention at the shard shapes of TP = 1, 2, 4, 8;
-//   --split-k: cuBLASLt at M = 32 / 64 / 128 with split-K forced to 1..8)
+//   --split-k: cuBLASLt at M = 32 / 64 / 128 with split-K forced to 1..8; --chain: the chain GEMM
+//   (deterministic mode's cuBLASLt bits, gemm_lt_chain.cu) in each pipeline configuration against
+//   the default and the fixed cuBLASLt algorithm at M = 1, 2, 8, 16)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -135,7 +137,7 @@ int PrintSummary(double copy_gbs) {
 // M = 16, cuBLASLt's heuristic above), cuBLASLt's fixed unsplit algorithm, and the fixed-order
 // kernel (automatic variant, and both variants forced where either could run). Weights rotate
 // over >= 1 GiB of copies; GB/s counts the weight bytes, TFLOP/s 2 M N K.
-void DeterministicGemms(CudaOps& ops, double copy_gbs) {
+void DeterministicGemms(CudaOps& ops, double copy_gbs, bool chain_only) {
   cudaStream_t s = ops.stream();
   cuda::LtGemm fixed_lt;
   fixed_lt.set_fixed_algorithm(true);
@@ -147,7 +149,9 @@ void DeterministicGemms(CudaOps& ops, double copy_gbs) {
     RotatingWeights rw(ops, sh);
     const size_t wbytes = rw.bytes;
     auto wt = [&](int i) { return rw.At(i); };
-    for (int m : {1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 2048}) {
+    const std::vector<int> ms = chain_only ? std::vector<int>{1, 2, 8, 16}
+                                           : std::vector<int>{1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 2048};
+    for (int m : ms) {
       Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
       Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
       const int iters = m >= 1024 ? 20 : 50;
@@ -160,6 +164,14 @@ void DeterministicGemms(CudaOps& ops, double copy_gbs) {
       report("default", MedianMs(s, iters, [&](int i) { ops.Gemm(x, wt(i), nullptr, y); }));
       report("fixed cublasLt",
              MedianMs(s, iters, [&](int i) { fixed_lt.Run(x, wt(i), nullptr, y, s); }));
+      // The chain GEMM (cuBLASLt's bits) in each pipeline configuration it has at this M.
+      for (int c = 0; m <= cuda::kChainGemvMaxM && c < (m <= 2 ? cuda::ChainGemvNumConfigs() : 1);
+           ++c) {
+        report("chain cfg" + std::to_string(c), MedianMs(s, iters, [&](int i) {
+                 cuda::LaunchChainGemv(x, wt(i), nullptr, y, s, c);
+               }));
+      }
+      if (chain_only) continue;
       report("fixed-order", MedianMs(s, iters, [&](int i) {
                cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s);
              }));
@@ -308,7 +320,7 @@ void SplitKGemms(CudaOps& ops, double copy_gbs) {
 }
 
 int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bool shards,
-         bool split_k) {
+         bool split_k, bool chain) {
   if (CudaDeviceCount() == 0) {
     std::printf("no CUDA device\n");
     return 0;
@@ -335,8 +347,8 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
   Add("d2d copy 1 GiB", copy_ms, Fmt("%.0f GB/s (read+write)", copy_gbs));
   ops.Free(src);
   ops.Free(dst);
-  if (det_gemm) {
-    DeterministicGemms(ops, copy_gbs);
+  if (det_gemm || chain) {
+    DeterministicGemms(ops, copy_gbs, chain);
     return PrintSummary(copy_gbs);
   }
   if (shards) {
@@ -502,13 +514,13 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (!mode.empty() && mode != "--m1" && mode != "--attention" && mode != "--decode" &&
-      mode != "--det-gemm" && mode != "--shards" && mode != "--split-k") {
+      mode != "--det-gemm" && mode != "--shards" && mode != "--split-k" && mode != "--chain") {
     std::fprintf(stderr,
                  "usage: tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm | --shards "
-                 "| --split-k]\n");
+                 "| --split-k | --chain]\n");
     return 2;
   }
   return tpserve::Main(mode == "--m1", mode == "--attention" || mode == "--decode",
                        mode == "--decode", mode == "--det-gemm", mode == "--shards",
-                       mode == "--split-k");
+                       mode == "--split-k", mode == "--chain");
 }
