@@ -126,13 +126,13 @@ const EnvVar kDeterministicGemm = {
     EnvType::kChoice,
     "cublaslt",
     "--deterministic on CUDA: cublaslt (one unsplit cuBLASLt algorithm per shape, chosen at "
-    "TPSERVE_DETERMINISTIC_GEMM_M), cublaslt-chain (the same bits, decode batches of up to 16 "
-    "rows through our chain GEMMs with the skinny path's fusions: slower on the H200, see "
-    "kernels/cuda/NOTES.md), or fixed-order (our GEMM, one arithmetic for every M: faster at "
-    "batches up to 8, slower above)",
+    "TPSERVE_DETERMINISTIC_GEMM_M, with decode batches of up to 16 rows through our chain GEMMs, "
+    "which have its bits, and the skinny path's fusions), cublaslt-only (cuBLASLt at every M, "
+    "unfused), or fixed-order (our GEMM, one arithmetic for every M: faster at batches up to 8, "
+    "slower above)",
     0,
     0,
-    "cublaslt|cublaslt-chain|fixed-order"};
+    "cublaslt|cublaslt-only|fixed-order"};
 const EnvVar kDeterministicPartition = {
     "TPSERVE_DETERMINISTIC_PARTITION",
     EnvType::kChoice,

@@ -259,7 +259,7 @@ void CudaOps::SetDeterministic(bool on) {
   Ops::SetDeterministic(on);
   lt_->set_fixed_algorithm(on);
   det_fixed_order_gemm_ = EnvString(env::kDeterministicGemm) == "fixed-order";
-  det_chain_ = on && EnvString(env::kDeterministicGemm) == "cublaslt-chain";
+  det_chain_ = on && EnvString(env::kDeterministicGemm) == "cublaslt";
   det_partition_ = on ? static_cast<int>(std::stoi(EnvString(env::kDeterministicPartition))) : 0;
   ++generation_;  // graphs captured before bake in the other kernels
 }

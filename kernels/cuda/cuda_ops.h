@@ -200,7 +200,8 @@ class CudaOps final : public Ops {
   bool fused_skinny_ = true;
   bool fused_norm_ = true;
   // Deterministic mode with cuBLASLt's fixed algorithm: decode GEMMs (M <= kChainGemvMaxM) run
-  // the chain kernels, which have its bits (TPSERVE_DETERMINISTIC_GEMM=cublaslt-chain).
+  // the chain kernels, which have its bits (TPSERVE_DETERMINISTIC_GEMM=cublaslt, the default;
+  // cublaslt-only leaves them out).
   bool det_chain_ = false;
   bool ChainFits(int64_t m, int64_t k, const void* x, const void* w) const;
   bool ChainFusedFits(int64_t m, int64_t k, const void* x, const void* w) const;

@@ -117,12 +117,11 @@ TEST(DeterminismGpuTest, DeepSeek67BShape) {
   CheckModel(DeepSeek67BShapeDir(), 600, 300, 128);
 }
 
-// TPSERVE_DETERMINISTIC_GEMM=cublaslt-chain: decode steps of up to 16 rows through the chain
-// GEMMs and their fusions (RoPE/KV epilogue, SwiGLU input, the deferred norm), larger batches
-// and prefill chunks through cuBLASLt and the unfused ops: the same bits.
-TEST(DeterminismGpuTest, ChainGemmsTinyCoderAnd67BShape) {
+// TPSERVE_DETERMINISTIC_GEMM=cublaslt-only: every GEMM through cuBLASLt and the unfused ops (the
+// default runs decode steps of up to 16 rows through the chain GEMMs and their fusions).
+TEST(DeterminismGpuTest, CublasLtOnlyTinyCoderAnd67BShape) {
   SKIP_WITHOUT_GPU();
-  ASSERT_EQ(setenv("TPSERVE_DETERMINISTIC_GEMM", "cublaslt-chain", 1), 0);
+  ASSERT_EQ(setenv("TPSERVE_DETERMINISTIC_GEMM", "cublaslt-only", 1), 0);
   CheckModel(SourceDir() + "/models/tiny-coder", 300, 200, 64);
   CheckModel(DeepSeek67BShapeDir(), 600, 300, 128);
   unsetenv("TPSERVE_DETERMINISTIC_GEMM");
