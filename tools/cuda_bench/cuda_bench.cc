@@ -149,8 +149,9 @@ void DeterministicGemms(CudaOps& ops, double copy_gbs, bool chain_only) {
     RotatingWeights rw(ops, sh);
     const size_t wbytes = rw.bytes;
     auto wt = [&](int i) { return rw.At(i); };
-    const std::vector<int> ms = chain_only ? std::vector<int>{1, 2, 8, 16}
-                                           : std::vector<int>{1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 2048};
+    const std::vector<int> ms = chain_only
+                                    ? std::vector<int>{1, 2, 8, 16}
+                                    : std::vector<int>{1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 2048};
     for (int m : ms) {
       Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
       Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
