@@ -502,18 +502,18 @@ void CudaOps::GemmSkinny(const Tensor& x, const Tensor& w, const Tensor* bias, T
 void CudaOps::SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Tensor y) {
   const int64_t k = w.dim(-1);
   const int64_t m = k == 0 ? 0 : gate_up.numel() / (2 * k);
-  if (fused_skinny_ && SkinnyFusedFits(m, k, gate_up.data, w.data)) {
+  // The skinny kernel outside deterministic mode, the chain GEMM in it (never both).
+  const bool skinny = SkinnyFusedFits(m, k, gate_up.data, w.data);
+  if (fused_skinny_ && (skinny || ChainFits(m, k, gate_up.data, w.data))) {
     OpScope scope(
-        this, "SiluMulGemm.skinny", [&] { return GemmShape(m, w.dim(0), k); },
+        this, skinny ? "SiluMulGemm.skinny" : "SiluMulGemm.chain",
+        [&] { return GemmShape(m, w.dim(0), k); },
         double(w.bytes()) + double(gate_up.bytes()) + double(y.bytes()));
-    cuda::LaunchSkinnySwiGluGemm(gate_up, w, y, stream_);
-    return;
-  }
-  if (fused_skinny_ && ChainFits(m, k, gate_up.data, w.data)) {
-    OpScope scope(
-        this, "SiluMulGemm.chain", [&] { return GemmShape(m, w.dim(0), k); },
-        double(w.bytes()) + double(gate_up.bytes()) + double(y.bytes()));
-    cuda::LaunchChainSwiGluGemv(gate_up, w, y, stream_);
+    if (skinny) {
+      cuda::LaunchSkinnySwiGluGemm(gate_up, w, y, stream_);
+    } else {
+      cuda::LaunchChainSwiGluGemv(gate_up, w, y, stream_);
+    }
     return;
   }
   SiluMul(gate_up, act);
@@ -555,23 +555,15 @@ RowScale CudaOps::GemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor*
                                  Tensor residual, const Tensor& gamma, float eps, Tensor normed) {
   const int64_t k = x.dim(-1), n = w.dim(0);
   const int64_t m = k == 0 ? 0 : x.numel() / k;
-  if (fused_norm_ && ablated_.empty() && SkinnyFusedFits(m, k, x.data, w.data)) {
+  const bool skinny = SkinnyFusedFits(m, k, x.data, w.data);
+  if (fused_norm_ && ablated_.empty() && (skinny || ChainFusedFits(m, k, x.data, w.data))) {
     if (unsigned long long* record = NextNormRecord()) {
       OpScope scope(
-          this, "GemmAddRmsNorm.skinny", [&] { return GemmShape(m, n, k); },
+          this, skinny ? "GemmAddRmsNorm.skinny" : "GemmAddRmsNorm.chain",
+          [&] { return GemmShape(m, n, k); },
           double(w.bytes()) + double(x.bytes()) + 4.0 * double(y.bytes()));
-      cuda::LaunchSkinnyGemmAddNorm(x, w, bias, y, residual, gamma, normed, /*swiglu=*/false,
-                                    record, stream_);
-      return RowScale{record, n, eps};
-    }
-  }
-  if (fused_norm_ && ablated_.empty() && ChainFusedFits(m, k, x.data, w.data)) {
-    if (unsigned long long* record = NextNormRecord()) {
-      OpScope scope(
-          this, "GemmAddRmsNorm.chain", [&] { return GemmShape(m, n, k); },
-          double(w.bytes()) + double(x.bytes()) + 4.0 * double(y.bytes()));
-      cuda::LaunchChainGemvAddNorm(x, w, bias, y, residual, gamma, normed, /*swiglu=*/false, record,
-                                   stream_);
+      (skinny ? cuda::LaunchSkinnyGemmAddNorm : cuda::LaunchChainGemvAddNorm)(
+          x, w, bias, y, residual, gamma, normed, /*swiglu=*/false, record, stream_);
       return RowScale{record, n, eps};
     }
   }
@@ -583,25 +575,16 @@ RowScale CudaOps::SiluMulGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, 
                                         Tensor normed) {
   const int64_t k = w.dim(-1), n = w.dim(0);
   const int64_t m = k == 0 ? 0 : gate_up.numel() / (2 * k);
+  const bool skinny = SkinnyFusedFits(m, k, gate_up.data, w.data);
   if (fused_norm_ && fused_skinny_ && ablated_.empty() &&
-      SkinnyFusedFits(m, k, gate_up.data, w.data)) {
+      (skinny || ChainFusedFits(m, k, gate_up.data, w.data))) {
     if (unsigned long long* record = NextNormRecord()) {
       OpScope scope(
-          this, "SiluMulGemmAddRmsNorm.skinny", [&] { return GemmShape(m, n, k); },
+          this, skinny ? "SiluMulGemmAddRmsNorm.skinny" : "SiluMulGemmAddRmsNorm.chain",
+          [&] { return GemmShape(m, n, k); },
           double(w.bytes()) + double(gate_up.bytes()) + 4.0 * double(y.bytes()));
-      cuda::LaunchSkinnyGemmAddNorm(gate_up, w, nullptr, y, residual, gamma, normed,
-                                    /*swiglu=*/true, record, stream_);
-      return RowScale{record, n, eps};
-    }
-  }
-  if (fused_norm_ && fused_skinny_ && ablated_.empty() &&
-      ChainFusedFits(m, k, gate_up.data, w.data)) {
-    if (unsigned long long* record = NextNormRecord()) {
-      OpScope scope(
-          this, "SiluMulGemmAddRmsNorm.chain", [&] { return GemmShape(m, n, k); },
-          double(w.bytes()) + double(gate_up.bytes()) + 4.0 * double(y.bytes()));
-      cuda::LaunchChainGemvAddNorm(gate_up, w, nullptr, y, residual, gamma, normed,
-                                   /*swiglu=*/true, record, stream_);
+      (skinny ? cuda::LaunchSkinnyGemmAddNorm : cuda::LaunchChainGemvAddNorm)(
+          gate_up, w, nullptr, y, residual, gamma, normed, /*swiglu=*/true, record, stream_);
       return RowScale{record, n, eps};
     }
   }
@@ -615,20 +598,15 @@ void CudaOps::GemmScaledRows(const Tensor& x, const RowScale& x_scale, const Ten
   const int64_t m = k == 0 ? 0 : x.numel() / k;
   TP_CHECK(x_scale.dim == k) << "GemmScaledRows: row scale of dim " << x_scale.dim << " for x "
                              << x.ShapeString();
-  if (SkinnyFusedFits(m, k, x.data, w.data)) {
+  const bool skinny = SkinnyFusedFits(m, k, x.data, w.data);
+  if (skinny || ChainFusedFits(m, k, x.data, w.data)) {
     OpScope scope(
-        this, "GemmScaledRows.skinny", [&] { return GemmShape(m, w.dim(0), k); },
+        this, skinny ? "GemmScaledRows.skinny" : "GemmScaledRows.chain",
+        [&] { return GemmShape(m, w.dim(0), k); },
         double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
-    cuda::LaunchSkinnyGemmScaledRows(x, static_cast<const unsigned long long*>(x_scale.record),
-                                     x_scale.eps, w, bias, y, stream_);
-    return;
-  }
-  if (ChainFusedFits(m, k, x.data, w.data)) {
-    OpScope scope(
-        this, "GemmScaledRows.chain", [&] { return GemmShape(m, w.dim(0), k); },
-        double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
-    cuda::LaunchChainGemvScaledRows(x, static_cast<const unsigned long long*>(x_scale.record),
-                                    x_scale.eps, w, bias, y, stream_);
+    (skinny ? cuda::LaunchSkinnyGemmScaledRows : cuda::LaunchChainGemvScaledRows)(
+        x, static_cast<const unsigned long long*>(x_scale.record), x_scale.eps, w, bias, y,
+        stream_);
     return;
   }
   ApplyRowScale(x, x_scale);
@@ -675,22 +653,16 @@ void CudaOps::QkvRopeKvWrite(const Tensor& x, const RowScale& x_scale, const Ten
   // head: the heads would need a reduction across blocks. A quantized cache therefore takes the
   // unfused path, at batch 1 one more kernel per layer (RopeKvWrite after the skinny GEMM; see
   // kernels/cuda/NOTES.md).
-  if (fused_skinny_ && k_cache.dtype == DType::kBF16 && SkinnyFusedFits(m, k, x.data, w_qkv.data) &&
-      m == batch_->num_tokens && head_dim % 2 == 0) {
+  // The skinny kernel outside deterministic mode, the chain GEMM in it (never both).
+  const bool skinny = SkinnyFusedFits(m, k, x.data, w_qkv.data) && head_dim % 2 == 0;
+  const bool chain = ChainFusedFits(m, k, x.data, w_qkv.data) && cuda::ChainQkvRopeKvFits(head_dim);
+  if (fused_skinny_ && k_cache.dtype == DType::kBF16 && m == batch_->num_tokens &&
+      (skinny || chain)) {
     OpScope scope(
-        this, "QkvRopeKvWrite.skinny", [&] { return GemmShape(m, w_qkv.dim(0), k); },
+        this, skinny ? "QkvRopeKvWrite.skinny" : "QkvRopeKvWrite.chain",
+        [&] { return GemmShape(m, w_qkv.dim(0), k); },
         double(w_qkv.bytes()) + double(x.bytes()) + 2.0 * double(qkv.bytes()));
-    cuda::LaunchSkinnyQkvRopeKvWrite(
-        x, w_qkv, bias, inv_freq, num_q_heads, num_kv_heads, head_dim, *batch_, q_out, k_cache,
-        v_cache, stream_, static_cast<const unsigned long long*>(x_scale.record), x_scale.eps);
-    return;
-  }
-  if (fused_skinny_ && k_cache.dtype == DType::kBF16 && ChainFusedFits(m, k, x.data, w_qkv.data) &&
-      m == batch_->num_tokens && cuda::ChainQkvRopeKvFits(head_dim)) {
-    OpScope scope(
-        this, "QkvRopeKvWrite.chain", [&] { return GemmShape(m, w_qkv.dim(0), k); },
-        double(w_qkv.bytes()) + double(x.bytes()) + 2.0 * double(qkv.bytes()));
-    cuda::LaunchChainQkvRopeKvWrite(
+    (skinny ? cuda::LaunchSkinnyQkvRopeKvWrite : cuda::LaunchChainQkvRopeKvWrite)(
         x, w_qkv, bias, inv_freq, num_q_heads, num_kv_heads, head_dim, *batch_, q_out, k_cache,
         v_cache, stream_, static_cast<const unsigned long long*>(x_scale.record), x_scale.eps);
     return;
