@@ -149,3 +149,14 @@ inline int CeilDiv(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) /
   TP_CHECK((t).device == ::tpserve::Device::kCuda && (t).dtype == (dt) && (t).data != nullptr)     \
       << #t " must be a " << ::tpserve::DTypeName(dt) << " CUDA tensor, got " << (t).ShapeString() \
       << ((t).device == ::tpserve::Device::kCuda ? " (cuda)" : " (cpu)")
+
+namespace tpserve::cuda {
+
+// The bias check of every GEMM launcher: none, or bf16 on the device, one value per output column.
+inline void CheckGemmBias(const char* op, const Tensor* bias, int64_t n) {
+  if (bias == nullptr) return;
+  TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
+  TP_CHECK(bias->numel() == n) << op << ": bias " << bias->ShapeString() << ", N " << n;
+}
+
+}  // namespace tpserve::cuda

@@ -281,10 +281,7 @@ void LtGemm::Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
   int64_t n = w.dim(0);
   TP_CHECK(w.ndim == 2 && w.dim(1) == k && y.dim(-1) == n && y.numel() == m * n)
       << "Gemm: x " << x.ShapeString() << ", w " << w.ShapeString() << ", y " << y.ShapeString();
-  if (bias != nullptr) {
-    TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
-    TP_CHECK(bias->numel() == n) << "Gemm: bias " << bias->ShapeString() << ", N " << n;
-  }
+  CheckGemmBias("Gemm", bias, n);
   if (m == 0 || n == 0) return;
   int alignment = std::min({PointerAlignment(x.data), PointerAlignment(w.data),
                             PointerAlignment(y.data), bias ? PointerAlignment(bias->data) : 256});

@@ -373,10 +373,7 @@ void LaunchFixedOrderGemm(const Tensor& x, const Tensor& w, const Tensor* bias, 
   TP_CHECK(FixedOrderGemmFits(x, w, y))
       << "FixedOrderGemm: x " << x.ShapeString() << ", w " << w.ShapeString() << ", y "
       << y.ShapeString() << " (needs K % 8 == 0, 16-byte aligned x and w, M, N, K < 2^31)";
-  if (bias != nullptr) {
-    TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
-    TP_CHECK(bias->numel() == N) << "FixedOrderGemm: bias " << bias->ShapeString() << ", N " << N;
-  }
+  CheckGemmBias("FixedOrderGemm", bias, N);
   if (M == 0 || N == 0) return;
   const auto* xp = x.ptr<const __nv_bfloat16>();
   const auto* wp = w.ptr<const __nv_bfloat16>();

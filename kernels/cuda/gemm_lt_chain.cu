@@ -22,6 +22,7 @@
 //   and each element's NormSquareFixed added into the record, as AddRmsNorm in deterministic
 //   mode.
 #include <algorithm>
+#include <iterator>
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gemm_epilogue.cuh"
@@ -34,8 +35,9 @@ namespace {
 constexpr int kRT = 2;  // 16-row weight tiles per block
 
 // A pipeline configuration: threads per block, K elements per stage, stages in the ring, and
-// whether only the warps that run no chain issue the copies. ChainDefault is what the launchers
-// use; the others exist for tpserve-cuda-bench --det-gemm.
+// whether only the warps that run no chain issue the copies. The launchers use ChainNarrow /
+// ChainWide (M <= 2, by N) and ChainDefault (larger M); kChainConfigs lists the others that
+// tpserve-cuda-bench --chain compares.
 template <int kThreadsT, int kKTT, int kStagesT, bool kProducersOnlyT>
 struct ChainCfg {
   static constexpr int kThreads = kThreadsT;
@@ -44,8 +46,7 @@ struct ChainCfg {
   static constexpr bool kProducersOnly = kProducersOnlyT;
   static constexpr int kRowStride = kKT + 8;  // +16 bytes: 8 rows hit 8 different bank groups
 };
-// 8 warps, copies by the 6-7 warps without a chain: the fastest at M = 1 in the
-// tpserve-cuda-bench --chain sweep (H200, 2026-12-04; kernels/cuda/NOTES.md).
+// 8 warps, copies by the 4-6 warps without a chain (M = 9-16: 4 chain warps).
 using ChainDefault = ChainCfg<256, 256, 4, true>;
 
 enum Input { kInPlain = 0, kInSwiGlu = 1, kInScaled = 2 };
@@ -367,10 +368,12 @@ void LaunchAuto(const ChainArgs& a, int blocks, cudaStream_t stream) {
   }
 }
 
+int TileBlocks(int N) { return CeilDiv(N, kRT * 16); }
+
 // Plain and SwiGLU inputs at any M up to kChainGemvMaxM.
 template <int kIn>
 void LaunchForM(const ChainArgs& a, cudaStream_t stream) {
-  const int blocks = CeilDiv(a.N, kRT * 16);
+  const int blocks = TileBlocks(a.N);
   if (a.M <= 2) {
     LaunchAuto<2, kIn, kOutStore>(a, blocks, stream);
   } else if (a.M <= 8) {
@@ -391,10 +394,7 @@ ChainArgs GemmArgs(const char* op, const Tensor& x, int64_t x_width, const Tenso
            IsAligned16(x.data) && IsAligned16(w.data) && N < (int64_t{1} << 31))
       << op << ": x " << x.ShapeString() << ", w " << w.ShapeString() << " (needs M <= " << max_m
       << ", K % 16 == 0, 16-byte aligned)";
-  if (bias != nullptr) {
-    TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
-    TP_CHECK(bias->numel() == N) << op << ": bias " << bias->ShapeString() << ", N " << N;
-  }
+  CheckGemmBias(op, bias, N);
   ChainArgs a;
   a.x = x.ptr<const __nv_bfloat16>();
   a.w = w.ptr<const __nv_bfloat16>();
@@ -405,8 +405,6 @@ ChainArgs GemmArgs(const char* op, const Tensor& x, int64_t x_width, const Tenso
   return a;
 }
 
-int TileBlocks(int N) { return CeilDiv(N, kRT * 16); }
-
 }  // namespace
 
 bool ChainGemvFits(int64_t m, int64_t k, const void* x, const void* w) {
@@ -415,42 +413,37 @@ bool ChainGemvFits(int64_t m, int64_t k, const void* x, const void* w) {
          IsAligned16(w);
 }
 
-int ChainGemvNumConfigs() { return 9; }
+// The benchmark's pipeline configurations of the plain M <= 2 form (index 0: the launchers' own
+// choice, LaunchForM).
+using ChainLaunch = void (*)(const ChainArgs&, int, cudaStream_t);
+constexpr ChainLaunch kChainConfigs[] = {
+    nullptr,
+    Launch<2, kInPlain, kOutStore, ChainCfg<128, 256, 4, false>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<128, 128, 8, false>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<128, 512, 3, false>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<128, 256, 4, true>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<256, 256, 4, false>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<256, 256, 6, true>>,
+    Launch<2, kInPlain, kOutStore, ChainNarrow>,
+    Launch<2, kInPlain, kOutStore, ChainWide>,
+};
+
+int ChainGemvNumConfigs() { return static_cast<int>(std::size(kChainConfigs)); }
 
 void LaunchChainGemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                      cudaStream_t stream, int config) {
   ChainArgs a = GemmArgs("ChainGemv", x, w.dim(-1), w, bias, kChainGemvMaxM);
   TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
   TP_CHECK(y.numel() == int64_t{a.M} * a.N) << "ChainGemv: y " << y.ShapeString();
-  TP_CHECK(config == 0 || (config < ChainGemvNumConfigs() && a.M <= 2))
-      << "ChainGemv: config " << config << " (1-8 exist for M <= 2)";
+  TP_CHECK(config == 0 || (config > 0 && config < ChainGemvNumConfigs() && a.M <= 2))
+      << "ChainGemv: config " << config << " (1-" << ChainGemvNumConfigs() - 1
+      << " exist for M <= 2)";
   if (a.M == 0 || a.N == 0) return;
   a.y = y.ptr<__nv_bfloat16>();
-  const int blocks = CeilDiv(a.N, kRT * 16);
-  switch (config) {
-    case 1:
-      Launch<2, kInPlain, kOutStore, ChainCfg<128, 256, 4, false>>(a, blocks, stream);
-      break;
-    case 2:
-      Launch<2, kInPlain, kOutStore, ChainCfg<128, 128, 8, false>>(a, blocks, stream);
-      break;
-    case 3:
-      Launch<2, kInPlain, kOutStore, ChainCfg<128, 512, 3, false>>(a, blocks, stream);
-      break;
-    case 4:
-      Launch<2, kInPlain, kOutStore, ChainCfg<128, 256, 4, true>>(a, blocks, stream);
-      break;
-    case 5:
-      Launch<2, kInPlain, kOutStore, ChainCfg<256, 256, 4, false>>(a, blocks, stream);
-      break;
-    case 6:
-      Launch<2, kInPlain, kOutStore, ChainCfg<256, 256, 6, true>>(a, blocks, stream);
-      break;
-    case 7:
-      Launch<2, kInPlain, kOutStore, ChainCfg<512, 256, 4, true>>(a, blocks, stream);
-      break;
-    default:
-      LaunchForM<kInPlain>(a, stream);
+  if (config == 0) {
+    LaunchForM<kInPlain>(a, stream);
+  } else {
+    kChainConfigs[config](a, TileBlocks(a.N), stream);
   }
   TP_CUDA_CHECK_LAUNCH();
 }

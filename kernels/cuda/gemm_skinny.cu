@@ -310,13 +310,6 @@ void LaunchTyped(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bflo
             dim3(kWarps * 32), 0, stream, x, w, bias, y, M, N, K, RopeKvArgs{}, norm);
 }
 
-// One bias check for every launcher: bf16 on the device, one value per output column.
-void CheckBias(const char* op, const Tensor* bias, int64_t N) {
-  if (bias == nullptr) return;
-  TP_CHECK_CUDA_TENSOR(*bias, DType::kBF16);
-  TP_CHECK(bias->numel() == N) << op << ": bias " << bias->ShapeString() << ", N " << N;
-}
-
 template <int kMT, bool kSwiGlu>
 void LaunchForM(Config c, const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* bias,
                 __nv_bfloat16* y, int M, int N, int K, cudaStream_t stream) {
@@ -376,7 +369,7 @@ void LaunchSkinnyGemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tens
            M <= kSkinnyMaxM && K % 8 == 0 && IsAligned16(x.data) && IsAligned16(w.data))
       << "SkinnyGemm: x " << x.ShapeString() << ", w " << w.ShapeString() << ", y "
       << y.ShapeString() << " (needs M <= " << kSkinnyMaxM << ", K % 8 == 0, 16-byte aligned)";
-  CheckBias("SkinnyGemm", bias, N);
+  CheckGemmBias("SkinnyGemm", bias, N);
   if (M == 0 || N == 0) return;
   Config c = config == 0 ? AutoConfig(M) : kConfigs[config];
   LaunchForAnyM<false>(c, x.ptr<const __nv_bfloat16>(), w.ptr<const __nv_bfloat16>(),
@@ -430,7 +423,7 @@ void LaunchSkinnyQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tens
       << ", q_out " << q_out.ShapeString() << ", k_cache " << k_cache.ShapeString() << ", heads "
       << num_q_heads << "/" << num_kv_heads << ", head_dim " << head_dim << ", tokens "
       << b.num_tokens << " (needs M <= " << kSkinnyFusedMaxM << ", K % 8 == 0, aligned)";
-  CheckBias("SkinnyQkvRopeKvWrite", bias, N);
+  CheckGemmBias("SkinnyQkvRopeKvWrite", bias, N);
   if (M == 0) return;
   RopeKvArgs rope;
   rope.inv_freq = inv_freq.ptr<const float>();
@@ -478,7 +471,7 @@ void LaunchSkinnyGemmAddNorm(const Tensor& x, const Tensor& w, const Tensor* bia
       << y.ShapeString() << ", residual " << residual.ShapeString() << ", gamma "
       << gamma.ShapeString() << " (needs 1 <= M <= " << kSkinnyFusedMaxM
       << ", K % 8 == 0, 16-byte aligned)";
-  CheckBias("SkinnyGemmAddNorm", bias, N);
+  CheckGemmBias("SkinnyGemmAddNorm", bias, N);
   NormArgs norm;
   norm.residual = residual.ptr<__nv_bfloat16>();
   norm.gamma = gamma.ptr<const __nv_bfloat16>();
@@ -506,7 +499,7 @@ void LaunchSkinnyGemmScaledRows(const Tensor& x, const unsigned long long* recor
       << "SkinnyGemmScaledRows: x " << x.ShapeString() << ", w " << w.ShapeString() << ", y "
       << y.ShapeString() << " (needs 1 <= M <= " << kSkinnyFusedMaxM
       << ", K % 8 == 0, 16-byte aligned)";
-  CheckBias("SkinnyGemmScaledRows", bias, N);
+  CheckGemmBias("SkinnyGemmScaledRows", bias, N);
   NormArgs norm;
   norm.in_sums = record;
   norm.dim = static_cast<int>(K);
