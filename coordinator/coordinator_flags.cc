@@ -74,6 +74,11 @@ CommandSpec MakeSpec(bool serve_command) {
       BoolFlag("overlap-scheduling",
                "at pp = 1, plan and send step n + 1 while step n runs (on by default; "
                "--no-overlap-scheduling turns it off)"),
+      FloatFlag("overlap-lead-ms", 0, 1000,
+                "with overlap, plan step n + 1 this long before step n should end, so that "
+                "requests arriving meanwhile join it (default 1.5; 0: plan it as soon as step n "
+                "is sent)",
+                "MS"),
       BoolFlag("enable-prefix-caching",
                "reuse the KV blocks of cached prompt prefixes (on by default; "
                "--no-enable-prefix-caching turns it off)"),
@@ -182,6 +187,7 @@ absl::StatusOr<CoordinatorOptions> ParseCoordinatorFlags(const std::vector<std::
         absl::StrCat("--all-reduce must be auto, nccl or custom, got \"", o.all_reduce, "\""));
   }
   o.overlap_scheduling = a.GetBool("overlap-scheduling", true);
+  o.overlap_lead_ms = a.GetDouble("overlap-lead-ms", o.overlap_lead_ms);
   o.rejoin = a.Flag("rejoin");
   o.kv_cache_mb = a.GetInt("kv-cache-mb", 0);
   o.kv_cache_dtype = a.GetOr("kv-cache-dtype", "auto");

@@ -745,6 +745,34 @@ void Scheduler::ApplyResult(const Pending& p, const worker::StepResult& result) 
   delivery_.Push(deliveries_);
 }
 
+Clock::time_point Scheduler::LateBuildTime() const {
+  if (options_.overlap_lead_seconds <= 0 || recent_forward_count_ == 0 || pending_.empty()) {
+    return Clock::time_point::min();
+  }
+  const size_t n = std::min<size_t>(recent_forward_count_, recent_forward_.size());
+  const double step = *std::min_element(recent_forward_.begin(), recent_forward_.begin() + n);
+  // The running step started when its predecessor's result came back (the worker takes the
+  // next plan in its queue), or when it was sent if nothing ran before it.
+  const Clock::time_point start = std::max(last_collect_, pending_.front().submitted);
+  return start + std::chrono::duration_cast<Clock::duration>(
+                     std::chrono::duration<double>(step - options_.overlap_lead_seconds));
+}
+
+bool Scheduler::WaitForArrivals(Clock::time_point until) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_until(lock, until, [&] {
+    return stop_ || wake_ || !incoming_.empty() || !fail_.ok() || !drops_.empty() ||
+           suspend_generation_ != handled_generation_;
+  });
+  if (stop_ || !fail_.ok()) return false;  // the loop's next turn handles them
+  const bool arrived = !incoming_.empty();
+  while (!incoming_.empty()) {
+    waiting_.push_back(std::move(incoming_.front()));
+    incoming_.pop_front();
+  }
+  return arrived;
+}
+
 void Scheduler::Loop() {
   while (true) {
     absl::Status fail;
@@ -814,6 +842,13 @@ void Scheduler::Loop() {
     const int depth = overlap_ ? 2 : std::max(1, executor_->max_in_flight());
     bool failed = false;
     while (static_cast<int>(pending_.size()) < depth) {
+      // Late overlap: the step after the running one is planned shortly before that one should
+      // end, so that requests arriving meanwhile join it (an arrival ends the wait at once).
+      if (overlap_ && pending_.size() == 1) {
+        const Clock::time_point at = LateBuildTime();
+        // (A wait costs no CPU time: the admission counts as planning.)
+        if (Clock::now() < at && WaitForArrivals(at)) Admit();
+      }
       Pending p;
       // One message, reused: its repeated fields keep their memory from step to step.
       worker::StepPlan& plan = plan_;
@@ -852,6 +887,11 @@ void Scheduler::Loop() {
     pending_.pop_front();
     absl::StatusOr<worker::StepResult> result = executor_->Collect(p.step_id);
     const Clock::time_point exec_end = Clock::now();
+    last_collect_ = exec_end;
+    if (result.ok() && executor_->last_forward_seconds() > 0) {
+      recent_forward_[recent_forward_count_++ % recent_forward_.size()] =
+          executor_->last_forward_seconds();
+    }
     cpu_start = ThreadCpuSeconds();
     const int want_logprobs = static_cast<int>(std::count_if(
         p.sampled.begin(), p.sampled.end(), [](Seq* s) { return s->req->params().logprobs >= 0; }));

@@ -11,6 +11,7 @@
 // token of a sequence that stopped.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -76,6 +77,12 @@ struct SchedulerOptions {
   // sequences continuing with feed_last_sampled. Pipelines (max_in_flight() > 1) keep their
   // disjoint steps either way.
   bool overlap = true;
+  // With overlap, step n + 1 is planned this long before step n is expected to end (its start
+  // + the shortest of the workers' recent step times, StepExecutor::last_forward_seconds), not
+  // as soon as step n is sent, so that requests arriving while step n runs join step n + 1
+  // instead of n + 2 (a step less of time to first token). An arrival ends the wait at once.
+  // 0, or no step time known yet: plan it at once.
+  double overlap_lead_seconds = 0.0015;
 };
 
 struct SchedulerStats {
@@ -167,6 +174,11 @@ class Scheduler {
   struct Seq;
   struct Pending;
   void Loop();
+  // Waits until `until` for a request to arrive (or a stop, failure, drop, suspension or wake);
+  // moves the arrivals to waiting_ and says whether there were any.
+  bool WaitForArrivals(Clock::time_point until);
+  // When the late-overlap wait for the step after pending_.front() ends (none: min()).
+  Clock::time_point LateBuildTime() const;
   void Reap(std::vector<uint64_t>& finished_ids);
   void Admit();
   void Preempt(Seq* seq);
@@ -249,7 +261,12 @@ class Scheduler {
   double plan_cpu_seconds_ = 0, send_cpu_seconds_ = 0, apply_cpu_seconds_ = 0;
   int64_t step_tokens_ = 0, dropped_tokens_ = 0;
   int64_t prefix_queries_ = 0, prefix_hits_ = 0, prefix_waits_ = 0, prompt_tokens_computed_ = 0;
-  bool overlap_ = false;        // options_.overlap at pp = 1
+  bool overlap_ = false;  // options_.overlap at pp = 1
+  // Late overlap (options_.overlap_lead_seconds): the workers' recent step times (a ring) and
+  // when the last result came back (the worker then started the next step in its queue).
+  std::array<double, 8> recent_forward_{};
+  int recent_forward_count_ = 0;
+  Clock::time_point last_collect_{};
   std::atomic<int> queued_{0};  // submitted, never admitted
   // Output of the step being applied (scheduler thread), handed to delivery_ in one batch.
   std::vector<Delivery> deliveries_;

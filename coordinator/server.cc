@@ -605,6 +605,7 @@ std::unique_ptr<Scheduler> StartScheduler(const Layout& layout, WorkerGroup* gro
   so.eos_token_ids = layout.eos;
   so.enable_prefix_caching = o.enable_prefix_caching;
   so.overlap = o.overlap_scheduling;
+  so.overlap_lead_seconds = o.overlap_lead_ms / 1000;
   so.on_request_finished = [metrics](const absl::Status& status, const FinalInfo& info) {
     metrics->OnRequestFinished(status, info);
   };

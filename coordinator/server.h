@@ -73,6 +73,7 @@ struct CoordinatorOptions {
   std::string kv_cache_dtype = "auto";
   bool help = false;               // --help was given: print the usage, run nothing
   bool overlap_scheduling = true;  // --no-overlap-scheduling: one step at a time at pp = 1
+  double overlap_lead_ms = 1.5;    // --overlap-lead-ms (SchedulerOptions::overlap_lead_seconds)
 };
 
 // Runs until SIGTERM / SIGINT (then drains) or a startup failure.

@@ -216,6 +216,54 @@ class FakeExecutor : public StepExecutor {
   std::function<void(int)> after_step_;
 };
 
+// A worker that takes time: a step runs for `step` from when the step before it ends (or from
+// when it is sent, if the worker is idle then), Collect returns when it ends, and the step time
+// is reported as the workers' (last_forward_seconds), as the real group reports it. Records each
+// step's span, how long the worker sat idle before it, and the first step of every sequence.
+class TimedExecutor : public FakeExecutor {
+ public:
+  using Clock = std::chrono::steady_clock;
+  struct Span {
+    Clock::time_point start, end;
+    Clock::duration idle{};  // the worker waited this long for the plan
+  };
+  TimedExecutor(int num_blocks, int block_size, std::chrono::milliseconds step)
+      : FakeExecutor(num_blocks, block_size), step_(step) {}
+  absl::Status Submit(const worker::StepPlan& plan) override {
+    const Clock::time_point now = Clock::now();
+    {
+      std::lock_guard<std::mutex> lock(timing_mu_);
+      Span span;
+      const bool ran_before = last_end_ != Clock::time_point{};
+      span.start = std::max(now, last_end_);
+      span.end = span.start + step_;
+      if (ran_before && now > last_end_) span.idle = now - last_end_;
+      last_end_ = span.end;
+      spans_[plan.step_id()] = span;
+      for (const worker::SeqStep& s : plan.seqs()) first_step_.emplace(s.seq_id(), plan.step_id());
+    }
+    return FakeExecutor::Submit(plan);
+  }
+  absl::StatusOr<worker::StepResult> Collect(uint64_t step_id) override {
+    Clock::time_point end;
+    {
+      std::lock_guard<std::mutex> lock(timing_mu_);
+      end = spans_.at(step_id).end;
+    }
+    std::this_thread::sleep_until(end);
+    return FakeExecutor::Collect(step_id);
+  }
+  double last_forward_seconds() const override {
+    return std::chrono::duration<double>(step_).count();
+  }
+
+  std::mutex timing_mu_;
+  std::map<uint64_t, Span> spans_;
+  std::map<uint64_t, uint64_t> first_step_;  // sequence id -> the first step holding it
+  Clock::time_point last_end_{};
+  const std::chrono::milliseconds step_;
+};
+
 // A pipeline of `depth` stages: up to `depth` plans in flight, collected in order. Checks that
 // no sequence is in two plans in flight at once, and that no block a plan writes is in another
 // plan in flight (cached blocks that are only read may be).
@@ -449,6 +497,53 @@ TEST(SchedulerTest, OverlapKeepsTwoStepsInFlightAndMatchesSoloRuns) {
   EXPECT_EQ(st.dropped_tokens, 0) << "lengths are known ahead: no step past max_new_tokens";
   EXPECT_GT(st.cpu_seconds, 0);
   EXPECT_LT(st.cpu_seconds, st.step_seconds * 4) << "the scheduler's CPU time is per step";
+}
+
+// Late overlap: with a lead, the step after the running one is planned shortly before that one
+// ends, so a request arriving early in step k joins step k + 1; without one (the step after is
+// planned as soon as the running one is sent) it joins step k + 2. Either way the worker never
+// waits for a plan while a request decodes.
+TEST(SchedulerTest, LateOverlapLetsAnArrivalJoinTheNextStep) {
+  using Clock = TimedExecutor::Clock;
+  for (const double lead_ms : {15.0, 0.0}) {
+    SCOPED_TRACE(::testing::Message() << "lead " << lead_ms << " ms");
+    TimedExecutor ex(200, 4, std::chrono::milliseconds(40));
+    SchedulerOptions o = Options(200, 8, 64);
+    o.overlap_lead_seconds = lead_ms / 1000;
+    Scheduler s(o, nullptr, &ex);
+    s.Start();
+    auto a = MakeRequest(8, 24, 1);  // sequence 1: decodes for about a second
+    ASSERT_TRUE(s.Submit(a).ok());
+    // A step (the fourth or later: step times are known by then) that started 3-8 ms ago.
+    uint64_t k = 0;
+    const Clock::time_point give_up = Clock::now() + std::chrono::seconds(10);
+    while (k == 0 && Clock::now() < give_up) {
+      {
+        std::lock_guard<std::mutex> lock(ex.timing_mu_);
+        const Clock::time_point now = Clock::now();
+        for (const auto& [id, span] : ex.spans_) {
+          if (id >= 4 && span.start + std::chrono::milliseconds(3) <= now &&
+              now <= span.start + std::chrono::milliseconds(8)) {
+            k = id;
+          }
+        }
+      }
+      if (k == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    ASSERT_NE(k, 0u) << "no step was seen 3-8 ms after its start";
+    auto b = MakeRequest(8, 4, 2);  // sequence 2
+    ASSERT_TRUE(s.Submit(b).ok());
+    ASSERT_TRUE(WaitFinished({a, b}, 10));
+    std::lock_guard<std::mutex> lock(ex.timing_mu_);
+    EXPECT_EQ(ex.first_step_.at(2), lead_ms > 0 ? k + 1 : k + 2)
+        << "the request arrived 3-8 ms into step " << k << " of 40 ms";
+    int idle_steps = 0;
+    for (const auto& [id, span] : ex.spans_) {
+      if (id > 1 && span.idle > std::chrono::milliseconds(2)) ++idle_steps;
+    }
+    EXPECT_LE(idle_steps, 1) << "the worker waited for plans while a request decoded";
+    EXPECT_GE(ex.spans_.size(), 24u);
+  }
 }
 
 bool WaitIdleBlocks(Scheduler& s, int total, double seconds) {
