@@ -746,14 +746,23 @@ void Scheduler::ApplyResult(const Pending& p, const worker::StepResult& result) 
 }
 
 Clock::time_point Scheduler::LateBuildTime() const {
-  if (options_.overlap_lead_seconds <= 0 || recent_forward_count_ == 0 || pending_.empty()) {
-    return Clock::time_point::min();
+  if (options_.overlap_lead_seconds <= 0 || pending_.empty()) return Clock::time_point::min();
+  // The running step's time: the shortest recent step of at most as many tokens (a step with
+  // fewer tokens is not slower, so the estimate errs early: after a run of long prefill steps a
+  // decode step is planned at once, never waited for past its end).
+  const Pending& running = pending_.front();
+  const size_t n = std::min<size_t>(recent_steps_count_, recent_steps_.size());
+  double step = -1;
+  for (size_t i = 0; i < n; ++i) {
+    if (recent_steps_[i].tokens <= running.tokens &&
+        (step < 0 || recent_steps_[i].seconds < step)) {
+      step = recent_steps_[i].seconds;
+    }
   }
-  const size_t n = std::min<size_t>(recent_forward_count_, recent_forward_.size());
-  const double step = *std::min_element(recent_forward_.begin(), recent_forward_.begin() + n);
-  // The running step started when its predecessor's result came back (the worker takes the
-  // next plan in its queue), or when it was sent if nothing ran before it.
-  const Clock::time_point start = std::max(last_collect_, pending_.front().submitted);
+  if (step < 0) return Clock::time_point::min();
+  // It started when its predecessor's result came back (the worker takes the next plan in its
+  // queue), or when it was sent if nothing ran before it.
+  const Clock::time_point start = std::max(last_collect_, running.submitted);
   return start + std::chrono::duration_cast<Clock::duration>(
                      std::chrono::duration<double>(step - options_.overlap_lead_seconds));
 }
@@ -858,6 +867,7 @@ void Scheduler::Loop() {
       if (!built) break;
       p.step_id = plan.step_id();
       p.submitted = Clock::now();
+      for (const auto& chunk : p.chunks) p.tokens += chunk.second;
       for (auto& [seq, n] : p.chunks) ++seq->pending_steps;
       for (Seq* seq : p.sampled) ++seq->pending_samples;
       absl::Status st = executor_->Submit(plan);
@@ -889,8 +899,8 @@ void Scheduler::Loop() {
     const Clock::time_point exec_end = Clock::now();
     last_collect_ = exec_end;
     if (result.ok() && executor_->last_forward_seconds() > 0) {
-      recent_forward_[recent_forward_count_++ % recent_forward_.size()] =
-          executor_->last_forward_seconds();
+      recent_steps_[recent_steps_count_++ % recent_steps_.size()] = {
+          p.tokens, executor_->last_forward_seconds()};
     }
     cpu_start = ThreadCpuSeconds();
     const int want_logprobs = static_cast<int>(std::count_if(

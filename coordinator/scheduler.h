@@ -78,7 +78,8 @@ struct SchedulerOptions {
   // disjoint steps either way.
   bool overlap = true;
   // With overlap, step n + 1 is planned this long before step n is expected to end (its start
-  // + the shortest of the workers' recent step times, StepExecutor::last_forward_seconds), not
+  // + the shortest recent step of at most as many tokens, as StepExecutor::last_forward_seconds
+  // timed it), not
   // as soon as step n is sent, so that requests arriving while step n runs join step n + 1
   // instead of n + 2 (a step less of time to first token). An arrival ends the wait at once.
   // 0, or no step time known yet: plan it at once.
@@ -177,7 +178,8 @@ class Scheduler {
   // Waits until `until` for a request to arrive (or a stop, failure, drop, suspension or wake);
   // moves the arrivals to waiting_ and says whether there were any.
   bool WaitForArrivals(Clock::time_point until);
-  // When the late-overlap wait for the step after pending_.front() ends (none: min()).
+  // When the late-overlap wait for the step after pending_.front() ends: its start plus the
+  // shortest recent step of at most as many tokens, minus the lead (none known: min()).
   Clock::time_point LateBuildTime() const;
   void Reap(std::vector<uint64_t>& finished_ids);
   void Admit();
@@ -220,6 +222,7 @@ class Scheduler {
     std::vector<Seq*> sampled;
     std::vector<std::pair<Seq*, int>> chunks;
     Clock::time_point submitted;
+    int tokens = 0;  // tokens computed (all chunks)
   };
 
   const SchedulerOptions options_;
@@ -262,10 +265,15 @@ class Scheduler {
   int64_t step_tokens_ = 0, dropped_tokens_ = 0;
   int64_t prefix_queries_ = 0, prefix_hits_ = 0, prefix_waits_ = 0, prompt_tokens_computed_ = 0;
   bool overlap_ = false;  // options_.overlap at pp = 1
-  // Late overlap (options_.overlap_lead_seconds): the workers' recent step times (a ring) and
-  // when the last result came back (the worker then started the next step in its queue).
-  std::array<double, 8> recent_forward_{};
-  int recent_forward_count_ = 0;
+  // Late overlap (options_.overlap_lead_seconds): the workers' recent step times with the
+  // tokens of each step (a ring), and when the last result came back (the worker then started
+  // the next step in its queue).
+  struct StepTime {
+    int tokens = 0;
+    double seconds = 0;
+  };
+  std::array<StepTime, 16> recent_steps_{};
+  int recent_steps_count_ = 0;
   Clock::time_point last_collect_{};
   std::atomic<int> queued_{0};  // submitted, never admitted
   // Output of the step being applied (scheduler thread), handed to delivery_ in one batch.

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <future>
 #include <map>
 #include <random>
@@ -216,10 +217,11 @@ class FakeExecutor : public StepExecutor {
   std::function<void(int)> after_step_;
 };
 
-// A worker that takes time: a step runs for `step` from when the step before it ends (or from
-// when it is sent, if the worker is idle then), Collect returns when it ends, and the step time
-// is reported as the workers' (last_forward_seconds), as the real group reports it. Records each
-// step's span, how long the worker sat idle before it, and the first step of every sequence.
+// A worker that takes time: a step runs for step_time(its tokens) from when the step before it
+// ends (or from when it is sent, if the worker is idle then), Collect returns when it ends, and
+// the step time is reported as the workers' (last_forward_seconds), as the real group reports
+// it. Records each step's span, how long the worker sat idle before it, and the first step of
+// every sequence.
 class TimedExecutor : public FakeExecutor {
  public:
   using Clock = std::chrono::steady_clock;
@@ -227,16 +229,20 @@ class TimedExecutor : public FakeExecutor {
     Clock::time_point start, end;
     Clock::duration idle{};  // the worker waited this long for the plan
   };
-  TimedExecutor(int num_blocks, int block_size, std::chrono::milliseconds step)
-      : FakeExecutor(num_blocks, block_size), step_(step) {}
+  using StepTime = std::function<std::chrono::milliseconds(int tokens)>;
+  TimedExecutor(int num_blocks, int block_size, StepTime step_time)
+      : FakeExecutor(num_blocks, block_size), step_time_(std::move(step_time)) {}
   absl::Status Submit(const worker::StepPlan& plan) override {
     const Clock::time_point now = Clock::now();
     {
       std::lock_guard<std::mutex> lock(timing_mu_);
       Span span;
       const bool ran_before = last_end_ != Clock::time_point{};
+      int tokens = 0;
+      for (const worker::SeqStep& s : plan.seqs()) tokens += s.token_ids_size();
       span.start = std::max(now, last_end_);
-      span.end = span.start + step_;
+      span.end = span.start + step_time_(tokens);
+      durations_[plan.step_id()] = step_time_(tokens);
       if (ran_before && now > last_end_) span.idle = now - last_end_;
       last_end_ = span.end;
       spans_[plan.step_id()] = span;
@@ -251,17 +257,28 @@ class TimedExecutor : public FakeExecutor {
       end = spans_.at(step_id).end;
     }
     std::this_thread::sleep_until(end);
+    std::lock_guard<std::mutex> lock(timing_mu_);
+    last_forward_ = std::chrono::duration<double>(durations_.at(step_id)).count();
     return FakeExecutor::Collect(step_id);
   }
-  double last_forward_seconds() const override {
-    return std::chrono::duration<double>(step_).count();
+  double last_forward_seconds() const override { return last_forward_; }
+  // Steps after the first whose worker waited longer than `over` for the plan.
+  int IdleSteps(std::chrono::milliseconds over = std::chrono::milliseconds(2)) {
+    std::lock_guard<std::mutex> lock(timing_mu_);
+    int idle = 0;
+    for (const auto& [id, span] : spans_) {
+      if (id > 1 && span.idle > over) ++idle;
+    }
+    return idle;
   }
 
   std::mutex timing_mu_;
   std::map<uint64_t, Span> spans_;
   std::map<uint64_t, uint64_t> first_step_;  // sequence id -> the first step holding it
+  std::map<uint64_t, std::chrono::milliseconds> durations_;
   Clock::time_point last_end_{};
-  const std::chrono::milliseconds step_;
+  double last_forward_ = 0;  // read by the scheduler thread right after its Collect
+  const StepTime step_time_;
 };
 
 // A pipeline of `depth` stages: up to `depth` plans in flight, collected in order. Checks that
@@ -507,7 +524,7 @@ TEST(SchedulerTest, LateOverlapLetsAnArrivalJoinTheNextStep) {
   using Clock = TimedExecutor::Clock;
   for (const double lead_ms : {15.0, 0.0}) {
     SCOPED_TRACE(::testing::Message() << "lead " << lead_ms << " ms");
-    TimedExecutor ex(200, 4, std::chrono::milliseconds(40));
+    TimedExecutor ex(200, 4, [](int) { return std::chrono::milliseconds(40); });
     SchedulerOptions o = Options(200, 8, 64);
     o.overlap_lead_seconds = lead_ms / 1000;
     Scheduler s(o, nullptr, &ex);
@@ -534,16 +551,40 @@ TEST(SchedulerTest, LateOverlapLetsAnArrivalJoinTheNextStep) {
     auto b = MakeRequest(8, 4, 2);  // sequence 2
     ASSERT_TRUE(s.Submit(b).ok());
     ASSERT_TRUE(WaitFinished({a, b}, 10));
+    EXPECT_LE(ex.IdleSteps(), 1) << "the worker waited for plans while a request decoded";
     std::lock_guard<std::mutex> lock(ex.timing_mu_);
     EXPECT_EQ(ex.first_step_.at(2), lead_ms > 0 ? k + 1 : k + 2)
         << "the request arrived 3-8 ms into step " << k << " of 40 ms";
-    int idle_steps = 0;
-    for (const auto& [id, span] : ex.spans_) {
-      if (id > 1 && span.idle > std::chrono::milliseconds(2)) ++idle_steps;
-    }
-    EXPECT_LE(idle_steps, 1) << "the worker waited for plans while a request decoded";
     EXPECT_GE(ex.spans_.size(), 24u);
   }
+}
+
+// Late overlap never leaves the worker waiting when steps change length: after a run of long
+// prefill steps (40 ms) the short decode steps (10 ms) that follow are planned from the times of
+// steps as short as they are, not from the long ones (which would plan each 30 ms too late).
+TEST(SchedulerTest, LateOverlapDoesNotWaitPastAShortStep) {
+  TimedExecutor ex(400, 4,
+                   [](int tokens) { return std::chrono::milliseconds(tokens >= 32 ? 40 : 10); });
+  SchedulerOptions o = Options(400, 8, 64);
+  o.overlap_lead_seconds = 0.003;
+  Scheduler s(o, nullptr, &ex);
+  s.Start();
+  std::vector<std::shared_ptr<RequestState>> reqs;
+  for (int i = 0; i < 6; ++i) {
+    reqs.push_back(MakeRequest(200, 30, i));  // 1,200 prompt tokens: ~19 steps of 64
+    ASSERT_TRUE(s.Submit(reqs.back()).ok());
+  }
+  ASSERT_TRUE(WaitFinished(reqs, 20));
+  // Planned from the long steps' time, the first short step would wait ~27 ms for its plan.
+  EXPECT_EQ(ex.IdleSteps(std::chrono::milliseconds(15)), 0) << "the worker waited for a plan";
+  EXPECT_LE(ex.IdleSteps(), 1) << "the worker waited for plans";
+  std::lock_guard<std::mutex> lock(ex.timing_mu_);
+  int long_steps = 0, short_steps = 0;
+  for (const auto& [id, d] : ex.durations_) {
+    ++(d.count() == 40 ? long_steps : short_steps);
+  }
+  EXPECT_GE(long_steps, 16) << "the test needs a run of long steps";
+  EXPECT_GE(short_steps, 20) << "and short ones after it";
 }
 
 bool WaitIdleBlocks(Scheduler& s, int total, double seconds) {
