@@ -42,6 +42,7 @@ TEST(CoordinatorFlagsTest, RangesUnknownFlagsAndPositionalArgumentsAreErrors) {
       {{"--model", "m", "--workers", "0"}, "--workers expects an integer in [1, 4096]"},
       {{"--model", "m", "--max-num-seqs", "many"}, "--max-num-seqs expects an integer"},
       {{"--model", "m", "--heartbeat-timeout", "0.1"}, "[0.5, 86400]"},
+      {{"--model", "m", "--overlap-lead-ms", "-1"}, "--overlap-lead-ms"},
       {{"--model", "m", "--drain-timeout", "-1"}, "--drain-timeout"},
       {{"--model", "m", "--kv-cache-mb", "-5"}, "--kv-cache-mb"},
       {{"--model", "m", "--no-such-flag"}, "unknown flag --no-such-flag"},
@@ -103,6 +104,8 @@ TEST(CoordinatorFlagsTest, EveryFlagIsParsedIntoTheOptions) {
                                   "0",
                                   "--heartbeat-timeout",
                                   "1.5",
+                                  "--overlap-lead-ms",
+                                  "2.5",
                                   "--step-timeout",
                                   "9",
                                   "--ready-file",
@@ -127,6 +130,7 @@ TEST(CoordinatorFlagsTest, EveryFlagIsParsedIntoTheOptions) {
   EXPECT_EQ(o->default_max_new_tokens, 7);
   EXPECT_EQ(o->register_timeout_s, 5);
   EXPECT_EQ(o->load_timeout_s, 6);
+  EXPECT_EQ(o->overlap_lead_ms, 2.5);
   EXPECT_EQ(o->drain_timeout_s, 0);
   EXPECT_DOUBLE_EQ(o->heartbeat_timeout_s, 1.5);
   EXPECT_EQ(o->step_timeout_s, 9);
