@@ -751,9 +751,8 @@ Clock::time_point Scheduler::LateBuildTime() const {
   // fewer tokens is not slower, so the estimate errs early: after a run of long prefill steps a
   // decode step is planned at once, never waited for past its end).
   const Pending& running = pending_.front();
-  const size_t n = std::min<size_t>(recent_steps_count_, recent_steps_.size());
   double step = -1;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < recent_steps_count_; ++i) {
     if (recent_steps_[i].tokens <= running.tokens &&
         (step < 0 || recent_steps_[i].seconds < step)) {
       step = recent_steps_[i].seconds;
@@ -899,8 +898,9 @@ void Scheduler::Loop() {
     const Clock::time_point exec_end = Clock::now();
     last_collect_ = exec_end;
     if (result.ok() && executor_->last_forward_seconds() > 0) {
-      recent_steps_[recent_steps_count_++ % recent_steps_.size()] = {
-          p.tokens, executor_->last_forward_seconds()};
+      recent_steps_[recent_steps_next_] = {p.tokens, executor_->last_forward_seconds()};
+      recent_steps_next_ = (recent_steps_next_ + 1) % recent_steps_.size();
+      recent_steps_count_ = std::min(recent_steps_count_ + 1, recent_steps_.size());
     }
     cpu_start = ThreadCpuSeconds();
     const int want_logprobs = static_cast<int>(std::count_if(

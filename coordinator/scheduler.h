@@ -273,7 +273,8 @@ class Scheduler {
     double seconds = 0;
   };
   std::array<StepTime, 16> recent_steps_{};
-  int recent_steps_count_ = 0;
+  size_t recent_steps_count_ = 0;  // filled entries
+  size_t recent_steps_next_ = 0;   // the entry the next step time replaces
   Clock::time_point last_collect_{};
   std::atomic<int> queued_{0};  // submitted, never admitted
   // Output of the step being applied (scheduler thread), handed to delivery_ in one batch.
