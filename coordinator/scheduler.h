@@ -79,10 +79,9 @@ struct SchedulerOptions {
   bool overlap = true;
   // With overlap, step n + 1 is planned this long before step n is expected to end (its start
   // + the shortest recent step of at most as many tokens, as StepExecutor::last_forward_seconds
-  // timed it), not
-  // as soon as step n is sent, so that requests arriving while step n runs join step n + 1
-  // instead of n + 2 (a step less of time to first token). An arrival ends the wait at once.
-  // 0, or no step time known yet: plan it at once.
+  // timed it), not as soon as step n is sent, so that requests arriving while step n runs join
+  // step n + 1 instead of n + 2 (a step less of time to first token). An arrival ends the wait
+  // at once. 0, or no step time known yet: plan it at once.
   double overlap_lead_seconds = 0.0015;
 };
 
