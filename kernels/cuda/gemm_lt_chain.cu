@@ -595,6 +595,7 @@ void LaunchChainGemmReference(const Tensor& x, const Tensor& w, const Tensor* bi
   const int64_t K = x.dim(-1), M = x.numel() / std::max<int64_t>(K, 1), N = w.dim(0);
   TP_CHECK(K % 16 == 0 && w.dim(1) == K && y.numel() == M * N)
       << "ChainGemmReference: x " << x.ShapeString() << ", w " << w.ShapeString();
+  CheckGemmBias("ChainGemmReference", bias, N);
   if (M == 0 || N == 0) return;
   const int64_t tiles =
       weights_a ? ((N + 15) / 16) * ((M + 7) / 8) : ((M + 15) / 16) * ((N + 7) / 8);
