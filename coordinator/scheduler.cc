@@ -751,10 +751,10 @@ Clock::time_point Scheduler::LateBuildTime() const {
   // fewer tokens is not slower, so the estimate errs early: after a run of long prefill steps a
   // decode step is planned at once, never waited for past its end).
   const Pending& running = pending_.front();
+  const int tokens = running.Tokens();
   double step = -1;
   for (size_t i = 0; i < recent_steps_count_; ++i) {
-    if (recent_steps_[i].tokens <= running.tokens &&
-        (step < 0 || recent_steps_[i].seconds < step)) {
+    if (recent_steps_[i].tokens <= tokens && (step < 0 || recent_steps_[i].seconds < step)) {
       step = recent_steps_[i].seconds;
     }
   }
@@ -766,13 +766,12 @@ Clock::time_point Scheduler::LateBuildTime() const {
                      std::chrono::duration<double>(step - options_.overlap_lead_seconds));
 }
 
-bool Scheduler::WaitForArrivals(Clock::time_point until) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_until(lock, until, [&] {
-    return stop_ || wake_ || !incoming_.empty() || !fail_.ok() || !drops_.empty() ||
-           suspend_generation_ != handled_generation_;
-  });
-  if (stop_ || !fail_.ok()) return false;  // the loop's next turn handles them
+bool Scheduler::HasEvent() const {
+  return stop_ || wake_ || !incoming_.empty() || !fail_.ok() || !drops_.empty() ||
+         suspend_generation_ != handled_generation_ || (suspended_ && suspend_.ok());
+}
+
+bool Scheduler::TakeIncoming() {
   const bool arrived = !incoming_.empty();
   while (!incoming_.empty()) {
     waiting_.push_back(std::move(incoming_.front()));
@@ -781,23 +780,23 @@ bool Scheduler::WaitForArrivals(Clock::time_point until) {
   return arrived;
 }
 
+bool Scheduler::WaitForArrivals(Clock::time_point until) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_until(lock, until, [&] { return HasEvent(); });
+  if (stop_ || !fail_.ok()) return false;  // the loop's next turn handles them
+  return TakeIncoming();
+}
+
 void Scheduler::Loop() {
   while (true) {
     absl::Status fail;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] {
-        return stop_ || wake_ || !incoming_.empty() || !running_.empty() || !waiting_.empty() ||
-               !fail_.ok() || !drops_.empty() || suspend_generation_ != handled_generation_ ||
-               (suspended_ && suspend_.ok());
-      });
+      cv_.wait(lock, [&] { return HasEvent() || !running_.empty() || !waiting_.empty(); });
       wake_ = false;
       if (stop_) break;
       fail = fail_;
-      while (!incoming_.empty() && fail.ok()) {
-        waiting_.push_back(std::move(incoming_.front()));
-        incoming_.pop_front();
-      }
+      if (fail.ok()) TakeIncoming();
       if (fail.ok() && suspend_generation_ != handled_generation_) {
         handled_generation_ = suspend_generation_;
         suspended_ = true;
@@ -866,7 +865,6 @@ void Scheduler::Loop() {
       if (!built) break;
       p.step_id = plan.step_id();
       p.submitted = Clock::now();
-      for (const auto& chunk : p.chunks) p.tokens += chunk.second;
       for (auto& [seq, n] : p.chunks) ++seq->pending_steps;
       for (Seq* seq : p.sampled) ++seq->pending_samples;
       absl::Status st = executor_->Submit(plan);
@@ -898,7 +896,7 @@ void Scheduler::Loop() {
     const Clock::time_point exec_end = Clock::now();
     last_collect_ = exec_end;
     if (result.ok() && executor_->last_forward_seconds() > 0) {
-      recent_steps_[recent_steps_next_] = {p.tokens, executor_->last_forward_seconds()};
+      recent_steps_[recent_steps_next_] = {p.Tokens(), executor_->last_forward_seconds()};
       recent_steps_next_ = (recent_steps_next_ + 1) % recent_steps_.size();
       recent_steps_count_ = std::min(recent_steps_count_ + 1, recent_steps_.size());
     }

@@ -174,6 +174,11 @@ class Scheduler {
   struct Seq;
   struct Pending;
   void Loop();
+  // Something the loop must handle besides running and waiting requests: a stop, a wake, an
+  // arrival, a failure, a drop, a suspension or a resumption.
+  bool HasEvent() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the arrivals to waiting_; says whether there were any.
+  bool TakeIncoming() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits until `until` for a request to arrive (or a stop, failure, drop, suspension or wake);
   // moves the arrivals to waiting_ and says whether there were any.
   bool WaitForArrivals(Clock::time_point until);
@@ -221,7 +226,11 @@ class Scheduler {
     std::vector<Seq*> sampled;
     std::vector<std::pair<Seq*, int>> chunks;
     Clock::time_point submitted;
-    int tokens = 0;  // tokens computed (all chunks)
+    int Tokens() const {  // tokens the step computes (all chunks)
+      int n = 0;
+      for (const auto& chunk : chunks) n += chunk.second;
+      return n;
+    }
   };
 
   const SchedulerOptions options_;
