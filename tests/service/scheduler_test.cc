@@ -242,7 +242,6 @@ class TimedExecutor : public FakeExecutor {
       for (const worker::SeqStep& s : plan.seqs()) tokens += s.token_ids_size();
       span.start = std::max(now, last_end_);
       span.end = span.start + step_time_(tokens);
-      durations_[plan.step_id()] = step_time_(tokens);
       if (ran_before && now > last_end_) span.idle = now - last_end_;
       last_end_ = span.end;
       spans_[plan.step_id()] = span;
@@ -251,14 +250,13 @@ class TimedExecutor : public FakeExecutor {
     return FakeExecutor::Submit(plan);
   }
   absl::StatusOr<worker::StepResult> Collect(uint64_t step_id) override {
-    Clock::time_point end;
+    Span span;
     {
       std::lock_guard<std::mutex> lock(timing_mu_);
-      end = spans_.at(step_id).end;
+      span = spans_.at(step_id);
     }
-    std::this_thread::sleep_until(end);
-    std::lock_guard<std::mutex> lock(timing_mu_);
-    last_forward_ = std::chrono::duration<double>(durations_.at(step_id)).count();
+    std::this_thread::sleep_until(span.end);
+    last_forward_ = std::chrono::duration<double>(span.end - span.start).count();
     return FakeExecutor::Collect(step_id);
   }
   double last_forward_seconds() const override { return last_forward_; }
@@ -275,7 +273,6 @@ class TimedExecutor : public FakeExecutor {
   std::mutex timing_mu_;
   std::map<uint64_t, Span> spans_;
   std::map<uint64_t, uint64_t> first_step_;  // sequence id -> the first step holding it
-  std::map<uint64_t, std::chrono::milliseconds> durations_;
   Clock::time_point last_end_{};
   double last_forward_ = 0;  // read by the scheduler thread right after its Collect
   const StepTime step_time_;
@@ -580,8 +577,8 @@ TEST(SchedulerTest, LateOverlapDoesNotWaitPastAShortStep) {
   EXPECT_LE(ex.IdleSteps(), 1) << "the worker waited for plans";
   std::lock_guard<std::mutex> lock(ex.timing_mu_);
   int long_steps = 0, short_steps = 0;
-  for (const auto& [id, d] : ex.durations_) {
-    ++(d.count() == 40 ? long_steps : short_steps);
+  for (const auto& [id, span] : ex.spans_) {
+    ++(span.end - span.start == std::chrono::milliseconds(40) ? long_steps : short_steps);
   }
   EXPECT_GE(long_steps, 16) << "the test needs a run of long steps";
   EXPECT_GE(short_steps, 20) << "and short ones after it";
