@@ -84,14 +84,16 @@ const EnvVar kPrefillTile = {"TPSERVE_PREFILL_TILE",
                              0,
                              0,
                              "128|64"};
-const EnvVar kDecodeKernel = {"TPSERVE_DECODE_KERNEL",
-                              EnvType::kChoice,
-                              "auto",
-                              "decode-attention kernel: auto (by the batch), subtile or twophase "
-                              "(A/B runs; --deterministic keeps its own)",
-                              0,
-                              0,
-                              "auto|subtile|twophase"};
+const EnvVar kDecodeKernel = {
+    "TPSERVE_DECODE_KERNEL",
+    EnvType::kChoice,
+    "auto",
+    "decode-attention kernel: auto (by the batch), subtile, twophase or mma "
+    "(A/B runs; mma: 8-bit caches at head_dim 64/128, else twophase; "
+    "--deterministic keeps its own)",
+    0,
+    0,
+    "auto|subtile|twophase|mma"};
 const EnvVar kDecodePartition = {"TPSERVE_DECODE_PARTITION",
                                  EnvType::kChoice,
                                  "0",
@@ -104,11 +106,11 @@ const EnvVar kDecodeOrder = {"TPSERVE_DECODE_ORDER",
                              EnvType::kChoice,
                              "seq",
                              "decode attention: block order, seq (the same keys of many sequences "
-                             "together: shared prefix blocks hit L2) or split (a sequence's splits "
-                             "and heads together)",
+                             "together: shared prefix blocks hit L2), split (a sequence's splits "
+                             "and heads together) or head (a split's heads together)",
                              0,
                              0,
-                             "seq|split"};
+                             "seq|split|head"};
 const EnvVar kCublasLtAutotune = {"TPSERVE_CUBLASLT_AUTOTUNE", EnvType::kBool, "0",
                                   "time cuBLASLt's candidate algorithms for M <= 256 instead of "
                                   "taking its heuristic (faster, not bitwise reproducible across "

@@ -25,6 +25,8 @@
 #   bounds each check (the one-at-a-time run takes most of it: 64 x 512 tokens at batch 1).
 #   BENCH_ARGS adds arguments to the engine benchmark (e.g. --profile); CUDA_BENCH_ARGS to
 #   tpserve-cuda-bench (e.g. --decode: every decode-attention kernel for each KV dtype).
+#   REUSE_DS67=1 keeps a /tmp/ds67 that an earlier job on the same machine made (the same
+#   `tpserve random-model` command) instead of making it again.
 #   BENCH_AB="VAR=value ...[;VAR=value ...]" runs the engine benchmark again with each of those
 #   environments (baselines of an A/B comparison in the same job), with BENCH_AB_ARGS.
 set -uo pipefail
@@ -89,8 +91,9 @@ if has kvq && [ "${KVQ_PPL:-1}" = 1 ] && [ -f .carry/heldout.txt ]; then
       2>"$out/ppl_$d.log" | tee -a "$out/summary.txt"
   done
 fi
-if has ds67 || has refs || has bench || has hf || has serve || has trace || has presets || has kvq ||
-  { has detserve && [ ! -f $ds/config.json ]; }; then
+if { has ds67 || has refs || has bench || has hf || has serve || has trace || has presets || has kvq ||
+  { has detserve && [ ! -f $ds/config.json ]; }; } &&
+  ! { [ "${REUSE_DS67:-0}" = 1 ] && [ -f $ds/config.json ]; }; then
   log "random DeepSeek-Coder-6.7B-shaped model"
   /usr/bin/time -v "$stage/bin/tpserve" random-model \
     --config tests/data/deepseek-coder-6.7b-instruct.config.json --out $ds --seed 1 --dtype bf16 \

@@ -10,13 +10,16 @@
 // replayed for any context lengths up to that capacity.
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "common/env.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/kv_quant.cuh"  // CheckKvCaches
 #include "kernels/cuda/kv_read.cuh"
 #include "kernels/cuda/launchers.h"
+#include "kernels/cuda/mma_util.cuh"
 #include "kernels/head_dims.h"
 
 namespace tpserve::cuda {
@@ -25,7 +28,28 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kSub = 64;  // keys whose K and V are in flight at once (sub-tile kernel)
 constexpr int kMaxTwoPhasePartition = 512;
+constexpr int kMaxMmaPartition = 1024;
 constexpr float kLog2e = 1.4426950408889634f;
+
+// A block's (split, head group, sequence) in the launch's grid order (DecodeGrid):
+// kDecodeSplitMajor (splits, groups, seqs), kDecodeSeqMajor (seqs, groups, splits) or
+// kDecodeHeadMajor (groups, seqs, splits).
+enum DecodeOrder { kDecodeSplitMajor = 0, kDecodeSeqMajor = 1, kDecodeHeadMajor = 2 };
+struct DecodeBlock {
+  int split, group, seq, num_splits;
+};
+__device__ __forceinline__ DecodeBlock DecodeBlockIndex(int order) {
+  if (order == kDecodeSeqMajor) {
+    return {static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.y),
+            static_cast<int>(blockIdx.x), static_cast<int>(gridDim.z)};
+  }
+  if (order == kDecodeHeadMajor) {
+    return {static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.x),
+            static_cast<int>(blockIdx.y), static_cast<int>(gridDim.z)};
+  }
+  return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z),
+          static_cast<int>(gridDim.x)};
+}
 
 // Writes zeros for the kG heads of a padding sequence (context 0).
 template <int kD, int kG>
@@ -117,7 +141,7 @@ __device__ void FinishSplit(const float (&o_s)[kG][kD], const float* m_s, const 
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    unsigned* counter = counters + static_cast<int64_t>(seq) * gridDim.y + group;
+    unsigned* counter = counters + static_cast<int64_t>(seq) * (num_heads / kG) + group;
     unsigned arrived = atomicAdd(counter, 1u) + 1;
     last_s = arrived == static_cast<unsigned>(used);
     if (last_s) atomicExch(counter, 0u);
@@ -199,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
     const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
     const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
     int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
-    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift, bool seq_major) {
+    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift, int order) {
   constexpr int kE = kTwoPhaseLaneElems<Kv, kD, kG>;
   using Lane = KvLane<Kv, kE>;
   constexpr int kLanesPerToken = kD / kE;                    // kE-element chunks per row
@@ -214,11 +238,8 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
   __shared__ float m_s[kG], l_s[kG];
 
   PdlLaunchDependents();
-  // Split-major grid (splits, groups, seqs) or sequence-major (seqs, groups, splits): see
-  // DecodeGrid.
-  const int split = seq_major ? blockIdx.z : blockIdx.x, group = blockIdx.y;
-  const int seq = seq_major ? blockIdx.x : blockIdx.z;
-  const int num_splits = seq_major ? gridDim.z : gridDim.x;
+  const DecodeBlock blk = DecodeBlockIndex(order);
+  const int split = blk.split, group = blk.group, seq = blk.seq, num_splits = blk.num_splits;
   const int ctx = context_lens[seq];
   const int start = split * partition;
   const int head0 = group * kG;
@@ -355,6 +376,276 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
                       counters, records, out);
 }
 
+// The tensor-core decode kernel (8-bit caches at head_dim 64 and 128): the two-phase kernel's
+// phases with both products on mma.m16n8k16 (f16 operands, f32 accumulation), for the few
+// instructions per byte that one byte an element leaves (the two-phase kernel spent ~2.5 per
+// element of K and of V on conversions and FMAs and reached 72% of copy bandwidth at B=64).
+// A warp takes 16-key tiles. Lane (r, c) = (lane / 4, lane % 4):
+// - scores, S^T[16 keys, heads] = K[16 keys, kD] q^T: K is the A operand, straight from the
+//   cache rows in registers: the lane loads 16 bytes of keys r and r + 8 at dims
+//   64 ch + 16 c + [0, 16) (ch < kD / 64), and k step 4 ch + i takes their 4 bytes at
+//   64 ch + 16 c + 4 i as the fragment's columns (2c, 2c + 1, 2c + 8, 2c + 9): a sum is
+//   independent of the order of its terms' columns as long as q (the B operand, head g = r)
+//   takes the same dims in the same columns. Each score is scaled by its key's K scale.
+// - output, O^T[kD, heads] = V^T[kD, 16 keys] P'^T: V is the A operand, its rows the dims: the
+//   lane loads kD / 8 bytes of each of keys 4c .. 4c + 3 at dims (kD / 8) r + [0, kD / 8); block
+//   j's fragment rows r and r + 8 are the dims (kD / 8) r + 2j and + 1, its columns (2c, 2c + 1,
+//   2c + 8, 2c + 9) the keys 4c .. 4c + 3 (byte permutes pair two keys' bytes of one dim).
+//   P' = p * vscale / max vscale of the split (in [0, 1], so its rounding to f16 keeps ~11 bits;
+//   the split's output is multiplied back by the max), the B operand with head g = r.
+// The q and P' operands use columns r < kG; the others are zero (the MMA's waste at G = 1 is
+// 7 columns of 8, still ~16 FLOP per cache byte: far under the tensor cores' rate). The first
+// V tiles are loaded before the softmax phase, so their latency overlaps it.
+// H200, 32 heads, d 128, ctx 1024, 512-key splits (tpserve-cuda-bench --decode): fp8 B=64
+// 0.167 ms (78% of copy) against the two-phase kernel's 0.199 (65%), B=128 80% against 67%.
+template <typename Kv, int kD>
+inline constexpr bool kMmaDecodeSupported = Kv::kQuantized&& Kv::kBits == 8 &&
+                                            (kD == 64 || kD == 128);
+
+template <typename Kv, int kD, int kG>
+__global__ void __launch_bounds__(kThreads)
+    DecodeMmaKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
+                    const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
+                    const float* __restrict__ v_scales, const int32_t* __restrict__ query_start,
+                    const int32_t* __restrict__ context_lens,
+                    const int32_t* __restrict__ block_tables,
+                    const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size,
+                    int num_heads, int num_kv_heads, int partition, float scale_log2,
+                    unsigned* __restrict__ counters, float* __restrict__ records,
+                    __nv_bfloat16* __restrict__ out, int block_shift, int order) {
+  if constexpr (kMmaDecodeSupported<Kv, kD> && kG <= 8) {
+    constexpr int kSteps = kD / 16;   // k steps of a score tile = dim blocks of an output tile
+    constexpr int kChunks = kD / 64;  // 16-byte K loads per key row and lane
+    constexpr int kVBytes = kD / 8;   // bytes of a V row per lane
+    constexpr int kWarps = kThreads / 32;
+    // Tiles in flight per warp. H200, fp8, B=64 ctx 1024, 512-key splits: 2 tiles 78% of copy,
+    // 4 tiles 71% (~128 registers: 4 blocks an SM instead of 5).
+    constexpr int kUnroll = 2;
+    constexpr int kMaxP = kMaxMmaPartition;
+    using VLoad = std::conditional_t<kVBytes == 16, uint4, uint2>;
+    static_assert(kWarps * kG * kD <= kG * kMaxP, "warp outputs fit in p_s");
+    __shared__ __align__(16) float p_s[kG][kMaxP];
+    __shared__ float vs_s[kMaxP];
+    __shared__ int32_t row_s[kMaxP];
+    __shared__ float o_s[kG][kD];
+    __shared__ float m_s[kG], l_s[kG];
+    __shared__ float vmax_s;
+
+    PdlLaunchDependents();
+    const DecodeBlock blk = DecodeBlockIndex(order);
+    const int split = blk.split, group = blk.group, seq = blk.seq, num_splits = blk.num_splits;
+    const int ctx = context_lens[seq];
+    const int start = split * partition;
+    const int head0 = group * kG;
+    const int64_t q_row = query_start[seq];
+    if (start >= ctx) {
+      if (ctx == 0 && split == 0) {
+        PdlWait();
+        WriteZeroRows<kD, kG>(q_row, num_heads, head0, out);
+      }
+      return;
+    }
+    const int n = min(partition, ctx - start);
+    const int used = (ctx + partition - 1) / partition;
+    const int num_tiles = (n + 15) / 16;
+    const int kv_head = head0 / (num_heads / num_kv_heads);
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = lane / 4, c = lane % 4;
+    const int32_t* table =
+        block_tables +
+        static_cast<int64_t>(table_rows != nullptr ? table_rows[seq] : seq) * max_blocks_per_seq;
+
+    PdlWait();  // q and this step's K/V rows come from the previous kernels
+    // q of head r as the score MMAs' B operand: step 4 ch + i holds dims 64 ch + 16 c + 4 i + [0,
+    // 4).
+    uint32_t qb[kSteps][2];
+    {
+      const __nv_bfloat16* qrow = q + (q_row * num_heads + head0 + min(r, kG - 1)) * kD;
+#pragma unroll
+      for (int ch = 0; ch < kChunks; ++ch) {
+        float f[16];
+        const uint4 lo = __ldg(reinterpret_cast<const uint4*>(qrow + 64 * ch + 16 * c));
+        const uint4 hi = __ldg(reinterpret_cast<const uint4*>(qrow + 64 * ch + 16 * c + 8));
+        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&lo), f);
+        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&hi), f + 8);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const __half2 a = __floats2half2_rn(f[4 * i], f[4 * i + 1]);
+          const __half2 b = __floats2half2_rn(f[4 * i + 2], f[4 * i + 3]);
+          qb[4 * ch + i][0] = r < kG ? *reinterpret_cast<const uint32_t*>(&a) : 0u;
+          qb[4 * ch + i][1] = r < kG ? *reinterpret_cast<const uint32_t*>(&b) : 0u;
+        }
+      }
+    }
+
+    // Phase 1: scores (log2 domain); the lanes of column 0 also keep each key's pool row and V
+    // scale for phase 3.
+    for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnroll) {
+      uint4 kw[kUnroll][2][kChunks];
+      float ks[kUnroll][2];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int tok = (t0 + u * kWarps) * 16 + r + 8 * h;
+          if (tok < n) {  // also false for a tile past the last
+            const int64_t row =
+                KvPoolRow(table, start + tok, block_size, block_shift, num_kv_heads, kv_head);
+            const uint8_t* p = k_cache + row * kD + 16 * c;
+#pragma unroll
+            for (int ch = 0; ch < kChunks; ++ch) kw[u][h][ch] = LoadStreaming(p + 64 * ch);
+            ks[u][h] = __ldg(k_scales + row);  // one scale per row (kKvGroup = kD)
+            if (c == 0) {
+              row_s[tok] = static_cast<int32_t>(row);
+              vs_s[tok] = __ldg(v_scales + row);
+            }
+          } else {
+#pragma unroll
+            for (int ch = 0; ch < kChunks; ++ch) kw[u][h][ch] = make_uint4(0, 0, 0, 0);
+            ks[u][h] = 0.0f;
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int tile = t0 + u * kWarps;
+        if (tile >= num_tiles) continue;  // warp-uniform
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int ch = 0; ch < kChunks; ++ch) {
+          const uint32_t w0[4] = {kw[u][0][ch].x, kw[u][0][ch].y, kw[u][0][ch].z, kw[u][0][ch].w};
+          const uint32_t w1[4] = {kw[u][1][ch].x, kw[u][1][ch].y, kw[u][1][ch].z, kw[u][1][ch].w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            Mma16816F16(acc, CodePairToHalf2<Kv, false>(w0[i]), CodePairToHalf2<Kv, false>(w1[i]),
+                        CodePairToHalf2<Kv, true>(w0[i]), CodePairToHalf2<Kv, true>(w1[i]),
+                        qb[4 * ch + i][0], qb[4 * ch + i][1]);
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = tile * 16 + r + 8 * (e / 2), g = 2 * c + e % 2;
+          if (g < kG && tok < n) p_s[g][tok] = acc[e] * ks[u][e / 2] * scale_log2;
+        }
+      }
+    }
+    __syncthreads();
+
+    // The first V tiles of phase 3 load while the softmax runs.
+    VLoad vw[kUnroll][4];
+    auto load_v = [&](int t0) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = (t0 + u * kWarps) * 16 + 4 * c + e;
+          vw[u][e] = VLoad{};
+          if (tok < n) {
+            const uint8_t* p = v_cache + static_cast<int64_t>(row_s[tok]) * kD + kVBytes * r;
+            if constexpr (kVBytes == 16) {
+              vw[u][e] = LoadStreaming(p);
+            } else {
+              vw[u][e] = LoadStreaming8(p);
+            }
+          }
+        }
+      }
+    };
+    load_v(warp);
+
+    // Phase 2: softmax numerators per head (one warp per head); P' = p * vscale / vmax, zero
+    // for the keys past the context in the last tile.
+    float vmax = 0.0f;
+    for (int i = lane; i < n; i += 32) vmax = fmaxf(vmax, vs_s[i]);
+    vmax = WarpMax(vmax);
+    const float inv_vmax = vmax > 0.0f ? 1.0f / vmax : 0.0f;
+    for (int g = warp; g < kG; g += kWarps) {
+      float m = -INFINITY;
+      for (int i = lane; i < n; i += 32) m = fmaxf(m, p_s[g][i]);
+      m = WarpMax(m);
+      float l = 0.0f;
+      for (int i = lane; i < num_tiles * 16; i += 32) {
+        float pv = 0.0f;
+        if (i < n) {
+          const float p = exp2f(p_s[g][i] - m);
+          l += p;
+          pv = p * (vs_s[i] * inv_vmax);
+        }
+        p_s[g][i] = pv;
+      }
+      l = WarpSum(l);
+      if (lane == 0) {
+        m_s[g] = m;
+        l_s[g] = l;
+      }
+    }
+    if (tid == 0) vmax_s = vmax;
+    __syncthreads();
+
+    // Phase 3: O^T += V^T P'^T per tile.
+    float acc[kSteps][4];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    }
+    for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnroll) {
+      if (t0 != warp) load_v(t0);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int tile = t0 + u * kWarps;
+        if (tile >= num_tiles) continue;  // warp-uniform
+        uint32_t b0 = 0u, b1 = 0u;
+        if (r < kG) {
+          const float4 p = *reinterpret_cast<const float4*>(&p_s[r][tile * 16 + 4 * c]);
+          const __half2 x = __floats2half2_rn(p.x, p.y), y = __floats2half2_rn(p.z, p.w);
+          b0 = *reinterpret_cast<const uint32_t*>(&x);
+          b1 = *reinterpret_cast<const uint32_t*>(&y);
+        }
+#pragma unroll
+        for (int w = 0; w < kVBytes / 4; ++w) {
+          const uint32_t* v0 = reinterpret_cast<const uint32_t*>(&vw[u][0]);
+          const uint32_t* v1 = reinterpret_cast<const uint32_t*>(&vw[u][1]);
+          const uint32_t* v2 = reinterpret_cast<const uint32_t*>(&vw[u][2]);
+          const uint32_t* v3 = reinterpret_cast<const uint32_t*>(&vw[u][3]);
+          // Bytes (b of key 4c, b of key 4c + 1, b + 1 of 4c, b + 1 of 4c + 1), b = 0 and 2.
+          const uint32_t k01_lo = __byte_perm(v0[w], v1[w], 0x5140);
+          const uint32_t k01_hi = __byte_perm(v0[w], v1[w], 0x7362);
+          const uint32_t k23_lo = __byte_perm(v2[w], v3[w], 0x5140);
+          const uint32_t k23_hi = __byte_perm(v2[w], v3[w], 0x7362);
+          Mma16816F16(acc[2 * w], CodePairToHalf2<Kv, false>(k01_lo),
+                      CodePairToHalf2<Kv, true>(k01_lo), CodePairToHalf2<Kv, false>(k23_lo),
+                      CodePairToHalf2<Kv, true>(k23_lo), b0, b1);
+          Mma16816F16(acc[2 * w + 1], CodePairToHalf2<Kv, false>(k01_hi),
+                      CodePairToHalf2<Kv, true>(k01_hi), CodePairToHalf2<Kv, false>(k23_hi),
+                      CodePairToHalf2<Kv, true>(k23_hi), b0, b1);
+        }
+      }
+    }
+    // The warps' partial outputs (in p_s, now dead), summed in warp order and scaled by vmax.
+    __syncthreads();
+    auto* ow = reinterpret_cast<float(*)[kG][kD]>(&p_s[0][0]);
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int g = 2 * c + e % 2, d = kVBytes * r + 2 * j + e / 2;
+        if (g < kG) ow[warp][g][d] = acc[j][e];
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < kG * kD; i += kThreads) {
+      const int g = i / kD, d = i % kD;
+      float s = ow[0][g][d];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) s += ow[w][g][d];
+      o_s[g][d] = s * vmax_s;
+    }
+    __syncthreads();
+    FinishSplit<kD, kG>(o_s, m_s, l_s, used, split, num_splits, seq, group, num_heads, q_row,
+                        counters, records, out);
+  }
+}
+
 // Small batches: one block per split of `partition` keys, kG query heads of one KV head, one
 // sequence. Keys are processed 64 at a time: every thread issues all its K and V loads of the
 // sub-tile before using any (32 KB in flight per block at head_dim 128), scores go to shared
@@ -367,7 +658,7 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
     const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
     const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
     int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
-    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift, bool seq_major) {
+    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift, int order) {
   constexpr int kLanesPerToken = kD / 8;                     // 8-element chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // rows read per block step
   constexpr int kUnroll = kSub / kTokensPerStep;
@@ -378,11 +669,8 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
   __shared__ float m_s[kG], l_s[kG], alpha_s[kG];
 
   PdlLaunchDependents();
-  // Split-major grid (splits, groups, seqs) or sequence-major (seqs, groups, splits): see
-  // DecodeGrid.
-  const int split = seq_major ? blockIdx.z : blockIdx.x, group = blockIdx.y;
-  const int seq = seq_major ? blockIdx.x : blockIdx.z;
-  const int num_splits = seq_major ? gridDim.z : gridDim.x;
+  const DecodeBlock blk = DecodeBlockIndex(order);
+  const int split = blk.split, group = blk.group, seq = blk.seq, num_splits = blk.num_splits;
   const int ctx = context_lens[seq];
   const int start = split * partition;
   const int head0 = group * kG;
@@ -555,15 +843,18 @@ DecodePlan PlanDecode(const DeviceBatch& b, int num_heads, int num_kv_heads) {
   if (kernel == DecodeKernel::kAuto) {
     kernel = auto_p == kSub ? DecodeKernel::kSubTile : DecodeKernel::kTwoPhase;
   }
+  const bool two_phase = kernel == DecodeKernel::kTwoPhase || kernel == DecodeKernel::kMma;
   int p = DecodePartitionOverride();
   if (p == 0) {
     // A quantized cache's rows are half or a quarter of bf16's: its two-phase blocks take the
     // largest partition so that the per-block costs (q, softmax, the merge) spread over more
     // keys (H200, d 128, G = 1, batches 8-128 at context 1024 and batch 8 at 4096: 512-key
     // splits beat 256 by 5-10% and 128 by 15-25% for fp8, int8 and int4; bf16 is flat).
-    p = Kv::kQuantized && kernel == DecodeKernel::kTwoPhase ? kMaxTwoPhasePartition : auto_p;
+    p = Kv::kQuantized && two_phase ? kMaxTwoPhasePartition : auto_p;
   }
-  if (kernel == DecodeKernel::kTwoPhase) p = std::min(p, kMaxTwoPhasePartition);
+  if (two_phase) {
+    p = std::min(p, kernel == DecodeKernel::kMma ? kMaxMmaPartition : kMaxTwoPhasePartition);
+  }
   return {kernel, p};
 }
 
@@ -574,9 +865,16 @@ DecodePlan PlanDecode(const DeviceBatch& b, int num_heads, int num_kv_heads) {
 // split-major, TPOT p50 13.9-14.1 ms against 14.9-15.0). Split-major (TPSERVE_DECODE_ORDER=split):
 // blockIdx.x is the split, so the blocks that run together cover few sequences, all their splits
 // and heads. Without sharing the two are within 1% (engine batch 8-64 steps, batch64 preset).
-bool DecodeSeqMajor();
+int DecodeOrderOf();
 dim3 DecodeGrid(int splits, int groups, int seqs) {
-  return DecodeSeqMajor() ? dim3(seqs, groups, splits) : dim3(splits, groups, seqs);
+  switch (DecodeOrderOf()) {
+    case kDecodeSeqMajor:
+      return dim3(seqs, groups, splits);
+    case kDecodeHeadMajor:
+      return dim3(groups, seqs, splits);
+    default:
+      return dim3(splits, groups, seqs);
+  }
 }
 
 template <typename Kv, int kD, int kG>
@@ -584,8 +882,18 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
                  int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
                  unsigned* counters, Tensor out, cudaStream_t stream) {
   const DecodePlan plan = PlanDecode<Kv>(b, num_heads, num_kv_heads);
-  const int partition = plan.partition;
+  int partition = plan.partition;
+  // The tensor-core kernel where it applies and the two-phase kernel was not asked for by name;
+  // deterministic mode (a fixed partition) keeps the kernel its partition implies.
+  const bool mma =
+      kMmaDecodeSupported<Kv, kD> && b.decode_partition == 0 &&
+      (plan.kernel == DecodeKernel::kMma ||
+       (plan.kernel == DecodeKernel::kTwoPhase && DecodeKernelOverride() == DecodeKernel::kAuto));
+  if (!mma && plan.kernel != DecodeKernel::kSubTile) {
+    partition = std::min(partition, kMaxTwoPhasePartition);
+  }
   auto kernel = plan.kernel == DecodeKernel::kSubTile ? DecodePartitionKernel<Kv, kD, kG>
+                : mma                                 ? DecodeMmaKernel<Kv, kD, kG>
                                                       : DecodeTwoPhaseKernel<Kv, kD, kG>;
   const int block_shift = KvBlockShift(b.block_size);
   const auto* kc = static_cast<const uint8_t*>(k_cache.data);
@@ -598,7 +906,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
               k_scales, v_scales, b.query_start, b.context_lens, b.block_tables,
               static_cast<const int32_t*>(nullptr), b.max_blocks_per_seq, b.block_size, num_heads,
               num_kv_heads, partition, scale * kLog2e, counters, workspace,
-              out.ptr<__nv_bfloat16>(), block_shift, DecodeSeqMajor());
+              out.ptr<__nv_bfloat16>(), block_shift, DecodeOrderOf());
     TP_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -615,7 +923,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
               k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
               b.block_tables, b.token_table_rows + t0, b.max_blocks_per_seq, b.block_size,
               num_heads, num_kv_heads, partition, scale * kLog2e, counters, workspace,
-              out.ptr<__nv_bfloat16>(), block_shift, DecodeSeqMajor());
+              out.ptr<__nv_bfloat16>(), block_shift, DecodeOrderOf());
     TP_CUDA_CHECK_LAUNCH();
   }
 }
@@ -635,6 +943,7 @@ void LaunchForDim(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
 DecodeKernel ParseDecodeKernel(const std::string& name) {
   return name == "subtile"    ? DecodeKernel::kSubTile
          : name == "twophase" ? DecodeKernel::kTwoPhase
+         : name == "mma"      ? DecodeKernel::kMma
                               : DecodeKernel::kAuto;
 }
 
@@ -649,9 +958,12 @@ DecodeOverrides& Overrides() {
   return o;
 }
 
-bool DecodeSeqMajor() {
-  static const bool seq_major = EnvString(env::kDecodeOrder) == "seq";
-  return seq_major;
+int DecodeOrderOf() {
+  static const int order = [] {
+    const std::string o = EnvString(env::kDecodeOrder);
+    return o == "seq" ? kDecodeSeqMajor : o == "head" ? kDecodeHeadMajor : kDecodeSplitMajor;
+  }();
+  return order;
 }
 
 }  // namespace
@@ -690,6 +1002,9 @@ void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor&
       << ", head_dim " << head_dim << " (" << kCudaHeadDims << "), block_size " << b.block_size;
   TP_CHECK(workspace != nullptr && counters != nullptr)
       << "AttentionDecode: no workspace or counters";
+  // The tensor-core kernel keeps a split's pool rows as 32-bit ints.
+  TP_CHECK(k_cache.numel() / head_dim <= INT32_MAX)
+      << "AttentionDecode: a cache of " << k_cache.numel() / head_dim << " rows (at most 2^31 - 1)";
   if (b.num_tokens == 0) return;
   DispatchKvType(k_cache.dtype, [&](auto kv_type) {
     using Kv = decltype(kv_type);

@@ -109,6 +109,25 @@ struct KvI4 {
   }
 };
 
+// Two 8-bit codes of w (bytes 0-1, or 2-3 with kHigh) as an f16x2 (the lower byte in the low
+// half), exact: every e4m3 and int8 value is an f16 value. The tensor-core decode kernel's
+// operands. fp8: the hardware e4m3x2 -> f16x2 conversion; int8: the f16 bits 0x64bb are
+// 1024 + b, so with b = q + 128 (the sign bit flipped) 0x64bb - 1152 = q.
+template <typename Kv, bool kHigh>
+__device__ __forceinline__ uint32_t CodePairToHalf2(uint32_t w) {
+  static_assert(Kv::kQuantized && Kv::kBits == 8, "8-bit codes");
+  if constexpr (Kv::kDType == DType::kF8E4M3) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(kHigh ? w >> 16 : w & 0xffffu), __NV_E4M3);
+    return (static_cast<uint32_t>(h.y) << 16) | h.x;
+  } else {
+    const uint32_t bits = __byte_perm(w ^ 0x80808080u, 0x64646464u, kHigh ? 0x4342 : 0x4140);
+    __half2 v = *reinterpret_cast<const __half2*>(&bits);
+    v = __hsub2(v, __half2(__half(1152.0f), __half(1152.0f)));
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
 // kE consecutive elements of a row (8 or 16) as one load of kE * bits / 8 bytes (16, 8 or 4):
 // a quantized cache read 16 elements a lane moves 16 bytes of codes per load instruction and
 // needs half the lanes per row, so the per-row work of a lane (page lookup, address, scale)

@@ -62,11 +62,14 @@ inline int DecodePartition(int num_seqs, int num_heads, int num_kv_heads) {
   int pairs = num_seqs * (num_heads / DecodeHeadsPerBlock(num_heads, num_kv_heads));
   return pairs >= 512 ? 256 : pairs >= 128 ? 128 : 64;
 }
-// The decode-attention kernels (attention_decode.cu). kAuto: by the batch.
-enum class DecodeKernel { kAuto, kSubTile, kTwoPhase };
+// The decode-attention kernels (attention_decode.cu). kAuto: by the batch. kMma: the two-phase
+// kernel's phases on the tensor cores, for 8-bit caches (fp8, int8) at head_dim 64 and 128;
+// elsewhere it runs the two-phase kernel. Auto picks it wherever it would pick the two-phase
+// kernel for such a cache.
+enum class DecodeKernel { kAuto, kSubTile, kTwoPhase, kMma };
 // Benchmarks and tests: every later decode launch of this process uses `kernel` (kAuto: by the
 // batch) and `partition` keys per split (0: by the batch; else 64, 128, 256, 512 or 1024; the
-// two-phase kernel takes at most 512). Starts from TPSERVE_DECODE_KERNEL and
+// two-phase and mma kernels take at most 512). Starts from TPSERVE_DECODE_KERNEL and
 // TPSERVE_DECODE_PARTITION. Deterministic mode's fixed partition is not overridden.
 void SetDecodeOverride(DecodeKernel kernel, int partition);
 DecodeKernel DecodeKernelOverride();

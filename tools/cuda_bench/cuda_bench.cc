@@ -454,6 +454,9 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
     variants.push_back({"twophase p128", cuda::DecodeKernel::kTwoPhase, 128});
     variants.push_back({"twophase p256", cuda::DecodeKernel::kTwoPhase, 256});
     variants.push_back({"twophase p512", cuda::DecodeKernel::kTwoPhase, 512});
+    variants.push_back({"mma p256", cuda::DecodeKernel::kMma, 256});
+    variants.push_back({"mma p512", cuda::DecodeKernel::kMma, 512});
+    variants.push_back({"mma p1024", cuda::DecodeKernel::kMma, 1024});
   }
   const DType kv_dtypes[] = {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4};
   for (auto [B, ctx] :
