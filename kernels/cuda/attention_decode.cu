@@ -378,8 +378,8 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
 
 // The tensor-core decode kernel (8-bit caches at head_dim 64 and 128): the two-phase kernel's
 // phases with both products on mma.m16n8k16 (f16 operands, f32 accumulation), for the few
-// instructions per byte that one byte an element leaves (the two-phase kernel spent ~2.5 per
-// element of K and of V on conversions and FMAs and reached 72% of copy bandwidth at B=64).
+// instructions per byte that one byte an element leaves (the two-phase kernel spends ~2.5 per
+// element of K and of V on conversions and FMAs and reaches 65-72% of copy bandwidth at B=64).
 // A warp takes 16-key tiles. Lane (r, c) = (lane / 4, lane % 4):
 // - scores, S^T[16 keys, heads] = K[16 keys, kD] q^T: K is the A operand, straight from the
 //   cache rows in registers: the lane loads 16 bytes of keys r and r + 8 at dims
@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
 // H200, 32 heads, d 128, ctx 1024, 512-key splits (tpserve-cuda-bench --decode): fp8 B=64
 // 0.167 ms (78% of copy) against the two-phase kernel's 0.199 (65%), B=128 80% against 67%.
 template <typename Kv, int kD>
-inline constexpr bool kMmaDecodeSupported = Kv::kQuantized&& Kv::kBits == 8 &&
+inline constexpr bool kMmaDecodeSupported = Kv::kBits == 8 && Kv::kQuantized &&
                                             (kD == 64 || kD == 128);
 
 template <typename Kv, int kD, int kG>
@@ -418,8 +418,8 @@ __global__ void __launch_bounds__(kThreads)
     constexpr int kChunks = kD / 64;  // 16-byte K loads per key row and lane
     constexpr int kVBytes = kD / 8;   // bytes of a V row per lane
     constexpr int kWarps = kThreads / 32;
-    // Tiles in flight per warp. H200, fp8, B=64 ctx 1024, 512-key splits: 2 tiles 78% of copy,
-    // 4 tiles 71% (~128 registers: 4 blocks an SM instead of 5).
+    // Tiles in flight per warp. H200, fp8, B=64 ctx 1024, 512-key splits: 2 tiles 78% of copy
+    // (80 registers: 6 blocks an SM), 4 tiles 71% (~128 registers: 4 blocks).
     constexpr int kUnroll = 2;
     constexpr int kMaxP = kMaxMmaPartition;
     using VLoad = std::conditional_t<kVBytes == 16, uint4, uint2>;
@@ -455,8 +455,8 @@ __global__ void __launch_bounds__(kThreads)
         static_cast<int64_t>(table_rows != nullptr ? table_rows[seq] : seq) * max_blocks_per_seq;
 
     PdlWait();  // q and this step's K/V rows come from the previous kernels
-    // q of head r as the score MMAs' B operand: step 4 ch + i holds dims 64 ch + 16 c + 4 i + [0,
-    // 4).
+    // q of head r as the score MMAs' B operand: step 4 ch + i holds dims
+    // 64 ch + 16 c + 4 i + [0, 4).
     uint32_t qb[kSteps][2];
     {
       const __nv_bfloat16* qrow = q + (q_row * num_heads + head0 + min(r, kG - 1)) * kD;
