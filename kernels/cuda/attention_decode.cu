@@ -823,37 +823,58 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
                       counters, records, out);
 }
 
+// Calls f(std::integral_constant<int, D>{}) with the head size D (32, 64 or 128; the launcher
+// checked it).
+template <typename F>
+void DispatchHeadDim(int head_dim, F&& f) {
+  if (head_dim == 32) {
+    f(std::integral_constant<int, 32>{});
+  } else if (head_dim == 64) {
+    f(std::integral_constant<int, 64>{});
+  } else {
+    f(std::integral_constant<int, 128>{});
+  }
+}
+
 // Which kernel and how many keys per split a launch uses. Deterministic mode keeps its fixed
 // partition and the kernel it implies (results must not depend on the batch). Otherwise: under
 // 128 (sequence, head group) pairs the sub-tile kernel with 64-key splits, from there the
-// two-phase kernel with 128- or 256-key splits (DecodePartition; 512 for a quantized cache);
-// TPSERVE_DECODE_KERNEL and TPSERVE_DECODE_PARTITION (SetDecodeOverride) force either.
+// two-phase kernel with 128- or 256-key splits (DecodePartition; 512 for a quantized cache), or
+// the mma kernel in its place where kMmaDecodeSupported; TPSERVE_DECODE_KERNEL and
+// TPSERVE_DECODE_PARTITION (SetDecodeOverride) force one.
 struct DecodePlan {
   DecodeKernel kernel;
   int partition;
 };
-template <typename Kv>
+template <typename Kv, int kD>
 DecodePlan PlanDecode(const DeviceBatch& b, int num_heads, int num_kv_heads) {
   if (b.decode_partition > 0) {
     return {b.decode_partition == kSub ? DecodeKernel::kSubTile : DecodeKernel::kTwoPhase,
             b.decode_partition};
   }
   const int auto_p = DecodePartition(b.num_seqs, num_heads, num_kv_heads);
-  DecodeKernel kernel = DecodeKernelOverride();
+  const DecodeKernel named = DecodeKernelOverride();
+  DecodeKernel kernel = named;
   if (kernel == DecodeKernel::kAuto) {
     kernel = auto_p == kSub ? DecodeKernel::kSubTile : DecodeKernel::kTwoPhase;
   }
-  const bool two_phase = kernel == DecodeKernel::kTwoPhase || kernel == DecodeKernel::kMma;
+  // The tensor-core kernel where it applies, unless the two-phase kernel was asked for by name.
+  if (kernel == DecodeKernel::kMma ||
+      (kernel == DecodeKernel::kTwoPhase && named == DecodeKernel::kAuto)) {
+    kernel = kMmaDecodeSupported<Kv, kD> ? DecodeKernel::kMma : DecodeKernel::kTwoPhase;
+  }
   int p = DecodePartitionOverride();
   if (p == 0) {
     // A quantized cache's rows are half or a quarter of bf16's: its two-phase blocks take the
     // largest partition so that the per-block costs (q, softmax, the merge) spread over more
     // keys (H200, d 128, G = 1, batches 8-128 at context 1024 and batch 8 at 4096: 512-key
     // splits beat 256 by 5-10% and 128 by 15-25% for fp8, int8 and int4; bf16 is flat).
-    p = Kv::kQuantized && two_phase ? kMaxTwoPhasePartition : auto_p;
+    p = Kv::kQuantized && kernel != DecodeKernel::kSubTile ? kMaxTwoPhasePartition : auto_p;
   }
-  if (two_phase) {
-    p = std::min(p, kernel == DecodeKernel::kMma ? kMaxMmaPartition : kMaxTwoPhasePartition);
+  if (kernel != DecodeKernel::kSubTile) {
+    // 1024-key splits only for the mma kernel asked for by name (A/B runs).
+    const bool long_splits = kernel == DecodeKernel::kMma && named == DecodeKernel::kMma;
+    p = std::min(p, long_splits ? kMaxMmaPartition : kMaxTwoPhasePartition);
   }
   return {kernel, p};
 }
@@ -881,19 +902,10 @@ template <typename Kv, int kD, int kG>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                  int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
                  unsigned* counters, Tensor out, cudaStream_t stream) {
-  const DecodePlan plan = PlanDecode<Kv>(b, num_heads, num_kv_heads);
-  int partition = plan.partition;
-  // The tensor-core kernel where it applies and the two-phase kernel was not asked for by name;
-  // deterministic mode (a fixed partition) keeps the kernel its partition implies.
-  const bool mma =
-      kMmaDecodeSupported<Kv, kD> && b.decode_partition == 0 &&
-      (plan.kernel == DecodeKernel::kMma ||
-       (plan.kernel == DecodeKernel::kTwoPhase && DecodeKernelOverride() == DecodeKernel::kAuto));
-  if (!mma && plan.kernel != DecodeKernel::kSubTile) {
-    partition = std::min(partition, kMaxTwoPhasePartition);
-  }
+  const DecodePlan plan = PlanDecode<Kv, kD>(b, num_heads, num_kv_heads);
+  const int partition = plan.partition;
   auto kernel = plan.kernel == DecodeKernel::kSubTile ? DecodePartitionKernel<Kv, kD, kG>
-                : mma                                 ? DecodeMmaKernel<Kv, kD, kG>
+                : plan.kernel == DecodeKernel::kMma   ? DecodeMmaKernel<Kv, kD, kG>
                                                       : DecodeTwoPhaseKernel<Kv, kD, kG>;
   const int block_shift = KvBlockShift(b.block_size);
   const auto* kc = static_cast<const uint8_t*>(k_cache.data);
@@ -975,10 +987,13 @@ void SetDecodeOverride(DecodeKernel kernel, int partition) {
 DecodeKernel DecodeKernelOverride() { return static_cast<DecodeKernel>(Overrides().kernel.load()); }
 int DecodePartitionOverride() { return Overrides().partition.load(); }
 
-int DecodeLaunchPartition(const DeviceBatch& b, int num_heads, int num_kv_heads, DType kv) {
+int DecodeLaunchPartition(const DeviceBatch& b, int num_heads, int num_kv_heads, int head_dim,
+                          DType kv) {
   int p = 0;
   DispatchKvType(kv, [&](auto kv_type) {
-    p = PlanDecode<decltype(kv_type)>(b, num_heads, num_kv_heads).partition;
+    DispatchHeadDim(head_dim, [&](auto d) {
+      p = PlanDecode<decltype(kv_type), decltype(d)::value>(b, num_heads, num_kv_heads).partition;
+    });
   });
   return p;
 }
@@ -1007,17 +1022,10 @@ void LaunchAttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor&
       << "AttentionDecode: a cache of " << k_cache.numel() / head_dim << " rows (at most 2^31 - 1)";
   if (b.num_tokens == 0) return;
   DispatchKvType(k_cache.dtype, [&](auto kv_type) {
-    using Kv = decltype(kv_type);
-    if (head_dim == 32) {
-      LaunchForDim<Kv, 32>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace,
-                           counters, out, stream);
-    } else if (head_dim == 64) {
-      LaunchForDim<Kv, 64>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace,
-                           counters, out, stream);
-    } else {
-      LaunchForDim<Kv, 128>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace,
-                            counters, out, stream);
-    }
+    DispatchHeadDim(head_dim, [&](auto d) {
+      LaunchForDim<decltype(kv_type), decltype(d)::value>(
+          q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, workspace, counters, out, stream);
+    });
   });
 }
 

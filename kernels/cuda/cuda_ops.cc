@@ -712,8 +712,8 @@ void CudaOps::AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tens
         return "seqs=" + std::to_string(batch_->num_seqs) + " h=" + std::to_string(num_heads) +
                "/" + std::to_string(num_kv_heads) +
                " ctx<=" + std::to_string(batch_->max_context_len) + " part=" +
-               std::to_string(
-                   cuda::DecodeLaunchPartition(*batch_, num_heads, num_kv_heads, k_cache.dtype));
+               std::to_string(cuda::DecodeLaunchPartition(*batch_, num_heads, num_kv_heads,
+                                                          head_dim, k_cache.dtype));
       },
       kv_bytes);
   cuda::LaunchAttentionDecode(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,

@@ -69,8 +69,9 @@ inline int DecodePartition(int num_seqs, int num_heads, int num_kv_heads) {
 enum class DecodeKernel { kAuto, kSubTile, kTwoPhase, kMma };
 // Benchmarks and tests: every later decode launch of this process uses `kernel` (kAuto: by the
 // batch) and `partition` keys per split (0: by the batch; else 64, 128, 256, 512 or 1024; the
-// two-phase and mma kernels take at most 512). Starts from TPSERVE_DECODE_KERNEL and
-// TPSERVE_DECODE_PARTITION. Deterministic mode's fixed partition is not overridden.
+// two-phase kernel takes at most 512, the mma kernel 1024 when asked for by name, else 512). Starts
+// from TPSERVE_DECODE_KERNEL and TPSERVE_DECODE_PARTITION. Deterministic mode's fixed partition is
+// not overridden.
 void SetDecodeOverride(DecodeKernel kernel, int partition);
 DecodeKernel DecodeKernelOverride();
 int DecodePartitionOverride();
@@ -83,8 +84,10 @@ inline int DecodeBatchPartition(const DeviceBatch& b, int num_heads, int num_kv_
   const int p = DecodePartition(b.num_seqs, num_heads, num_kv_heads);
   return forced > 0 ? std::min(forced, p) : p;
 }
-// The keys per split a decode launch over a cache of dtype `kv` uses (>= DecodeBatchPartition).
-int DecodeLaunchPartition(const DeviceBatch& b, int num_heads, int num_kv_heads, DType kv);
+// The keys per split a decode launch over a cache of dtype `kv` and head size `head_dim` uses
+// (>= DecodeBatchPartition).
+int DecodeLaunchPartition(const DeviceBatch& b, int num_heads, int num_kv_heads, int head_dim,
+                          DType kv);
 // Deterministic mode: query tokens per launch when every token of a prefill is run as a decode
 // query (bounds the workspace: the launches reuse it).
 inline constexpr int kDecodeQueryChunk = 256;
