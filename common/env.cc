@@ -51,6 +51,16 @@ const EnvVar kWorldSize = {"TPSERVE_WORLD_SIZE",
 const EnvVar kWorkerCudaGraphs = {"TPSERVE_WORKER_CUDA_GRAPHS", EnvType::kBool, "1",
                                   "the service's workers replay decode steps as CUDA graphs "
                                   "(stream-ordered TP / PP transfers); 0 runs them eagerly"};
+const EnvVar kLaunchAhead = {
+    "TPSERVE_LAUNCH_AHEAD",
+    EnvType::kChoice,
+    "auto",
+    "a worker enqueues a step before the previous step's sampled ids reach the host (the ids "
+    "feed the next step on the device): auto (where sampling is asynchronous: CUDA, pp = 1), 1 "
+    "(also on the CPU: tests), 0 (each step's ids on the host first)",
+    0,
+    0,
+    "auto|1|0"};
 const EnvVar kAllReduce = {"TPSERVE_ALL_REDUCE",
                            EnvType::kChoice,
                            "nccl",
@@ -321,6 +331,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kClusterSecret,
       &env::kFusedAllReduceNorm,
       &env::kPdl,
+      &env::kLaunchAhead,
       &env::kPrefillTile,
       &env::kDecodeKernel,
       &env::kDecodePartition,

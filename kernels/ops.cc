@@ -41,6 +41,38 @@ class SyncUploader final : public DeviceUploader {
 
 std::unique_ptr<DeviceUploader> Ops::MakeUploader() { return std::make_unique<SyncUploader>(this); }
 
+void Ops::SampleAsync(const Tensor& logits, int64_t vocab_size,
+                      const std::vector<SamplingParams>& params, bool logprobs) {
+  TP_CHECK(static_cast<int>(async_samples_.size()) < kMaxAsyncSamples)
+      << "SampleAsync: " << async_samples_.size() << " samplings already in flight";
+  AsyncSample a;
+  a.ids = Sample(logits, vocab_size, params, logprobs ? &a.logprobs : nullptr);
+  latest_async_ids_ = a.ids;
+  async_samples_.push_back(std::move(a));
+}
+
+std::vector<int32_t> Ops::SampleWait(std::vector<std::optional<TokenLogprobs>>* logprobs) {
+  TP_CHECK(!async_samples_.empty()) << "SampleWait without a SampleAsync in flight";
+  AsyncSample a = std::move(async_samples_.front());
+  async_samples_.erase(async_samples_.begin());
+  if (logprobs != nullptr) *logprobs = std::move(a.logprobs);
+  return std::move(a.ids);
+}
+
+void Ops::ApplyFedTokens(BatchMeta& meta) const {
+  TP_CHECK(meta.fed_tokens.size() == meta.fed_rows.size())
+      << "BatchMeta: " << meta.fed_tokens.size() << " fed tokens, " << meta.fed_rows.size()
+      << " rows";
+  for (size_t i = 0; i < meta.fed_tokens.size(); ++i) {
+    const int t = meta.fed_tokens[i], r = meta.fed_rows[i];
+    TP_CHECK(t >= 0 && t < static_cast<int>(meta.token_ids.size()) && r >= 0 &&
+             r < static_cast<int>(latest_async_ids_.size()))
+        << "BatchMeta: fed token " << t << " from row " << r << " (" << meta.token_ids.size()
+        << " tokens, " << latest_async_ids_.size() << " rows sampled)";
+    meta.token_ids[t] = latest_async_ids_[r];
+  }
+}
+
 void Ops::QkvRopeKvWrite(const Tensor& x, const RowScale& x_scale, const Tensor& w_qkv,
                          const Tensor* bias, const Tensor& inv_freq, int num_q_heads,
                          int num_kv_heads, int head_dim, Tensor qkv, Tensor q_out, Tensor k_cache,

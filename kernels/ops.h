@@ -37,6 +37,11 @@ struct BatchMeta {
   int max_blocks_per_seq = 0;
   int block_size = 16;
   std::vector<int32_t> logits_rows;  // token rows whose logits are wanted (sampled rows)
+  // Input tokens the host does not know yet (a step launched before the previous one finished):
+  // token_ids[fed_tokens[i]] is replaced by row fed_rows[i] of the latest Ops::SampleAsync
+  // (SetBatch does it where the ids are, on the device on CUDA).
+  std::vector<int32_t> fed_tokens;
+  std::vector<int32_t> fed_rows;
   int max_query_len() const;
   int max_context_len() const;
   bool all_decode() const { return num_tokens == num_seqs; }
@@ -212,8 +217,37 @@ class Ops {
     return Sample(logits, vocab_size, params, nullptr);
   }
 
+  // Sampling one step ahead (ShardRunner::Launch / Finish). SampleAsync enqueues Sample's work
+  // (the rule above; `logprobs`: some row asks for them) and returns; SampleWait waits for the
+  // oldest SampleAsync not yet waited for (at most kMaxAsyncSamples in flight) and returns its
+  // ids and, when asked, its logprobs; SampleReady says without blocking whether SampleWait
+  // would return at once. The ids of the latest SampleAsync also stay where the ops keep them,
+  // so that the next SetBatch can take a sequence's input token from them (BatchMeta::fed_rows)
+  // before the host has seen them. Sample may not be called while a SampleAsync is in flight.
+  // The base class samples at once (the CPU: nothing to overlap).
+  static constexpr int kMaxAsyncSamples = 2;
+  virtual void SampleAsync(const Tensor& logits, int64_t vocab_size,
+                           const std::vector<SamplingParams>& params, bool logprobs);
+  virtual std::vector<int32_t> SampleWait(std::vector<std::optional<TokenLogprobs>>* logprobs);
+  virtual bool SampleReady() { return true; }
+  // Whether SampleAsync returns before the sampling has run, so that a step launched ahead
+  // overlaps the host's work with the device's (CUDA).
+  virtual bool AsyncSampling() const { return false; }
+
  protected:
+  // For a backend whose SetBatch keeps the batch on the host: applies meta's fed tokens from the
+  // latest SampleAsync (the base class's).
+  void ApplyFedTokens(BatchMeta& meta) const;
+
   bool deterministic_ = false;  // SetDeterministic
+
+ private:
+  struct AsyncSample {
+    std::vector<int32_t> ids;
+    std::vector<std::optional<TokenLogprobs>> logprobs;
+  };
+  std::vector<AsyncSample> async_samples_;  // the base class's SampleAsync results, oldest first
+  std::vector<int32_t> latest_async_ids_;   // the latest SampleAsync's ids (fed tokens)
 };
 
 // A buffer owned through an Ops allocator, freed on destruction.

@@ -38,6 +38,7 @@ absl::StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(
 ControlClient::~ControlClient() {
   Close();
   if (heartbeat_.joinable()) heartbeat_.join();
+  if (reader_.joinable()) reader_.join();
 }
 
 bool ControlClient::Send(const worker::WorkerMessage& msg) {
@@ -47,10 +48,44 @@ bool ControlClient::Send(const worker::WorkerMessage& msg) {
 }
 
 bool ControlClient::Read(worker::CoordinatorMessage* msg) {
+  if (reader_.joinable()) {
+    std::unique_lock<std::mutex> lock(read_mu_);
+    read_cv_.wait(lock, [&] { return !inbox_.empty() || read_ended_; });
+    if (inbox_.empty()) return false;
+    *msg = std::move(inbox_.front());
+    inbox_.pop_front();
+    return true;
+  }
   while (stream_->Read(msg)) {
     if (!msg->has_heartbeat()) return true;
   }
   return false;
+}
+
+void ControlClient::StartReader() {
+  if (reader_.joinable()) return;
+  reader_ = std::thread([this] {
+    worker::CoordinatorMessage msg;
+    while (stream_->Read(&msg)) {
+      if (msg.has_heartbeat()) continue;
+      std::lock_guard<std::mutex> lock(read_mu_);
+      inbox_.push_back(std::move(msg));
+      read_cv_.notify_all();
+    }
+    std::lock_guard<std::mutex> lock(read_mu_);
+    read_ended_ = true;
+    read_cv_.notify_all();
+  });
+}
+
+ControlClient::ReadResult ControlClient::ReadFor(worker::CoordinatorMessage* msg,
+                                                 std::chrono::microseconds timeout) {
+  std::unique_lock<std::mutex> lock(read_mu_);
+  read_cv_.wait_for(lock, timeout, [&] { return !inbox_.empty() || read_ended_; });
+  if (inbox_.empty()) return read_ended_ ? ReadResult::kEnded : ReadResult::kTimeout;
+  *msg = std::move(inbox_.front());
+  inbox_.pop_front();
+  return ReadResult::kMessage;
 }
 
 absl::Status ControlClient::EndStatus() {
@@ -103,6 +138,8 @@ void ControlClient::Close() {
     stream_->WritesDone();
   }
   context_.TryCancel();
+  // The cancelled stream ends the reader's Read.
+  if (reader_.joinable()) reader_.join();
 }
 
 }  // namespace tpserve

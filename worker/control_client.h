@@ -5,6 +5,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -30,6 +32,12 @@ class ControlClient {
   bool Send(const worker::WorkerMessage& msg);
   // Blocks for the next coordinator message other than a heartbeat; false when the stream ended.
   bool Read(worker::CoordinatorMessage* msg);
+  // From now on a thread of its own reads the stream into a queue (Read takes from it), so that
+  // a worker can wait for the next message with a deadline (ReadFor) while a step runs.
+  void StartReader();
+  enum class ReadResult { kMessage, kTimeout, kEnded };
+  // Read waiting at most `timeout` (after StartReader).
+  ReadResult ReadFor(worker::CoordinatorMessage* msg, std::chrono::microseconds timeout);
   // After Read returned false: why the coordinator ended the stream (e.g. a refused register:
   // wrong secret, rank taken), as a status; OK when it ended it normally.
   absl::Status EndStatus();
@@ -53,6 +61,12 @@ class ControlClient {
   absl::Status end_status_;
   std::atomic<bool> closing_{false};
   std::thread heartbeat_;
+  // StartReader's thread and its queue.
+  std::thread reader_;
+  std::mutex read_mu_;
+  std::condition_variable read_cv_;
+  std::deque<worker::CoordinatorMessage> inbox_;
+  bool read_ended_ = false;
 };
 
 }  // namespace tpserve

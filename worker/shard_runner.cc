@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
+#include "common/env.h"
 #include "common/logging.h"
 #include "common/sampling.h"
 #include "common/status.h"
@@ -124,6 +125,12 @@ absl::StatusOr<std::unique_ptr<ShardRunner>> ShardRunner::Create(
   r->tp_ = plan.tp;
   r->pp_ = plan.pp;
   r->comms_ = comms;
+  // Launching ahead needs the fed ids where the next forward reads them without the host: one
+  // pipeline stage (a later stage would need them from the last one) and, at tp > 1, every rank
+  // sampling for itself (not the host-staged broadcast).
+  const std::string ahead = EnvString(env::kLaunchAhead);
+  r->launch_ahead_ = ahead != "0" && plan.pp == 1 && (plan.tp == 1 || r->every_tp_rank_samples_) &&
+                     (ahead == "1" || ops->AsyncSampling());
   if (plan.tp > 1) {
     // Allocated with the rest, before serving: the ids of feed_last_sampled sequences.
     r->feed_ids_ = std::make_unique<DeviceBuffer>(
@@ -271,7 +278,8 @@ void ShardRunner::Forget(const std::vector<uint64_t>& seq_ids) {
   }
 }
 
-absl::Status ShardRunner::ResolveFeeds(const worker::StepPlan& plan, BatchMeta& meta) {
+absl::Status ShardRunner::ResolveFeeds(const worker::StepPlan& plan, BatchMeta& meta,
+                                       InFlight* ahead_of) {
   std::vector<int> rows;  // the feeding sequences' indices in the plan
   for (int i = 0; i < plan.seqs_size(); ++i) {
     const worker::SeqStep& s = plan.seqs(i);
@@ -294,11 +302,25 @@ absl::Status ShardRunner::ResolveFeeds(const worker::StepPlan& plan, BatchMeta& 
   std::vector<int32_t> ids(rows.size(), -1);
   if (samples_) {
     for (size_t k = 0; k < rows.size(); ++k) {
-      auto it = last_sampled_.find(plan.seqs(rows[k]).seq_id());
+      const uint64_t id = plan.seqs(rows[k]).seq_id();
+      if (ahead_of != nullptr && ahead_of->sampled) {
+        // The step in flight sampled it: its id is only on the device yet.
+        auto it = std::find(ahead_of->seq_ids.begin(), ahead_of->seq_ids.end(), id);
+        if (it != ahead_of->seq_ids.end()) {
+          ids[k] = 0;  // a valid placeholder; the fed token replaces it
+          meta.fed_tokens.push_back(meta.query_start[rows[k]]);
+          meta.fed_rows.push_back(static_cast<int>(it - ahead_of->seq_ids.begin()));
+          continue;
+        }
+      }
+      auto it = last_sampled_.find(id);
       if (it != last_sampled_.end()) ids[k] = it->second;
     }
   }
   if (tp_ > 1 && !every_tp_rank_samples_) {
+    if (ahead_of != nullptr) {
+      return absl::InternalError("a step was launched ahead where the fed ids are broadcast");
+    }
     // Every rank of the group embeds the same token: tp rank 0 (the sampler) sends its ids.
     // A missing id travels as -1, so that all ranks fail the step alike.
     const size_t bytes = ids.size() * sizeof(int32_t);
@@ -350,14 +372,54 @@ absl::Status ShardRunner::ApplyRepetitionPenalty(const Tensor& logits, int row, 
 
 absl::StatusOr<worker::StepResult> ShardRunner::Run(const worker::StepPlan& plan,
                                                     std::vector<std::vector<float>>* logits_out) {
-  // Stream-ordered collectives report a failure of an earlier step here (or below, after the
-  // host waits for the sampled ids).
+  if (!in_flight_.empty()) {
+    return absl::InternalError(absl::StrCat("step ", plan.step_id(), " run while ",
+                                            in_flight_.size(), " launched steps are in flight"));
+  }
+  TP_RETURN_IF_ERROR(Launch(plan, logits_out));
+  return Finish();
+}
+
+bool ShardRunner::CanLaunchAhead(const worker::StepPlan& plan) const {
+  if (!launch_ahead_ || in_flight_.size() != 1) return false;
+  for (const worker::SeqStep& s : plan.seqs()) {
+    const float penalty = s.sampling().repetition_penalty();
+    if (s.sample() && penalty != 0 && penalty != 1) return false;
+  }
+  return true;
+}
+
+bool ShardRunner::OldestReady() {
+  return in_flight_.empty() || !in_flight_.front().sampled || ops_->SampleReady();
+}
+
+absl::Status ShardRunner::Launch(const worker::StepPlan& plan,
+                                 std::vector<std::vector<float>>* logits_out) {
+  // Stream-ordered collectives report a failure of an earlier step here (or in Finish, after
+  // the host waits for the sampled ids).
   TP_RETURN_IF_ERROR(CommsHealth());
+  if (in_flight_.size() >= static_cast<size_t>(Ops::kMaxAsyncSamples)) {
+    return absl::InternalError(absl::StrCat("step ", plan.step_id(), " launched while ",
+                                            in_flight_.size(), " steps are in flight"));
+  }
+  if (!in_flight_.empty() && !CanLaunchAhead(plan)) {
+    return absl::InternalError(absl::StrCat("step ", plan.step_id(),
+                                            " launched ahead of a step in flight, which it may "
+                                            "not be (CanLaunchAhead)"));
+  }
+  InFlight* ahead_of = in_flight_.empty() ? nullptr : &in_flight_.back();
   TP_ASSIGN_OR_RETURN(BatchMeta meta, MakeBatch(plan, cache_->block_size(), cache_->num_blocks()));
   if (samples_) {
-    for (uint64_t id : plan.finished_seq_ids()) last_sampled_.erase(id);
+    for (uint64_t id : plan.finished_seq_ids()) {
+      last_sampled_.erase(id);
+      for (InFlight& f : in_flight_) {
+        for (size_t r = 0; r < f.seq_ids.size(); ++r) {
+          if (f.seq_ids[r] == id) f.record[r] = false;
+        }
+      }
+    }
   }
-  TP_RETURN_IF_ERROR(ResolveFeeds(plan, meta));
+  TP_RETURN_IF_ERROR(ResolveFeeds(plan, meta, ahead_of));
   if (meta.num_tokens > options_.model.max_batch_tokens ||
       static_cast<int>(meta.logits_rows.size()) > options_.model.max_batch_seqs) {
     return absl::InvalidArgumentError(
@@ -375,6 +437,7 @@ absl::StatusOr<worker::StepResult> ShardRunner::Run(const worker::StepPlan& plan
       }
     }
     for (uint64_t id : plan.finished_seq_ids()) history_.erase(id);
+    size_t fed = 0;  // meta.fed_tokens are in plan order
     for (int i = 0; i < plan.seqs_size(); ++i) {
       const worker::SeqStep& s = plan.seqs(i);
       std::vector<int32_t>& h = history_[s.seq_id()];
@@ -389,77 +452,64 @@ absl::StatusOr<worker::StepResult> ShardRunner::Run(const worker::StepPlan& plan
       h.resize(s.start_pos());
       if (s.feed_last_sampled()) {
         h.push_back(meta.token_ids[meta.query_start[i]]);
+        if (fed < meta.fed_tokens.size() && meta.fed_tokens[fed] == meta.query_start[i]) {
+          // Known once the step in flight finishes.
+          ahead_of->history_fixups.emplace_back(s.seq_id(), h.size() - 1, meta.fed_rows[fed]);
+          ++fed;
+        }
       } else {
         h.insert(h.end(), s.token_ids().begin(), s.token_ids().end());
       }
       // A later feed of this sequence refers to this step: valid only if it samples.
       last_sampled_.erase(s.seq_id());
+      if (ahead_of != nullptr) {
+        for (size_t r = 0; r < ahead_of->seq_ids.size(); ++r) {
+          if (ahead_of->seq_ids[r] == s.seq_id()) ahead_of->record[r] = false;
+        }
+      }
     }
   }
   TP_ASSIGN_OR_RETURN(Tensor logits, Forward(meta));
-  if (!samples_ || meta.logits_rows.empty()) return worker::StepResult();
-  TP_ASSIGN_OR_RETURN(worker::StepResult result, Sample(plan, logits, logits_out));
-  // The ids are on the host: the collectives behind them finished, or a watchdog aborted them
-  // and the ids are garbage.
-  TP_RETURN_IF_ERROR(CommsHealth());
-  int row = 0;
-  for (const worker::SeqStep& s : plan.seqs()) {
-    if (s.sample()) last_sampled_[s.seq_id()] = result.token_ids(row++);
+  InFlight f;
+  if (samples_ && !meta.logits_rows.empty()) {
+    TP_RETURN_IF_ERROR(LaunchSampling(plan, logits, logits_out, f));
   }
-  if (!sampler_) return worker::StepResult();  // sampled only to feed its own next step
-  return result;
-}
-
-absl::Status ShardRunner::CommsHealth() {
-  if (comms_.tp != nullptr) TP_RETURN_IF_ERROR(comms_.tp->Health());
-  if (comms_.pp != nullptr) TP_RETURN_IF_ERROR(comms_.pp->Health());
+  in_flight_.push_back(std::move(f));
   return absl::OkStatus();
 }
 
-absl::StatusOr<worker::StepResult> ShardRunner::Sample(
-    const worker::StepPlan& plan, const Tensor& logits,
-    std::vector<std::vector<float>>* host_logits) {
-  const int64_t vocab = model_->config().vocab_size;
-  if (host_logits != nullptr) *host_logits = LogitsToHost(logits);
-  std::vector<SamplingParams> params;
-  // Rows with a repetition penalty that want logprobs: their logits before the penalty, whose
-  // log-probabilities are computed here (the raw distribution, as for every other row).
-  std::map<int, std::vector<float>> raw_rows;
-  bool any_logprobs = false;
-  int row = 0;
-  for (const worker::SeqStep& s : plan.seqs()) {
-    if (!s.sample()) continue;
-    SamplingParams p = FromPlan(s.sampling(), s.start_pos() + s.token_ids_size());
-    any_logprobs |= p.logprobs >= 0;
-    if (p.repetition_penalty != 1.0f) {
-      if (p.logprobs >= 0) {
-        std::vector<std::vector<float>> raw = LogitsToHost(logits.rows(row, 1));
-        raw_rows[row] = std::move(raw.at(0));
-        p.logprobs = -1;  // computed below from the raw row
-      }
-      TP_RETURN_IF_ERROR(
-          ApplyRepetitionPenalty(logits, row, p.repetition_penalty, history_[s.seq_id()]));
-    }
-    params.push_back(p);
-    ++row;
-  }
+absl::StatusOr<worker::StepResult> ShardRunner::Finish() {
+  if (in_flight_.empty()) return absl::InternalError("Finish without a launched step");
+  InFlight f = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  if (!f.sampled) return worker::StepResult();
   std::vector<std::optional<TokenLogprobs>> logprobs;
-  const std::vector<int32_t> ids =
-      ops_->Sample(logits, vocab, params, any_logprobs ? &logprobs : nullptr);
+  const std::vector<int32_t> ids = ops_->SampleWait(f.logprobs ? &logprobs : nullptr);
+  // The ids are on the host: the collectives behind them finished, or a watchdog aborted them
+  // and the ids are garbage.
+  TP_RETURN_IF_ERROR(CommsHealth());
+  if (ids.size() != f.seq_ids.size()) {
+    return absl::InternalError(
+        absl::StrCat("sampled ", ids.size(), " ids for ", f.seq_ids.size(), " sequences"));
+  }
+  for (size_t r = 0; r < ids.size(); ++r) {
+    if (f.record[r]) last_sampled_[f.seq_ids[r]] = ids[r];
+  }
+  for (const auto& [seq, index, row] : f.history_fixups) {
+    auto it = history_.find(seq);
+    if (it != history_.end() && index < it->second.size()) it->second[index] = ids[row];
+  }
+  if (!sampler_) return worker::StepResult();  // sampled only to feed its own next step
   worker::StepResult result;
   result.mutable_token_ids()->Assign(ids.begin(), ids.end());
-  if (!any_logprobs) return result;
-  row = 0;
-  for (const worker::SeqStep& s : plan.seqs()) {
-    if (!s.sample()) continue;
-    const int r = row++;
-    if (!s.sampling().has_logprobs()) continue;
-    auto raw = raw_rows.find(r);
+  for (size_t r = 0; r < ids.size(); ++r) {
+    if (f.logprobs_n[r] < 0) continue;
+    auto raw = f.raw_rows.find(static_cast<int>(r));
     const TokenLogprobs lp =
-        raw != raw_rows.end()
+        raw != f.raw_rows.end()
             ? ReferenceLogprobs(raw->second.data(), static_cast<int64_t>(raw->second.size()),
-                                ids[r], s.sampling().logprobs())
-            : *logprobs[r];
+                                ids[r], f.logprobs_n[r])
+            : *logprobs.at(r);
     worker::SampledLogprobs* out = result.add_logprobs();
     out->set_logprob(lp.logprob);
     for (const TokenLogprob& t : lp.top) {
@@ -469,6 +519,48 @@ absl::StatusOr<worker::StepResult> ShardRunner::Sample(
     }
   }
   return result;
+}
+
+absl::Status ShardRunner::CommsHealth() {
+  if (comms_.tp != nullptr) TP_RETURN_IF_ERROR(comms_.tp->Health());
+  if (comms_.pp != nullptr) TP_RETURN_IF_ERROR(comms_.pp->Health());
+  return absl::OkStatus();
+}
+
+absl::Status ShardRunner::LaunchSampling(const worker::StepPlan& plan, const Tensor& logits,
+                                         std::vector<std::vector<float>>* host_logits,
+                                         InFlight& f) {
+  const int64_t vocab = model_->config().vocab_size;
+  if (host_logits != nullptr) *host_logits = LogitsToHost(logits);
+  std::vector<SamplingParams> params;
+  int row = 0;
+  for (const worker::SeqStep& s : plan.seqs()) {
+    if (!s.sample()) continue;
+    SamplingParams p = FromPlan(s.sampling(), s.start_pos() + s.token_ids_size());
+    f.seq_ids.push_back(s.seq_id());
+    f.logprobs_n.push_back(s.sampling().has_logprobs() ? s.sampling().logprobs() : -1);
+    f.record.push_back(true);
+    if (p.repetition_penalty != 1.0f) {
+      if (p.logprobs >= 0) {
+        // Rows with a repetition penalty that want logprobs: their logits before the penalty,
+        // whose log-probabilities Finish computes (the raw distribution, as for every other row).
+        std::vector<std::vector<float>> raw = LogitsToHost(logits.rows(row, 1));
+        f.raw_rows[row] = std::move(raw.at(0));
+        p.logprobs = -1;
+      }
+      TP_RETURN_IF_ERROR(
+          ApplyRepetitionPenalty(logits, row, p.repetition_penalty, history_[s.seq_id()]));
+    }
+    params.push_back(p);
+    ++row;
+  }
+  // Rows whose logprobs come from the raw logits ask the ops for none.
+  bool ops_logprobs = false;
+  for (const SamplingParams& p : params) ops_logprobs |= p.logprobs >= 0;
+  f.logprobs = ops_logprobs;
+  ops_->SampleAsync(logits, vocab, params, ops_logprobs);
+  f.sampled = true;
+  return absl::OkStatus();
 }
 
 }  // namespace tpserve

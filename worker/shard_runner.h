@@ -4,9 +4,11 @@
 // message the coordinator sends its workers; the engine builds the same message in-process.
 #pragma once
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -76,6 +78,25 @@ class ShardRunner {
   // vocabulary (tests).
   absl::StatusOr<worker::StepResult> Run(const worker::StepPlan& plan,
                                          std::vector<std::vector<float>>* logits = nullptr);
+  // Run in two halves, so that the next step can be enqueued while this one runs on the device.
+  // Launch does everything up to the enqueued sampling (Ops::SampleAsync); Finish waits for the
+  // oldest launched step and returns its result (as Run does). At most two steps are launched
+  // and not finished. A step launched while another is in flight (CanLaunchAhead) takes the
+  // feed_last_sampled ids of that one's sequences on the device (BatchMeta::fed_tokens), before
+  // the host has seen them. Run = Launch + Finish with nothing in flight.
+  absl::Status Launch(const worker::StepPlan& plan,
+                      std::vector<std::vector<float>>* logits = nullptr);
+  absl::StatusOr<worker::StepResult> Finish();
+  // Steps launched and not finished.
+  int in_flight() const { return static_cast<int>(in_flight_.size()); }
+  // Whether Finish would return without waiting for the device.
+  bool OldestReady();
+  // Whether `plan` may be launched before the one step in flight finishes: launching ahead is on
+  // (TPSERVE_LAUNCH_AHEAD: auto = asynchronous sampling, pp = 1, and at tp > 1 every rank
+  // sampling), exactly one step is in flight, and no sequence of `plan` samples with a
+  // repetition penalty (it needs the previous token on the host).
+  bool CanLaunchAhead(const worker::StepPlan& plan) const;
+  bool launch_ahead() const { return launch_ahead_; }
 
   // One forward over `meta`, whose block tables are already filled: a CUDA graph replay when
   // `graphs` and UsesGraphs(meta), else the eager forward (op profiles time the eager one).
@@ -111,11 +132,25 @@ class ShardRunner {
   // Divides / multiplies the logits of `history`'s tokens in row `row` (the Hugging Face rule).
   absl::Status ApplyRepetitionPenalty(const Tensor& logits, int row, float penalty,
                                       const std::vector<int32_t>& history);
-  absl::StatusOr<worker::StepResult> Sample(const worker::StepPlan& plan, const Tensor& logits,
-                                            std::vector<std::vector<float>>* host_logits);
+  // A launched step: what Finish needs to make its result.
+  struct InFlight {
+    bool sampled = false;           // SampleAsync was called
+    bool logprobs = false;          // some row asked for logprobs
+    std::vector<uint64_t> seq_ids;  // the sampled sequences, in row order
+    std::vector<int> logprobs_n;    // per row: the logprobs asked for, -1 for none
+    std::vector<bool> record;       // per row: keep the id in last_sampled_ (not superseded)
+    std::map<int, std::vector<float>> raw_rows;  // rows with a penalty and logprobs: raw logits
+    // History entries the next step filled with a placeholder (the id fed on the device):
+    // (sequence, index in its history, row of this step).
+    std::vector<std::tuple<uint64_t, size_t, int>> history_fixups;
+  };
+  // Penalties, then Ops::SampleAsync of the sampled rows of `logits` into `f`.
+  absl::Status LaunchSampling(const worker::StepPlan& plan, const Tensor& logits,
+                              std::vector<std::vector<float>>* host_logits, InFlight& f);
   // Replaces the placeholder of every feed_last_sampled sequence of `plan` in `meta` by the id
-  // sampled for it in the previous step (identical on every rank of the TP group).
-  absl::Status ResolveFeeds(const worker::StepPlan& plan, BatchMeta& meta);
+  // sampled for it in the previous step that held it (identical on every rank of the TP group):
+  // from the host, or, when that step is `ahead_of` (in flight), as a fed token on the device.
+  absl::Status ResolveFeeds(const worker::StepPlan& plan, BatchMeta& meta, InFlight* ahead_of);
   // The TP and PP communicators' Health() (stream-ordered work that failed after its call).
   absl::Status CommsHealth();
 
@@ -136,6 +171,8 @@ class ShardRunner {
   // when that step did not sample it), for feed_last_sampled.
   std::map<uint64_t, int32_t> last_sampled_;
   std::unique_ptr<DeviceBuffer> feed_ids_;  // the fed ids, broadcast inside the TP group
+  bool launch_ahead_ = false;               // CanLaunchAhead's switch
+  std::deque<InFlight> in_flight_;          // launched, not finished; oldest first
 };
 
 }  // namespace tpserve

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -210,32 +211,100 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
                << " tokens";
 
   BlockTables tables;  // every sequence's KV block table, rebuilt from the plans' deltas
-  while (client.Read(&msg)) {
-    if (msg.has_shutdown()) {
-      TP_LOG(INFO) << "shutdown: " << msg.shutdown().reason();
-      return absl::OkStatus();
-    }
-    if (!msg.has_step()) continue;
-    const auto s0 = std::chrono::steady_clock::now();
-    const absl::Status resolved = tables.Resolve(*msg.mutable_step());
-    absl::StatusOr<worker::StepResult> result =
-        resolved.ok() ? runner->Run(msg.step()) : absl::StatusOr<worker::StepResult>(resolved);
+  // Steps launched and not yet reported, oldest first (at most two: see ShardRunner::Launch).
+  // A plan that arrives while a step runs is launched at once when the runner can go ahead
+  // (the step in flight feeds its sampled ids on the device), so the device does not wait for
+  // the host's round trip between steps; the step in flight is reported right after.
+  struct Launched {
+    uint64_t step_id;
+    std::chrono::steady_clock::time_point received;  // its plan arrived
+    std::chrono::steady_clock::time_point launched;  // Launch returned
+  };
+  std::deque<Launched> launched;
+  int64_t steps = 0, steps_ahead = 0;
+  auto log_steps = [&] {
+    TP_LOG(INFO) << "steps: " << steps << " launched, " << steps_ahead
+                 << " of them ahead of the step in flight";
+  };
+  auto last_finish = std::chrono::steady_clock::now();
+  // Finishes the oldest launched step and reports it (the sampling rank).
+  auto report_oldest = [&]() -> absl::Status {
+    const Launched l = launched.front();
+    launched.pop_front();
+    absl::StatusOr<worker::StepResult> result = runner->Finish();
+    const auto now = std::chrono::steady_clock::now();
     worker::WorkerMessage out;
     worker::StepResult* r = out.mutable_step_result();
     if (result.ok()) *r = std::move(*result);  // the sampled ids and logprobs
-    r->set_step_id(msg.step().step_id());
+    r->set_step_id(l.step_id);
     r->set_rank(rank);
+    // The step's own time: from its plan's arrival, or from the end of the step it queued
+    // behind, whichever is later.
     r->set_forward_seconds(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count());
+        std::chrono::duration<double>(now - std::max(l.received, last_finish)).count());
+    last_finish = now;
     if (!result.ok()) {
       r->set_error(std::string(result.status().message()));
       client.Send(out);
       return result.status();
     }
-    if (runner->is_sampler()) {
-      if (!client.Send(out)) break;
+    if (runner->is_sampler() && !client.Send(out)) {
+      return absl::UnavailableError("the control stream to the coordinator closed");
     }
+    return absl::OkStatus();
+  };
+  // TPSERVE_LAUNCH_AHEAD=1 on a backend that samples synchronously (the CPU, in tests): a step
+  // is done when Launch returns, so the next plan could never meet it in flight; its report is
+  // held for up to 2 ms for that plan to arrive, as a GPU step would still be running.
+  const bool hold_reports = runner->launch_ahead() && !ops->AsyncSampling();
+  client.StartReader();
+  for (;;) {
+    // The next message; meanwhile a launched step is reported as soon as it is done.
+    ControlClient::ReadResult got = ControlClient::ReadResult::kTimeout;
+    while (got == ControlClient::ReadResult::kTimeout) {
+      if (launched.empty()) {
+        got = client.Read(&msg) ? ControlClient::ReadResult::kMessage
+                                : ControlClient::ReadResult::kEnded;
+      } else if (runner->OldestReady() &&
+                 (!hold_reports || std::chrono::steady_clock::now() - launched.front().launched >
+                                       std::chrono::milliseconds(2))) {
+        TP_RETURN_IF_ERROR(report_oldest());
+      } else {
+        got = client.ReadFor(&msg, std::chrono::microseconds(20));
+      }
+    }
+    if (got == ControlClient::ReadResult::kEnded) break;
+    if (msg.has_shutdown()) {
+      while (!launched.empty()) TP_RETURN_IF_ERROR(report_oldest());
+      log_steps();
+      TP_LOG(INFO) << "shutdown: " << msg.shutdown().reason();
+      return absl::OkStatus();
+    }
+    if (!msg.has_step()) continue;
+    const auto received = std::chrono::steady_clock::now();
+    absl::Status status = tables.Resolve(*msg.mutable_step());
+    const bool ahead = status.ok() && !launched.empty() && runner->CanLaunchAhead(msg.step());
+    if (!ahead) {
+      while (!launched.empty()) TP_RETURN_IF_ERROR(report_oldest());
+    }
+    if (status.ok()) status = runner->Launch(msg.step());
+    if (!status.ok()) {
+      while (!launched.empty()) TP_RETURN_IF_ERROR(report_oldest());
+      worker::WorkerMessage out;
+      worker::StepResult* r = out.mutable_step_result();
+      r->set_step_id(msg.step().step_id());
+      r->set_rank(rank);
+      r->set_error(std::string(status.message()));
+      client.Send(out);
+      return status;
+    }
+    launched.push_back({msg.step().step_id(), received, std::chrono::steady_clock::now()});
+    ++steps;
+    steps_ahead += ahead;
+    // The step before it is reported while this one waits behind it on the device.
+    if (ahead) TP_RETURN_IF_ERROR(report_oldest());
   }
+  log_steps();
   return absl::UnavailableError("the control stream to the coordinator closed");
 }
 

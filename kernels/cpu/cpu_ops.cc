@@ -85,6 +85,7 @@ class CpuOps final : public Ops {
     TP_CHECK(static_cast<int>(meta.query_start.size()) == meta.num_seqs + 1);
     TP_CHECK(static_cast<int>(meta.positions.size()) == meta.num_tokens);
     meta_ = meta;
+    ApplyFedTokens(meta_);
   }
 
   void Embedding(const Tensor& table, int64_t row_offset, Tensor out) override {

@@ -276,6 +276,7 @@ void CudaOps::Reserve(const CudaReserve& r) {
   // Prefill tiles: at most one per sequence plus one per kPrefillTileMinM tokens.
   GrowSection(sections_[kPrefillWork],
               (r.max_seqs + r.max_tokens / cuda::kPrefillTileMinM + 1) * sizeof(int2));
+  GrowSection(sections_[kFedTokens], r.max_seqs * sizeof(int2));
   if (deterministic_) {
     for (int i : {kTokenQueryStart, kTokenContextLens, kTokenTableRows}) {
       GrowSection(sections_[i], r.max_tokens * sizeof(int32_t));
@@ -306,7 +307,8 @@ void CudaOps::SetBatch(const BatchMeta& m) {
            static_cast<int>(m.query_start.size()) == S + 1 &&
            static_cast<int>(m.context_lens.size()) == S &&
            m.block_tables.size() == size_t{1} * S * m.max_blocks_per_seq && m.block_size > 0 &&
-           (m.token_ids.empty() || static_cast<int>(m.token_ids.size()) == T))
+           (m.token_ids.empty() || static_cast<int>(m.token_ids.size()) == T) &&
+           m.fed_tokens.size() == m.fed_rows.size())
       << "SetBatch: inconsistent BatchMeta (tokens " << T << ", seqs " << S << ", token_ids "
       << m.token_ids.size() << ", positions " << m.positions.size() << ", slot_mapping "
       << m.slot_mapping.size() << ", query_start " << m.query_start.size() << ", context_lens "
@@ -353,6 +355,16 @@ void CudaOps::SetBatch(const BatchMeta& m) {
     }
   }
 
+  // Fed tokens: (token index, row of the latest SampleAsync), applied after the upload.
+  std::vector<int2> fed(m.fed_tokens.size());
+  for (size_t i = 0; i < fed.size(); ++i) {
+    TP_CHECK(m.fed_tokens[i] >= 0 && m.fed_tokens[i] < T && !m.token_ids.empty() &&
+             m.fed_rows[i] >= 0 && m.fed_rows[i] < sampler_->latest_rows())
+        << "SetBatch: fed token " << m.fed_tokens[i] << " from sampled row " << m.fed_rows[i]
+        << " (" << T << " tokens, " << sampler_->latest_rows() << " rows sampled last)";
+    fed[i] = {m.fed_tokens[i], m.fed_rows[i]};
+  }
+
   struct Part {
     const void* src;
     size_t bytes;
@@ -369,6 +381,7 @@ void CudaOps::SetBatch(const BatchMeta& m) {
       {token_query_start.data(), token_query_start.size() * sizeof(int32_t)},
       {token_context_lens.data(), token_context_lens.size() * sizeof(int32_t)},
       {token_table_rows.data(), token_table_rows.size() * sizeof(int32_t)},
+      {fed.data(), fed.size() * sizeof(int2)},
   };
   size_t total = 0;
   for (int i = 0; i < kNumSections; ++i) {
@@ -404,6 +417,10 @@ void CudaOps::SetBatch(const BatchMeta& m) {
     off += (parts[i].bytes + 15) & ~size_t{15};
   }
   TP_CUDA_CHECK(cudaEventRecord(staging_done_[p], stream_));
+  // In stream order, after the latest SampleAsync wrote the ids and before anything reads them.
+  cuda::LaunchFeedTokens(static_cast<int32_t*>(sections_[kTokenIds].dev),
+                         static_cast<const int2*>(sections_[kFedTokens].dev),
+                         static_cast<int>(fed.size()), sampler_->latest_ids(), stream_);
 
   // Token queries read K/V rows the kernel before them writes: no programmatic launch.
   cuda::t_pdl_batch = T <= cuda::kPdlMaxTokens && !token_queries;
@@ -752,6 +769,19 @@ std::vector<int32_t> CudaOps::Sample(const Tensor& logits, int64_t vocab_size,
       this, "Sample", [&] { return Dims(logits); }, double(logits.bytes()));
   return sampler_->Sample(logits, vocab_size, params, logprobs, stream_);
 }
+
+void CudaOps::SampleAsync(const Tensor& logits, int64_t vocab_size,
+                          const std::vector<SamplingParams>& params, bool logprobs) {
+  OpScope scope(
+      this, "Sample", [&] { return Dims(logits); }, double(logits.bytes()));
+  sampler_->Launch(logits, vocab_size, params, logprobs, stream_);
+}
+
+std::vector<int32_t> CudaOps::SampleWait(std::vector<std::optional<TokenLogprobs>>* logprobs) {
+  return sampler_->Wait(logprobs);
+}
+
+bool CudaOps::SampleReady() { return sampler_->Ready(); }
 
 std::unique_ptr<Ops> MakeCudaOps(int device) { return std::make_unique<CudaOps>(device); }
 

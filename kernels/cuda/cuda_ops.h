@@ -122,6 +122,13 @@ class CudaOps final : public Ops {
   std::vector<int32_t> Sample(const Tensor& logits, int64_t vocab_size,
                               const std::vector<SamplingParams>& params,
                               std::vector<std::optional<TokenLogprobs>>* logprobs) override;
+  // The sampling kernels and the copies of ids and logprobs to pinned memory are enqueued; the
+  // ids stay on the device for the next SetBatch's fed tokens.
+  void SampleAsync(const Tensor& logits, int64_t vocab_size,
+                   const std::vector<SamplingParams>& params, bool logprobs) override;
+  std::vector<int32_t> SampleWait(std::vector<std::optional<TokenLogprobs>>* logprobs) override;
+  bool SampleReady() override;
+  bool AsyncSampling() const override { return true; }
 
   cudaStream_t stream() const { return stream_; }
   int device_index() const { return device_; }
@@ -225,6 +232,7 @@ class CudaOps final : public Ops {
     kTokenQueryStart,  // deterministic mode: DeviceBatch::token_* (prefill as decode queries)
     kTokenContextLens,
     kTokenTableRows,
+    kFedTokens,  // BatchMeta::fed_tokens / fed_rows as int2 pairs
     kNumSections
   };
   Section sections_[kNumSections];

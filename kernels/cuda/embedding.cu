@@ -18,7 +18,22 @@ __global__ void EmbeddingKernel(const uint4* __restrict__ table, int64_t rows, i
   }
 }
 
+// token_ids[pairs[i].x] = ids[pairs[i].y]: the input tokens of a step launched before the host
+// saw the previous step's sampled ids.
+__global__ void FeedTokensKernel(int32_t* __restrict__ token_ids, const int2* __restrict__ pairs,
+                                 int n, const int32_t* __restrict__ ids) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) token_ids[pairs[i].x] = ids[pairs[i].y];
+}
+
 }  // namespace
+
+void LaunchFeedTokens(int32_t* token_ids, const int2* pairs, int n, const int32_t* ids,
+                      cudaStream_t stream) {
+  if (n == 0) return;
+  FeedTokensKernel<<<(n + 255) / 256, 256, 0, stream>>>(token_ids, pairs, n, ids);
+  TP_CUDA_CHECK_LAUNCH();
+}
 
 void LaunchEmbedding(const Tensor& table, int64_t row_offset, const DeviceBatch& b, Tensor out,
                      cudaStream_t stream) {

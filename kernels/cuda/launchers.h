@@ -123,6 +123,9 @@ inline size_t DecodeNumCounters(const DeviceBatch& b, int num_heads, int num_kv_
          (num_heads / DecodeHeadsPerBlock(num_heads, num_kv_heads));
 }
 
+// token_ids[pairs[i].x] = ids[pairs[i].y] for i < n (BatchMeta::fed_tokens on the device).
+void LaunchFeedTokens(int32_t* token_ids, const int2* pairs, int n, const int32_t* ids,
+                      cudaStream_t stream);
 void LaunchEmbedding(const Tensor& table, int64_t row_offset, const DeviceBatch& b, Tensor out,
                      cudaStream_t stream);
 void LaunchRmsNorm(const Tensor& x, const Tensor& weight, float eps, Tensor out,

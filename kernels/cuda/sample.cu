@@ -247,36 +247,53 @@ GpuSampler::~GpuSampler() {
   cudaFree(params_dev_);
   cudaFree(ids_dev_);
   cudaFree(sort_temp_);
-  cudaFreeHost(params_host_);
-  cudaFreeHost(ids_host_);
   cudaFree(logprobs_dev_);
-  cudaFreeHost(logprobs_host_);
+  for (Slot& slot : slots_) {
+    cudaFreeHost(slot.params_host);
+    cudaFreeHost(slot.ids_host);
+    cudaFreeHost(slot.logprobs_host);
+    if (slot.done != nullptr) cudaEventDestroy(slot.done);
+  }
 }
 
-void GpuSampler::ReserveRows(int rows) {
-  if (rows <= cap_rows_) return;
-  int cap = std::max(rows, 64);
-  cudaFree(params_dev_);
-  cudaFree(ids_dev_);
-  cudaFree(seg_begin_);
-  cudaFree(seg_end_);
-  cudaFreeHost(params_host_);
-  cudaFreeHost(ids_host_);
-  cudaFree(logprobs_dev_);
-  cudaFreeHost(logprobs_host_);
-  TP_CUDA_CHECK(cudaMalloc(&params_dev_, cap * sizeof(DeviceSampleParams)));
-  TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ids_dev_), cap * sizeof(int32_t)));
-  TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&seg_begin_), cap * sizeof(int32_t)));
-  TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&seg_end_), cap * sizeof(int32_t)));
-  TP_CUDA_CHECK(cudaMallocHost(&params_host_, cap * sizeof(DeviceSampleParams)));
-  TP_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&ids_host_), cap * sizeof(int32_t)));
-  TP_CUDA_CHECK(cudaMalloc(&logprobs_dev_, cap * sizeof(DeviceLogprobs)));
-  TP_CUDA_CHECK(cudaMallocHost(&logprobs_host_, cap * sizeof(DeviceLogprobs)));
-  cap_rows_ = cap;
+void GpuSampler::ReserveRows(int rows, Slot& slot, cudaStream_t stream) {
+  // At least 256 rows at once, so that decode batches never grow the buffers while a launch is
+  // in flight (growing waits for the stream: the device buffers of the launch in flight, and
+  // the ids a fed token may still read, are freed).
+  if (rows > cap_rows_) {
+    const int cap = std::max(rows, 256);
+    TP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    cudaFree(params_dev_);
+    cudaFree(ids_dev_);
+    cudaFree(seg_begin_);
+    cudaFree(seg_end_);
+    cudaFree(logprobs_dev_);
+    TP_CUDA_CHECK(cudaMalloc(&params_dev_, cap * sizeof(DeviceSampleParams)));
+    TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ids_dev_), cap * sizeof(int32_t)));
+    TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&seg_begin_), cap * sizeof(int32_t)));
+    TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&seg_end_), cap * sizeof(int32_t)));
+    TP_CUDA_CHECK(cudaMalloc(&logprobs_dev_, cap * sizeof(DeviceLogprobs)));
+    cap_rows_ = cap;
+  }
+  if (slot.done == nullptr) {
+    TP_CUDA_CHECK(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+  }
+  if (rows > slot.cap) {
+    // This slot is not in flight (Launch checks): its host buffers are free to move.
+    const int cap = std::max(rows, 256);
+    cudaFreeHost(slot.params_host);
+    cudaFreeHost(slot.ids_host);
+    cudaFreeHost(slot.logprobs_host);
+    TP_CUDA_CHECK(cudaMallocHost(&slot.params_host, cap * sizeof(DeviceSampleParams)));
+    TP_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&slot.ids_host), cap * sizeof(int32_t)));
+    TP_CUDA_CHECK(cudaMallocHost(&slot.logprobs_host, cap * sizeof(DeviceLogprobs)));
+    slot.cap = cap;
+  }
 }
 
-void GpuSampler::ReserveSort(int64_t elems, int segments) {
+void GpuSampler::ReserveSort(int64_t elems, int segments, cudaStream_t stream) {
   if (elems > sort_elems_cap_) {
+    TP_CUDA_CHECK(cudaStreamSynchronize(stream));  // a launch in flight may still sort
     cudaFree(keys_in_);
     cudaFree(keys_out_);
     TP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&keys_in_), elems * sizeof(uint64_t)));
@@ -288,6 +305,7 @@ void GpuSampler::ReserveSort(int64_t elems, int segments) {
       nullptr, bytes, keys_in_, keys_out_, static_cast<int>(elems), segments, seg_begin_,
       seg_end_));
   if (bytes > sort_temp_bytes_) {
+    TP_CUDA_CHECK(cudaStreamSynchronize(stream));
     cudaFree(sort_temp_);
     TP_CUDA_CHECK(cudaMalloc(&sort_temp_, bytes));
     sort_temp_bytes_ = bytes;
@@ -298,6 +316,19 @@ std::vector<int32_t> GpuSampler::Sample(const Tensor& logits, int64_t vocab_size
                                         const std::vector<SamplingParams>& params,
                                         std::vector<std::optional<TokenLogprobs>>* logprobs,
                                         cudaStream_t stream) {
+  TP_CHECK(in_flight_.empty()) << "Sample while " << in_flight_.size()
+                               << " asynchronous samplings are in flight";
+  for (const SamplingParams& p : params) {
+    TP_CHECK(p.logprobs < 0 || logprobs != nullptr)
+        << "Sample: a row asks for logprobs and there is no output vector";
+  }
+  Launch(logits, vocab_size, params, logprobs != nullptr, stream);
+  return Wait(logprobs);
+}
+
+void GpuSampler::Launch(const Tensor& logits, int64_t vocab_size,
+                        const std::vector<SamplingParams>& params, bool want_logprobs,
+                        cudaStream_t stream) {
   const int rows = static_cast<int>(params.size());
   TP_CHECK(logits.device == Device::kCuda &&
            (logits.dtype == DType::kF32 || logits.dtype == DType::kBF16) && logits.ndim == 2 &&
@@ -305,18 +336,19 @@ std::vector<int32_t> GpuSampler::Sample(const Tensor& logits, int64_t vocab_size
            vocab_size < kMaxSortElems)
       << "Sample: logits " << logits.ShapeString() << " (f32 or bf16 [rows, V] on the GPU), "
       << rows << " params, vocab_size " << vocab_size;
-  if (logprobs != nullptr) logprobs->assign(rows, std::nullopt);
-  if (rows == 0) return {};
+  TP_CHECK(in_flight_.size() < 2) << "Sample: two samplings already in flight";
+  const int slot_index = next_slot_;
+  next_slot_ ^= 1;
+  Slot& slot = slots_[slot_index];
+  ReserveRows(std::max(rows, 1), slot, stream);
   const int vocab = static_cast<int>(vocab_size);
-  ReserveRows(rows);
-  auto* hp = static_cast<DeviceSampleParams*>(params_host_);
+  auto* hp = static_cast<DeviceSampleParams*>(slot.params_host);
   bool any_sampled = false;
   int logprob_rows = 0;
   for (int r = 0; r < rows; ++r) {
     const SamplingParams& p = params[r];
     TP_CHECK(p.top_k >= 0 && p.top_p > 0.0f && p.top_p <= 1.0f && p.temperature >= 0.0f &&
-             p.logprobs >= -1 && p.logprobs <= kMaxLogprobs &&
-             (p.logprobs < 0 || logprobs != nullptr))
+             p.logprobs >= -1 && p.logprobs <= kMaxLogprobs && (p.logprobs < 0 || want_logprobs))
         << "Sample: row " << r << " has temperature " << p.temperature << ", top_k " << p.top_k
         << ", top_p " << p.top_p << ", logprobs " << p.logprobs << " (at most " << kMaxLogprobs
         << ", and only with an output vector)";
@@ -327,51 +359,69 @@ std::vector<int32_t> GpuSampler::Sample(const Tensor& logits, int64_t vocab_size
              p.logprobs,  p.logprobs >= 0 ? logprob_rows++ : -1};
     any_sampled |= temperature > 0.0f;
   }
-  TP_CUDA_CHECK(cudaMemcpyAsync(params_dev_, params_host_, rows * sizeof(DeviceSampleParams),
-                                cudaMemcpyHostToDevice, stream));
-  const int pass_rows =
-      any_sampled
-          ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, kMaxSortElems / vocab)))
-          : rows;
-  if (any_sampled) ReserveSort(int64_t{pass_rows} * vocab, pass_rows);
-  const auto* dp = static_cast<const DeviceSampleParams*>(params_dev_);
-  for (int row0 = 0; row0 < rows; row0 += pass_rows) {
-    const int n = std::min(pass_rows, rows - row0);
-    if (logits.dtype == DType::kF32) {
-      PrepareKernel<<<n, kThreads, 0, stream>>>(logits.ptr<const float>(), logits.dim(1), vocab,
-                                                row0, dp, keys_in_, seg_begin_, seg_end_, ids_dev_);
-    } else {
-      PrepareKernel<<<n, kThreads, 0, stream>>>(logits.ptr<const __nv_bfloat16>(), logits.dim(1),
-                                                vocab, row0, dp, keys_in_, seg_begin_, seg_end_,
-                                                ids_dev_);
+  slot.rows = rows;
+  slot.logprob_rows = logprob_rows;
+  latest_rows_ = rows;
+  if (rows > 0) {
+    TP_CUDA_CHECK(cudaMemcpyAsync(params_dev_, slot.params_host, rows * sizeof(DeviceSampleParams),
+                                  cudaMemcpyHostToDevice, stream));
+    const int pass_rows =
+        any_sampled
+            ? static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, kMaxSortElems / vocab)))
+            : rows;
+    if (any_sampled) ReserveSort(int64_t{pass_rows} * vocab, pass_rows, stream);
+    const auto* dp = static_cast<const DeviceSampleParams*>(params_dev_);
+    for (int row0 = 0; row0 < rows; row0 += pass_rows) {
+      const int n = std::min(pass_rows, rows - row0);
+      if (logits.dtype == DType::kF32) {
+        PrepareKernel<<<n, kThreads, 0, stream>>>(logits.ptr<const float>(), logits.dim(1), vocab,
+                                                  row0, dp, keys_in_, seg_begin_, seg_end_,
+                                                  ids_dev_);
+      } else {
+        PrepareKernel<<<n, kThreads, 0, stream>>>(logits.ptr<const __nv_bfloat16>(), logits.dim(1),
+                                                  vocab, row0, dp, keys_in_, seg_begin_, seg_end_,
+                                                  ids_dev_);
+      }
+      TP_CUDA_CHECK_LAUNCH();
+      if (!any_sampled) continue;
+      size_t bytes = sort_temp_bytes_;
+      TP_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortKeysDescending(
+          sort_temp_, bytes, keys_in_, keys_out_, n * vocab, n, seg_begin_, seg_end_, 0, 64,
+          stream));
+      ChooseKernel<<<n, kThreads, 0, stream>>>(keys_out_, vocab, row0, dp, ids_dev_);
+      TP_CUDA_CHECK_LAUNCH();
     }
-    TP_CUDA_CHECK_LAUNCH();
-    if (!any_sampled) continue;
-    size_t bytes = sort_temp_bytes_;
-    TP_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortKeysDescending(
-        sort_temp_, bytes, keys_in_, keys_out_, n * vocab, n, seg_begin_, seg_end_, 0, 64, stream));
-    ChooseKernel<<<n, kThreads, 0, stream>>>(keys_out_, vocab, row0, dp, ids_dev_);
-    TP_CUDA_CHECK_LAUNCH();
-  }
-  auto* lp_dev = static_cast<DeviceLogprobs*>(logprobs_dev_);
-  if (logprob_rows > 0) {
-    if (logits.dtype == DType::kF32) {
-      LogprobKernel<<<rows, kLogprobThreads, 0, stream>>>(logits.ptr<const float>(), logits.dim(1),
-                                                          vocab, dp, ids_dev_, lp_dev);
-    } else {
-      LogprobKernel<<<rows, kLogprobThreads, 0, stream>>>(
-          logits.ptr<const __nv_bfloat16>(), logits.dim(1), vocab, dp, ids_dev_, lp_dev);
+    auto* lp_dev = static_cast<DeviceLogprobs*>(logprobs_dev_);
+    if (logprob_rows > 0) {
+      if (logits.dtype == DType::kF32) {
+        LogprobKernel<<<rows, kLogprobThreads, 0, stream>>>(
+            logits.ptr<const float>(), logits.dim(1), vocab, dp, ids_dev_, lp_dev);
+      } else {
+        LogprobKernel<<<rows, kLogprobThreads, 0, stream>>>(
+            logits.ptr<const __nv_bfloat16>(), logits.dim(1), vocab, dp, ids_dev_, lp_dev);
+      }
+      TP_CUDA_CHECK_LAUNCH();
+      TP_CUDA_CHECK(cudaMemcpyAsync(slot.logprobs_host, lp_dev,
+                                    logprob_rows * sizeof(DeviceLogprobs), cudaMemcpyDeviceToHost,
+                                    stream));
     }
-    TP_CUDA_CHECK_LAUNCH();
-    TP_CUDA_CHECK(cudaMemcpyAsync(logprobs_host_, lp_dev, logprob_rows * sizeof(DeviceLogprobs),
+    TP_CUDA_CHECK(cudaMemcpyAsync(slot.ids_host, ids_dev_, rows * sizeof(int32_t),
                                   cudaMemcpyDeviceToHost, stream));
   }
-  TP_CUDA_CHECK(
-      cudaMemcpyAsync(ids_host_, ids_dev_, rows * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
-  TP_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (logprob_rows > 0) {
-    const auto* lp_host = static_cast<const DeviceLogprobs*>(logprobs_host_);
-    for (int r = 0; r < rows; ++r) {
+  TP_CUDA_CHECK(cudaEventRecord(slot.done, stream));
+  in_flight_.push_back(slot_index);
+}
+
+std::vector<int32_t> GpuSampler::Wait(std::vector<std::optional<TokenLogprobs>>* logprobs) {
+  TP_CHECK(!in_flight_.empty()) << "Sample: nothing in flight to wait for";
+  Slot& slot = slots_[in_flight_.front()];
+  in_flight_.erase(in_flight_.begin());
+  TP_CUDA_CHECK(cudaEventSynchronize(slot.done));
+  if (logprobs != nullptr) logprobs->assign(slot.rows, std::nullopt);
+  if (slot.logprob_rows > 0 && logprobs != nullptr) {
+    const auto* hp = static_cast<const DeviceSampleParams*>(slot.params_host);
+    const auto* lp_host = static_cast<const DeviceLogprobs*>(slot.logprobs_host);
+    for (int r = 0; r < slot.rows; ++r) {
       const DeviceSampleParams& p = hp[r];
       if (p.logprob_slot < 0) continue;
       const DeviceLogprobs& d = lp_host[p.logprob_slot];
@@ -381,7 +431,15 @@ std::vector<int32_t> GpuSampler::Sample(const Tensor& logits, int64_t vocab_size
       (*logprobs)[r] = std::move(t);
     }
   }
-  return std::vector<int32_t>(ids_host_, ids_host_ + rows);
+  return std::vector<int32_t>(slot.ids_host, slot.ids_host + slot.rows);
+}
+
+bool GpuSampler::Ready() {
+  if (in_flight_.empty()) return true;
+  const cudaError_t e = cudaEventQuery(slots_[in_flight_.front()].done);
+  if (e == cudaErrorNotReady) return false;
+  TP_CUDA_CHECK(e);
+  return true;
 }
 
 }  // namespace tpserve::cuda

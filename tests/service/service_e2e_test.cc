@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <memory>
 #include <random>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -761,9 +762,12 @@ TEST(ServiceLayoutTest, PipelineAndSingleWorkerMatchTheEngine) {
 }
 
 // Overlapped scheduling (the default) against the serial loop (--no-overlap-scheduling) and the
-// in-process engine, at tp = 2 and pp = 2, with a KV pool small enough to preempt: greedy and
-// seeded tokens, stop ids (the token after a stop is never streamed), stop strings, length
-// limits, cancels at random points and deadlines; every block back to idle after each part.
+// in-process engine, at tp = 2 and pp = 2, and at tp = 1 with the worker launching each step
+// before the previous one's ids reach its host (TPSERVE_LAUNCH_AHEAD=1: the CPU runs the same
+// logic as a GPU, fed tokens included), with a KV pool small enough to preempt: greedy and
+// seeded tokens, a repetition penalty (whose steps wait for the host), logprobs, stop ids (the
+// token after a stop is never streamed), stop strings, length limits, cancels at random points
+// and deadlines; every block back to idle after each part.
 TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
   const std::string model = service_test::ServiceModelDir();
   EngineOptions options;
@@ -782,6 +786,9 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
       ereqs[i].sampling.seed = 500 + i;
     }
   }
+  constexpr int kPenalized = 3, kLogprobs = 6;
+  ereqs[kPenalized].sampling.repetition_penalty = 1.3f;
+  ereqs[kLogprobs].sampling.logprobs = 3;
   // Stop ids: the id the request emits at output position 4 + i (found with a first run).
   for (int i : {2, 5}) {
     auto full = (*engine)->Generate({ereqs[i]});
@@ -789,15 +796,19 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
     ereqs[i].stop_token_ids = {full->at(0).output_ids.at(4 + i)};
   }
   std::vector<std::vector<int32_t>> expected;
+  GenerateResult expected_logprobs;
   for (int i = 0; i < kRequests; ++i) {
     auto r = (*engine)->Generate({ereqs[i]});
     ASSERT_TRUE(r.ok()) << r.status();
     expected.push_back(r->at(0).output_ids);
+    if (i == kLogprobs) expected_logprobs = r->at(0);
     reqs[i] = IdsRequest(ereqs[i].prompt, ereqs[i].max_new_tokens);
     if (i % 2 == 1) {
       reqs[i].mutable_sampling()->set_temperature(0.8f);
       reqs[i].mutable_sampling()->set_seed(500 + i);
     }
+    if (i == kPenalized) reqs[i].mutable_sampling()->set_repetition_penalty(1.3f);
+    if (i == kLogprobs) reqs[i].mutable_sampling()->set_logprobs(3);
     for (int32_t id : ereqs[i].stop_token_ids) reqs[i].mutable_stopping()->add_stop_token_ids(id);
   }
   engine->reset();
@@ -813,11 +824,13 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
     std::string name;
     std::vector<std::string> args;
     bool overlap;
+    bool launch_ahead = false;  // TPSERVE_LAUNCH_AHEAD=1 in the workers' environment
   };
   const std::vector<Layout> layouts = {
       {"tp=2 overlapped", {"--workers", "2"}, true},
       {"tp=2 serial", {"--workers", "2", "--no-overlap-scheduling"}, false},
-      {"pp=2 (disjoint steps in flight)", {"--tp", "1", "--pp", "2"}, false}};
+      {"pp=2 (disjoint steps in flight)", {"--tp", "1", "--pp", "2"}, false},
+      {"tp=1 overlapped, launched ahead", {"--workers", "1"}, true, true}};
   for (const Layout& layout : layouts) {
     std::vector<std::string> args = layout.args;
     for (const char* a :
@@ -825,7 +838,10 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
       args.push_back(a);
     }
     const std::string& name = layout.name;
+    // The spawned workers inherit it.
+    if (layout.launch_ahead) setenv("TPSERVE_LAUNCH_AHEAD", "1", 1);
     auto server = ServerProcess::Start(model, args);
+    unsetenv("TPSERVE_LAUNCH_AHEAD");
     ASSERT_NE(server, nullptr);
     auto stub = v1::Inference::NewStub(server->Channel());
     const v1::ModelInfo info = Info(*stub);
@@ -847,6 +863,10 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
                 ereqs[i].stop_token_ids.empty() ? v1::FINISH_REASON_LENGTH : v1::FINISH_REASON_STOP)
           << name << " request " << i;
     }
+    // Request kLogprobs (even: greedy) carries 3 alternatives a token, the engine's (1e-4: fp32
+    // logits of TP shards against one rank, as in LogprobsAlignWithTokensAndMatchTheEngine).
+    ExpectLogprobs(results[kLogprobs].response, expected_logprobs, 3, 1e-4, /*greedy=*/true,
+                   nullptr, name + " logprobs");
     EXPECT_GT(Info(*stub).kv().preemptions(), 0) << name << ": the small pool should preempt ("
                                                  << Info(*stub).kv().total_blocks() << " blocks)";
     EXPECT_TRUE(WaitIdle(*stub, 5)) << name;
@@ -894,6 +914,18 @@ TEST(ServiceOverlapTest, OverlapEqualsTheSerialLoopAndTheEngine) {
     EXPECT_GT(end.steps().scheduler_cpu_seconds(), 0) << name;
     const int status = server->Stop();
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << name << "\n" << server->Log();
+    // The worker's count of steps launched ahead: some with the switch, none without (the CPU's
+    // sampling is synchronous, so auto does not go ahead).
+    const std::string log = server->Log();
+    const std::regex counts("steps: ([0-9]+) launched, ([0-9]+) of them ahead");
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(log, m, counts)) << name << ": no step count in the log\n" << log;
+    EXPECT_GT(std::stoll(m[1].str()), 0) << name;
+    if (layout.launch_ahead) {
+      EXPECT_GT(std::stoll(m[2].str()), 0) << name << ": no step went ahead";
+    } else {
+      EXPECT_EQ(std::stoll(m[2].str()), 0) << name;
+    }
   }
   for (size_t l = 1; l < text_results.size(); ++l) {
     for (size_t i = 0; i < text_reqs.size(); ++i) {

@@ -1504,6 +1504,69 @@ TEST_F(CudaOpsTest, SampleMatchesRuleAndCpuAndIsDeterministic) {
   for (int r = 0; r < rows; ++r) EXPECT_EQ(moved[r], base[perm[r]]);
 }
 
+// Sampling one step ahead: SampleAsync returns before the ids reach the host; the next SetBatch
+// takes some of its input tokens from those ids on the device (BatchMeta::fed_tokens) and the
+// embedding reads them; two samplings may be in flight, SampleWait returns them in order, with
+// the logprobs Sample gives.
+TEST_F(CudaOpsTest, SampleAsyncFeedsTheNextBatchOnTheDevice) {
+  EXPECT_TRUE(ops_->AsyncSampling());
+  const int rows = 5, vocab = 1000, hidden = 64;
+  // Row r's argmax is id 100 r + 7 (step 1) and 100 r + 42 (step 2): greedy picks them.
+  auto logits_with_max = [&](int offset) {
+    std::vector<float> l = RandomBf16(rng_, size_t{1} * rows * vocab);
+    for (int r = 0; r < rows; ++r) l[r * vocab + 100 * r + offset] = 50.0f;
+    return l;
+  };
+  std::vector<float> l1 = logits_with_max(7), l2 = logits_with_max(42);
+  std::vector<SamplingParams> params(rows);
+  for (int r = 0; r < rows; ++r) params[r].position = r;
+  params[2].logprobs = 3;
+  ops_->SampleAsync(GpuF32(l1, {rows, vocab}), vocab, params, /*logprobs=*/true);
+  // The next step: five decode tokens, three of them fed from rows 3, 1 and 0.
+  BatchMeta m = MakeBatch({{1, 3}, {1, 9}, {1, 17}, {1, 2}, {1, 40}}, 16, 16, rng_, vocab);
+  m.fed_tokens = {0, 2, 4};
+  m.fed_rows = {3, 1, 0};
+  for (int t : m.fed_tokens) m.token_ids[t] = 0;  // placeholders
+  ops_->SetBatch(m);
+  auto table = RandomBf16(rng_, size_t{1} * vocab * hidden);
+  Tensor out = GpuOut({m.num_tokens, hidden});
+  ops_->Embedding(Gpu(table, {vocab, hidden}), 0, out);
+  // A second sampling in flight before the first is waited for.
+  ops_->SampleAsync(GpuF32(l2, {rows, vocab}), vocab, params, /*logprobs=*/true);
+  BatchMeta resolved = m;
+  resolved.fed_tokens.clear();
+  resolved.fed_rows.clear();
+  for (size_t i = 0; i < m.fed_tokens.size(); ++i) {
+    resolved.token_ids[m.fed_tokens[i]] = 100 * m.fed_rows[i] + 7;
+  }
+  cpu_->SetBatch(resolved);
+  std::vector<float> want(size_t{1} * m.num_tokens * hidden);
+  cpu_->Embedding(Cpu(table, {vocab, hidden}), 0, Cpu(want, {m.num_tokens, hidden}));
+  EXPECT_EQ(Host(out), want) << "the fed tokens' embeddings";
+  std::vector<std::optional<TokenLogprobs>> lp1, lp2;
+  const std::vector<int32_t> ids1 = ops_->SampleWait(&lp1);
+  const std::vector<int32_t> ids2 = ops_->SampleWait(&lp2);
+  EXPECT_TRUE(ops_->SampleReady());
+  ASSERT_EQ(ids1.size(), size_t{rows});
+  ASSERT_EQ(ids2.size(), size_t{rows});
+  for (int r = 0; r < rows; ++r) {
+    EXPECT_EQ(ids1[r], 100 * r + 7) << r;
+    EXPECT_EQ(ids2[r], 100 * r + 42) << r;
+  }
+  // The logprobs of the asynchronous samplings are Sample's.
+  std::vector<std::optional<TokenLogprobs>> sync_lp;
+  ops_->Sample(GpuF32(l1, {rows, vocab}), vocab, params, &sync_lp);
+  ASSERT_EQ(lp1.size(), size_t{rows});
+  for (int r = 0; r < rows; ++r) {
+    ASSERT_EQ(lp1[r].has_value(), r == 2) << r;
+    ASSERT_EQ(lp2[r].has_value(), r == 2) << r;
+  }
+  EXPECT_EQ(lp1[2]->logprob, sync_lp[2]->logprob);
+  ASSERT_EQ(lp1[2]->top.size(), size_t{3});
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(lp1[2]->top[k].id, sync_lp[2]->top[k].id) << k;
+  EXPECT_EQ(lp2[2]->top[0].id, 242);
+}
+
 TEST_F(CudaOpsTest, SampleLargeVocabTopKTopP) {
   // A realistic vocabulary: a few hundred likely tokens and a long flat tail that top-p must
   // cut, plus one row with a flat distribution where top-p keeps thousands of candidates.
