@@ -54,10 +54,11 @@ const EnvVar kWorkerCudaGraphs = {"TPSERVE_WORKER_CUDA_GRAPHS", EnvType::kBool, 
 const EnvVar kLaunchAhead = {
     "TPSERVE_LAUNCH_AHEAD",
     EnvType::kChoice,
-    "auto",
+    "0",
     "a worker enqueues a step before the previous step's sampled ids reach the host (the ids "
-    "feed the next step on the device): auto (where sampling is asynchronous: CUDA, pp = 1), 1 "
-    "(also on the CPU: tests), 0 (each step's ids on the host first)",
+    "feed the next step on the device): auto (where sampling is asynchronous: CUDA, pp = 1; "
+    "not yet measured on a GPU, hence not the default), 1 (also on the CPU: tests), 0 (each "
+    "step's ids on the host first)",
     0,
     0,
     "auto|1|0"};
