@@ -126,6 +126,14 @@ const EnvVar kCublasLtAutotune = {"TPSERVE_CUBLASLT_AUTOTUNE", EnvType::kBool, "
                                   "time cuBLASLt's candidate algorithms for M <= 256 instead of "
                                   "taking its heuristic (faster, not bitwise reproducible across "
                                   "processes)"};
+const EnvVar kStreamGemmMaxM = {
+    "TPSERVE_STREAM_GEMM_MAX_M",
+    EnvType::kInt,
+    "0",
+    "CUDA (sm_90): the largest decode batch whose GEMMs run the weight-streaming wgmma kernel "
+    "instead of cuBLASLt (from M = 3; 0 = never)",
+    0,
+    128};
 const EnvVar kDeterministicGemmM = {
     "TPSERVE_DETERMINISTIC_GEMM_M",
     EnvType::kInt,
@@ -338,6 +346,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kDecodePartition,
       &env::kDecodeOrder,
       &env::kCublasLtAutotune,
+      &env::kStreamGemmMaxM,
       &env::kDeterministicGemm,
       &env::kDeterministicGemmM,
       &env::kDeterministicPartition,

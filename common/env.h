@@ -48,6 +48,7 @@ extern const EnvVar kDecodeKernel;
 extern const EnvVar kDecodePartition;
 extern const EnvVar kDecodeOrder;
 extern const EnvVar kCublasLtAutotune;
+extern const EnvVar kStreamGemmMaxM;
 extern const EnvVar kDeterministicGemm;
 extern const EnvVar kDeterministicGemmM;
 extern const EnvVar kDeterministicPartition;

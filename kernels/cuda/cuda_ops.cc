@@ -152,6 +152,19 @@ CudaOps::CudaOps(int device) : device_(device) {
   const size_t record_bytes = sizeof(unsigned long long) * cuda::kNormRecordWords * kMaxNormRecords;
   TP_CUDA_CHECK(cudaMalloc(&norm_records_, record_bytes));
   TP_CUDA_CHECK(cudaMemset(norm_records_, 0, record_bytes));
+  if (cuda::StreamGemmSupported()) {
+    int sms = 0;
+    TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    stream_ws_.num_sms = sms;
+    stream_ws_.max_grid = sms * cuda::kStreamGemmBlocksPerSm;
+    stream_ws_.slot_floats = cuda::kStreamGemmSlotFloats;
+    stream_ws_.max_tiles = cuda::kStreamGemmMaxTiles;
+    TP_CUDA_CHECK(cudaMalloc(&stream_ws_.partials,
+                             sizeof(float) * 2 * stream_ws_.max_grid * stream_ws_.slot_floats));
+    TP_CUDA_CHECK(cudaMalloc(&stream_ws_.counters, sizeof(int) * stream_ws_.max_tiles));
+    TP_CUDA_CHECK(cudaMemset(stream_ws_.counters, 0, sizeof(int) * stream_ws_.max_tiles));
+    set_stream_max_m(static_cast<int>(EnvInt(env::kStreamGemmMaxM)));
+  }
 }
 
 CudaOps::~CudaOps() {
@@ -165,6 +178,8 @@ CudaOps::~CudaOps() {
   cudaFree(decode_ws_);
   cudaFree(decode_counters_);
   cudaFree(norm_records_);
+  cudaFree(stream_ws_.partials);
+  cudaFree(stream_ws_.counters);
   cudaStreamDestroy(stream_);
 }
 
@@ -476,6 +491,11 @@ void CudaOps::set_skinny_max_m(int m) {
   skinny_max_m_ = m;
 }
 
+void CudaOps::set_stream_max_m(int m) {
+  TP_CHECK(m >= 0 && m <= cuda::kStreamGemmMaxM) << "stream_max_m " << m;
+  stream_max_m_ = stream_ws_.partials != nullptr ? m : 0;
+}
+
 void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) {
   if (w.dim(0) == w.dim(1) && Ablated("Gemm.square")) return;
   int64_t k = x.dim(-1);
@@ -488,11 +508,14 @@ void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor 
   const bool skinny = !deterministic_ && m > 0 && m <= skinny_max_m_ && k % 8 == 0 &&
                       Aligned16(x.data) && Aligned16(w.data);
   const bool chain = ChainFits(m, k, x.data, w.data);
+  const bool streamed =
+      !deterministic_ && !skinny && m <= stream_max_m_ && cuda::StreamGemmFits(x, w, y);
   OpScope scope(
       this,
       fixed_order ? "Gemm.fixedOrder"
       : skinny    ? "Gemm.skinny"
       : chain     ? "Gemm.chain"
+      : streamed  ? "Gemm.stream"
                   : "Gemm.cublasLt",
       [&] { return GemmShape(m, w.dim(0), k); },
       double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
@@ -502,9 +525,17 @@ void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor 
     cuda::LaunchSkinnyGemm(x, w, bias, y, stream_);
   } else if (chain) {
     cuda::LaunchChainGemv(x, w, bias, y, stream_);
+  } else if (streamed) {
+    cuda::LaunchStreamGemm(x, w, bias, y, stream_ws_, stream_);
   } else {
     lt_->Run(x, w, bias, y, stream_);
   }
+}
+
+void CudaOps::GemmStream(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, int config,
+                         int max_grid) {
+  TP_CHECK(stream_ws_.partials != nullptr) << "the stream GEMM needs an sm_90 device";
+  cuda::LaunchStreamGemm(x, w, bias, y, stream_ws_, stream_, config, max_grid);
 }
 
 void CudaOps::GemmCublasLt(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) {

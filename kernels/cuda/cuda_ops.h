@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kernels/cuda/gemm_stream.h"
 #include "kernels/cuda/op_profiler.h"
 #include "kernels/ops.h"
 
@@ -137,7 +138,13 @@ class CudaOps final : public Ops {
   // GEMMs with M <= this use the skinny kernel, larger ones cuBLASLt (0 = always cuBLASLt).
   void set_skinny_max_m(int m);
   int skinny_max_m() const { return skinny_max_m_; }
+  // Decode batches of skinny_max_m < M <= m run the weight-streaming GEMM (0 = never; M <= 128;
+  // ignored where the device has no such kernel). Default: TPSERVE_STREAM_GEMM_MAX_M.
+  void set_stream_max_m(int m);
+  int stream_max_m() const { return stream_max_m_; }
   // Benchmarks: force one path.
+  void GemmStream(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, int config,
+                  int max_grid = 0);
   void GemmCublasLt(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y);
   void GemmSkinny(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, int config);
   void SiluMulGemmSkinny(const Tensor& gate_up, const Tensor& w, Tensor y, int config);
@@ -204,6 +211,10 @@ class CudaOps final : public Ops {
   // Measured on the H200: the skinny kernel beats cuBLASLt at M = 1 and 2 on every 6.7B shape
   // (e.g. gate_up 94.7% / 91.5% vs 85% of copy bandwidth); from M = 4 cuBLASLt is faster.
   int skinny_max_m_ = 2;
+  // Decode batches of skinny_max_m_ < M <= stream_max_m_ run the weight-streaming wgmma GEMM
+  // (gemm_stream.h) instead of cuBLASLt (TPSERVE_STREAM_GEMM_MAX_M; 0 on other devices).
+  int stream_max_m_ = 0;
+  cuda::StreamGemmWorkspace stream_ws_;
   bool fused_skinny_ = true;
   bool fused_norm_ = true;
   // Deterministic mode with cuBLASLt's fixed algorithm: decode GEMMs (M <= kChainGemvMaxM) run

@@ -9,7 +9,8 @@
 //   --shards: one decode layer's GEMMs and attention at the shard shapes of TP = 1, 2, 4, 8;
 //   --split-k: cuBLASLt at M = 32 / 64 / 128 with split-K forced to 1..8; --chain: the chain GEMM
 //   (deterministic mode's cuBLASLt bits, gemm_lt_chain.cu) in each pipeline configuration against
-//   the default and the fixed cuBLASLt algorithm at M = 1, 2, 8, 16)
+//   the default and the fixed cuBLASLt algorithm at M = 1, 2, 8, 16; --stream: the weight-streaming
+//   wgmma GEMM, gemm_stream.cu, in each configuration against cuBLASLt at M = 3 .. 128)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -320,8 +321,41 @@ void SplitKGemms(CudaOps& ops, double copy_gbs) {
   ops.Free(ybuf);
 }
 
+// The weight-streaming GEMM against cuBLASLt (the path it replaces) at decode batch sizes, 6.7B
+// shapes; % of copy counts the weight bytes.
+void StreamGemms(CudaOps& ops, double copy_gbs) {
+  cudaStream_t s = ops.stream();
+  const int kMaxM = 128;
+  void* xbuf = ops.Alloc(size_t{2} * kMaxM * 11008);
+  void* ybuf = ops.Alloc(size_t{2} * kMaxM * 32256);
+  FillRandom(xbuf, size_t{2} * kMaxM * 11008, 1.0f);
+  for (const Shape& sh : kShapes) {
+    RotatingWeights rw(ops, sh);
+    for (int m : {3, 8, 16, 32, 48, 64, 96, 128}) {
+      Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
+      Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
+      auto add = [&](const std::string& what, double ms) {
+        const double gbs = rw.bytes / ms / 1e6;
+        Add(std::string(sh.name) + " M=" + std::to_string(m) + " " + what, ms,
+            Fmt("%.0f GB/s = %.1f%% of copy", gbs, 100.0 * gbs / copy_gbs));
+      };
+      add("cuBLASLt", MedianMs(s, 50, [&](int i) { ops.GemmCublasLt(x, rw.At(i), nullptr, y); }));
+      for (int c = 0; c < cuda::StreamGemmNumConfigs(); ++c) {
+        const int tokens = cuda::StreamGemmConfigTokens(c);
+        // Each configuration at the batches it would take (and the next smaller token count).
+        if (m > tokens || m * 4 <= tokens) continue;
+        add(std::string("stream ") + (c == cuda::StreamGemmAutoConfig(m) ? "(auto) " : "") +
+                cuda::StreamGemmConfigName(c),
+            MedianMs(s, 50, [&](int i) { ops.GemmStream(x, rw.At(i), nullptr, y, c); }));
+      }
+    }
+  }
+  ops.Free(xbuf);
+  ops.Free(ybuf);
+}
+
 int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bool shards,
-         bool split_k, bool chain) {
+         bool split_k, bool chain, bool stream) {
   if (CudaDeviceCount() == 0) {
     std::printf("no CUDA device\n");
     return 0;
@@ -358,6 +392,10 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
   }
   if (split_k) {
     SplitKGemms(ops, copy_gbs);
+    return PrintSummary(copy_gbs);
+  }
+  if (stream) {
+    StreamGemms(ops, copy_gbs);
     return PrintSummary(copy_gbs);
   }
 
@@ -518,13 +556,14 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (!mode.empty() && mode != "--m1" && mode != "--attention" && mode != "--decode" &&
-      mode != "--det-gemm" && mode != "--shards" && mode != "--split-k" && mode != "--chain") {
+      mode != "--det-gemm" && mode != "--shards" && mode != "--split-k" && mode != "--chain" &&
+      mode != "--stream") {
     std::fprintf(stderr,
                  "usage: tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm | --shards "
-                 "| --split-k | --chain]\n");
+                 "| --split-k | --chain | --stream]\n");
     return 2;
   }
   return tpserve::Main(mode == "--m1", mode == "--attention" || mode == "--decode",
                        mode == "--decode", mode == "--det-gemm", mode == "--shards",
-                       mode == "--split-k", mode == "--chain");
+                       mode == "--split-k", mode == "--chain", mode == "--stream");
 }

@@ -337,6 +337,69 @@ TEST_F(CudaOpsTest, GemmSkinnyAllConfigsAndCublasLt) {
   }
 }
 
+// The weight-streaming wgmma GEMM (gemm_stream.cu) in every configuration against the CPU
+// reference: N not a multiple of the 64- or 128-row tile, K not a multiple of the 64-K stage,
+// M from 1 to the configuration's token count, with and without bias, on grids that split every
+// tile over several blocks (stream-K: partial sums in the workspace, added by the last block)
+// and on the full grid; a repeat gives the same bits, and the dispatch (set_stream_max_m) takes
+// the kernel for 2 < M <= 128. Tolerance: the output is one bf16 rounding of an fp32 sum (2^-9
+// relative; 4e-3 relative L2 leaves room for the sum order only).
+TEST_F(CudaOpsTest, StreamGemmEveryConfigAndSplit) {
+  if (!cuda::StreamGemmSupported()) GTEST_SKIP() << "the stream GEMM needs an sm_90 device";
+  struct Shape {
+    int n, k;
+  };
+  for (Shape s : {Shape{200, 1000}, Shape{4096, 1024}, Shape{640, 4104}}) {
+    for (int config = 0; config < cuda::StreamGemmNumConfigs(); ++config) {
+      const int tokens = cuda::StreamGemmConfigTokens(config);
+      for (int m : {1, tokens / 2 + 1, tokens}) {
+        const bool with_bias = (m + config) % 2 == 1;
+        SCOPED_TRACE(testing::Message()
+                     << "N=" << s.n << " K=" << s.k << " M=" << m << " config "
+                     << cuda::StreamGemmConfigName(config) << " bias=" << with_bias);
+        auto x = RandomBf16(rng_, size_t{1} * m * s.k),
+             w = RandomBf16(rng_, size_t{1} * s.n * s.k, 0.05f);
+        auto bias = RandomBf16(rng_, s.n);
+        std::vector<float> want(size_t{1} * m * s.n);
+        Tensor cb = Cpu(bias, {s.n});
+        cpu_->Gemm(Cpu(x, {m, s.k}), Cpu(w, {s.n, s.k}), with_bias ? &cb : nullptr,
+                   Cpu(want, {m, s.n}));
+        Tensor gx = Gpu(x, {m, s.k}), gw = Gpu(w, {s.n, s.k}), gb = Gpu(bias, {s.n});
+        const Tensor* bp = with_bias ? &gb : nullptr;
+        std::vector<float> first;
+        for (int max_grid : {0, 3, 37}) {
+          SCOPED_TRACE(testing::Message() << "max_grid " << max_grid);
+          Tensor out = GpuOut({m, s.n});
+          gpu_->GemmStream(gx, gw, bp, out, config, max_grid);
+          std::vector<float> got = Host(out);
+          EXPECT_LT(RelL2(got, want), 4e-3);
+          if (max_grid == 0) {
+            first = got;
+            out = GpuOut({m, s.n});
+            gpu_->GemmStream(gx, gw, bp, out, config, max_grid);
+            EXPECT_EQ(Host(out), first) << "a repeat gave other bits";
+          }
+        }
+        bufs_.clear();
+      }
+    }
+  }
+  // The dispatch: M = 3 and 100 take the stream GEMM when enabled.
+  const int saved = gpu_->stream_max_m();
+  gpu_->set_stream_max_m(128);
+  for (int m : {3, 100}) {
+    auto x = RandomBf16(rng_, size_t{1} * m * 512),
+         w = RandomBf16(rng_, size_t{1} * 384 * 512, 0.05f);
+    std::vector<float> want(size_t{1} * m * 384);
+    cpu_->Gemm(Cpu(x, {m, 512}), Cpu(w, {384, 512}), nullptr, Cpu(want, {m, 384}));
+    Tensor out = GpuOut({m, 384});
+    ops_->Gemm(Gpu(x, {m, 512}), Gpu(w, {384, 512}), nullptr, out);
+    EXPECT_LT(RelL2(Host(out), want), 4e-3) << "dispatch M=" << m;
+    bufs_.clear();
+  }
+  gpu_->set_stream_max_m(saved);
+}
+
 TEST_F(CudaOpsTest, RopeRotateHalf) {
   for (int head_dim : {128, 64}) {
     BatchMeta m = MakeBatch({{29, 4000}, {1, 7}, {3, 3}}, 16, 300, rng_);

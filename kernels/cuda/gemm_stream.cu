@@ -1,0 +1,523 @@
+// Weight-streaming GEMM for decode batches on Hopper (issue 17): y[M, N] = x[M, K] w[N, K]^T
+// (+ bias), bf16 in and out, fp32 accumulation, for M <= kStreamGemmMaxM.
+//
+// At M = 8-128 a decode step's GEMMs are bound by the weight bytes, and cuBLASLt streams them at
+// 52-83% of the copy rate (kernels/cuda/NOTES.md, "cuBLASLt split-K at decode batch sizes"):
+// its tiles are shaped for the tokens, its grids leave SMs idle on the narrow projections, and
+// its ramp and tail are long at 8-90 MB. Here the weights are the wide operand:
+// - The weight rows are wgmma's M dimension (64 rows a tile, kMT tiles a block) and the tokens
+//   its N dimension (kN = 16, 32, 64 or 128, the batch rounded up): the product is y^T, with
+//   both operands K-major in shared memory, exactly as they lie in global memory.
+// - One producer warp feeds a ring of kStages stages through TMA (128-byte swizzle, 64 K a
+//   stage; the tokens past M and the K past the end read as zeros), one consumer warpgroup runs
+//   the wgmma and releases each stage through an mbarrier.
+// - Stream-K: the (weight tile, 64-K block) pairs, in order, are cut into one contiguous range
+//   per block of a grid that fills the GPU once, so every block streams the same number of
+//   bytes whatever the shape. A tile split over blocks is added up by the last of them to
+//   arrive (a counter per tile): each writes its fp32 partial sums to its own workspace slot,
+//   and the last one adds the slots in block order, so a result does not depend on timing.
+// - The first stages' weights are requested before the programmatic-launch wait (they do not
+//   depend on the previous kernel), the tokens after it.
+#include <cuda.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/gemm_stream.h"
+
+namespace tpserve::cuda {
+namespace {
+
+constexpr int kBK = 64;                    // K a stage: 128 bytes of bf16, one swizzle row
+constexpr int kConsumers = 128;            // one warpgroup
+constexpr int kThreads = kConsumers + 32;  // + the producer warp
+
+struct StreamArgs {
+  __nv_bfloat16* y;
+  const __nv_bfloat16* bias;
+  float* ws;      // [grid * 2] slots of kConsumers * (kMT * kN / 2) floats
+  int* counters;  // [tiles], zero between launches
+  int m, n, k;
+  int tiles, kb, total, grid;
+};
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(SmemAddr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// A 2-D TMA load of the box at (c0 = K, c1 = row) into shared memory, completing on `bar`.
+__device__ __forceinline__ void TmaLoad(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
+                                        int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// wgmma's descriptor of a K-major operand in shared memory written by TMA with the 128-byte
+// swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart (SBO), LBO unused (1).
+__device__ __forceinline__ uint64_t SmemDesc(const void* p) {
+  const uint64_t a = SmemAddr(p);
+  return ((a & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaWaitAll() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+// Keeps the compiler from moving accesses of an accumulator across the asynchronous wgmma.
+__device__ __forceinline__ void FenceReg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+__device__ __forceinline__ void ConsumerBarrier() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory");
+}
+
+// D[64 x kN] += A[64 x 16] B[16 x kN], A and B K-major bf16 in shared memory, D fp32 in registers
+// (thread t of warp w holds rows 16w + t/4 (+ 8), columns 8j + 2(t%4) (+ 1): d[4j + r]).
+template <int kN>
+struct Wgmma;
+
+template <>
+struct Wgmma<16> {
+  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, 1, 1, 1, 0, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7])
+        : "l"(a), "l"(b));
+  }
+};
+
+template <>
+struct Wgmma<32> {
+  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, 1, 1, "
+        "1, 0, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b));
+  }
+};
+
+template <>
+struct Wgmma<64> {
+  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1, 0, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b));
+  }
+};
+
+template <>
+struct Wgmma<128> {
+  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, "
+        "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, "
+        "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1, 0, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+          "+f"(d[63])
+        : "l"(a), "l"(b));
+  }
+};
+
+// The block holding flattened pair i (blocks own [Start(c), Start(c + 1))).
+__device__ __forceinline__ int Start(const StreamArgs& a, int c) {
+  return static_cast<int>(static_cast<long long>(c) * a.total / a.grid);
+}
+__device__ __forceinline__ int BlockOf(const StreamArgs& a, int i) {
+  int c = static_cast<int>(static_cast<long long>(i) * a.grid / a.total);
+  while (c + 1 < a.grid && Start(a, c + 1) <= i) ++c;
+  while (c > 0 && Start(a, c) > i) --c;
+  return c;
+}
+
+// Rounds and stores a tile's sums (+ bias): rows n0 + 64 mt + 16 warp + lane / 4 (+ 8), tokens
+// 8 j + 2 (lane % 4) (+ 1).
+template <int kN, int kMT>
+__device__ __forceinline__ void StoreTile(const StreamArgs& a, const float (&acc)[kMT][kN / 2],
+                                          int n0) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = n0 + 64 * mt + 16 * warp + lane / 4 + 8 * h;
+      if (row >= a.n) continue;
+      const float b = a.bias != nullptr ? __bfloat162float(a.bias[row]) : 0.0f;
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = 8 * j + 2 * (lane % 4) + e;
+          if (tok < a.m) {
+            a.y[static_cast<size_t>(tok) * a.n + row] =
+                __float2bfloat16_rn(acc[mt][4 * j + 2 * h + e] + b);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The end of a segment (a block's run of K blocks inside one tile): store the tile, or leave
+// the partial sums in this block's slot and, if it is the last of the tile's blocks to arrive,
+// add every slot in block order and store.
+template <int kN, int kMT>
+__device__ void FinishSegment(const StreamArgs& a, float (&acc)[kMT][kN / 2], int tile, bool whole,
+                              bool first_segment, int* s_last) {
+  constexpr int kAcc = kMT * kN / 2;
+  const int n0 = tile * 64 * kMT;
+  if (whole) {
+    StoreTile<kN, kMT>(a, acc, n0);
+    return;
+  }
+  const int tid = threadIdx.x;
+  float4* slot = reinterpret_cast<float4*>(
+      a.ws + (static_cast<size_t>(blockIdx.x) * 2 + (first_segment ? 0 : 1)) * kConsumers * kAcc);
+  float* flat = &acc[0][0];
+#pragma unroll
+  for (int i = 0; i < kAcc / 4; ++i) {
+    slot[i * kConsumers + tid] =
+        make_float4(flat[4 * i], flat[4 * i + 1], flat[4 * i + 2], flat[4 * i + 3]);
+  }
+  __threadfence();
+  ConsumerBarrier();
+  const int c0 = BlockOf(a, tile * a.kb), c1 = BlockOf(a, tile * a.kb + a.kb - 1);
+  if (tid == 0) *s_last = atomicAdd(&a.counters[tile], 1) == c1 - c0;
+  ConsumerBarrier();
+  if (!*s_last) return;
+  __threadfence();
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) flat[i] = 0.0f;
+  for (int c = c0; c <= c1; ++c) {
+    const int s = Start(a, c) / a.kb == tile ? 0 : 1;
+    const float4* src = reinterpret_cast<const float4*>(a.ws + (static_cast<size_t>(c) * 2 + s) *
+                                                                   kConsumers * kAcc);
+#pragma unroll
+    for (int i = 0; i < kAcc / 4; ++i) {
+      const float4 v = __ldcg(src + i * kConsumers + tid);
+      flat[4 * i] += v.x;
+      flat[4 * i + 1] += v.y;
+      flat[4 * i + 2] += v.z;
+      flat[4 * i + 3] += v.w;
+    }
+  }
+  StoreTile<kN, kMT>(a, acc, n0);
+  if (tid == 0) a.counters[tile] = 0;
+}
+
+template <int kN, int kMT, int kStages>
+__global__ void __launch_bounds__(kThreads)
+    StreamGemmKernel(const __grid_constant__ CUtensorMap wmap,
+                     const __grid_constant__ CUtensorMap xmap, StreamArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kABytes = kMT * 64 * 128;
+  constexpr int kStageBytes = kABytes + kN * 128;
+  extern __shared__ uint8_t smem_raw[];
+  // The 128-byte swizzle repeats every 1024 bytes: stages start on 1024-byte boundaries.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~static_cast<uintptr_t>(1023));
+  __shared__ __align__(8) uint64_t full[kStages];
+  __shared__ __align__(8) uint64_t empty[kStages];
+  __shared__ int s_last;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&full[s], 1);
+      MbarInit(&empty[s], kConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  PdlLaunchDependents();
+  const int begin = Start(a, blockIdx.x), count = Start(a, blockIdx.x + 1) - begin;
+
+  if (tid >= kConsumers) {
+    if (tid != kConsumers) return;
+    // Producer. The first stages' weights go out before the previous kernel has finished.
+    const int pre = min(kStages, count);
+    for (int i = 0; i < pre; ++i) {
+      const int it = begin + i;
+      MbarExpectTx(&full[i], kStageBytes);
+      TmaLoad(smem + i * kStageBytes, &wmap, &full[i], (it % a.kb) * kBK, (it / a.kb) * 64 * kMT);
+    }
+    PdlWait();
+    for (int i = 0; i < pre; ++i) {
+      TmaLoad(smem + i * kStageBytes + kABytes, &xmap, &full[i], ((begin + i) % a.kb) * kBK, 0);
+    }
+    for (int i = pre; i < count; ++i) {
+      const int s = i % kStages, it = begin + i;
+      MbarWait(&empty[s], ((i / kStages) & 1) ^ 1);
+      MbarExpectTx(&full[s], kStageBytes);
+      TmaLoad(smem + s * kStageBytes, &wmap, &full[s], (it % a.kb) * kBK, (it / a.kb) * 64 * kMT);
+      TmaLoad(smem + s * kStageBytes + kABytes, &xmap, &full[s], (it % a.kb) * kBK, 0);
+    }
+    return;
+  }
+
+  // Consumer warpgroup.
+  PdlWait();
+  float acc[kMT][kN / 2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) acc[mt][i] = 0.0f;
+  }
+  int seg_begin = begin;
+  for (int i = 0; i < count; ++i) {
+    const int s = i % kStages, it = begin + i;
+    MbarWait(&full[s], (i / kStages) & 1);
+    const uint8_t* stage = smem + s * kStageBytes;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int j = 0; j < kN / 2; ++j) FenceReg(acc[mt][j]);
+    }
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk) {
+      const uint64_t b = SmemDesc(stage + kABytes + kk * 32);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        Wgmma<kN>::Run(acc[mt], SmemDesc(stage + mt * 64 * 128 + kk * 32), b);
+      }
+    }
+    WgmmaCommit();
+    WgmmaWaitAll();
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int j = 0; j < kN / 2; ++j) FenceReg(acc[mt][j]);
+    }
+    MbarArrive(&empty[s]);
+    const int kblk = it % a.kb;
+    if (kblk == a.kb - 1 || i == count - 1) {
+      const bool whole = seg_begin % a.kb == 0 && kblk == a.kb - 1;
+      FinishSegment<kN, kMT>(a, acc, it / a.kb, whole, seg_begin == begin, &s_last);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < kN / 2; ++j) acc[mt][j] = 0.0f;
+      }
+      seg_begin = it + 1;
+    }
+  }
+#else
+  __trap();  // built for sm_90a only (StreamGemmFits checks the device)
+#endif
+}
+
+// cuTensorMapEncodeTiled, from the driver through the runtime (no link against libcuda).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiledFn EncodeTiled() {
+  static EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    TP_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                   cudaEnableDefault, &q));
+    TP_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr)
+        << "cuTensorMapEncodeTiled is not available from the driver";
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  return fn;
+}
+
+// A row-major bf16 matrix [rows, cols] read in boxes of [box_rows, 64] with the 128-byte swizzle
+// (rows past the end and columns past `cols` read as zeros).
+CUtensorMap MakeMap(const void* data, int64_t rows, int64_t cols, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  const cuuint32_t box[2] = {kBK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r =
+      EncodeTiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(data), dims,
+                    strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TP_CHECK(r == CUDA_SUCCESS) << "cuTensorMapEncodeTiled failed (" << static_cast<int>(r)
+                              << ") for a [" << rows << ", " << cols << "] bf16 matrix";
+  return map;
+}
+
+struct Config {
+  int n_tok, mt, stages;
+};
+// The configurations tpserve-cuda-bench --stream compares; StreamGemmAutoConfig picks by M.
+constexpr Config kConfigs[] = {
+    {16, 2, 6}, {32, 2, 5},  {64, 2, 4}, {128, 2, 6},  // auto's choices
+    {16, 1, 8}, {32, 1, 8},  {64, 1, 6}, {128, 1, 4},  // one 64-row tile a block
+    {64, 2, 8}, {16, 2, 10},                           // deeper rings (one block an SM)
+};
+
+template <int kN, int kMT, int kStages>
+void LaunchConfig(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                  const StreamGemmWorkspace& ws, cudaStream_t stream, int max_grid) {
+  const int64_t n = w.dim(0), k = w.dim(1), m = x.numel() / k;
+  constexpr int kStageBytes = kMT * 64 * 128 + kN * 128;
+  constexpr size_t kSmem = size_t{kStages} * kStageBytes + 1024;
+  auto kernel = StreamGemmKernel<kN, kMT, kStages>;
+  static int per_sm = [&] {
+    TP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kSmem)));
+    int blocks = 0;
+    TP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, kSmem));
+    TP_CHECK(blocks > 0) << "stream GEMM config does not fit an SM";
+    return blocks;
+  }();
+  StreamArgs a{};
+  a.y = static_cast<__nv_bfloat16*>(y.data);
+  a.bias = bias != nullptr ? static_cast<const __nv_bfloat16*>(bias->data) : nullptr;
+  a.ws = ws.partials;
+  a.counters = ws.counters;
+  a.m = static_cast<int>(m);
+  a.n = static_cast<int>(n);
+  a.k = static_cast<int>(k);
+  a.tiles = static_cast<int>(CeilDiv(n, 64 * kMT));
+  a.kb = static_cast<int>(CeilDiv(k, kBK));
+  a.total = a.tiles * a.kb;
+  int grid = std::min(ws.num_sms * per_sm, ws.max_grid);
+  if (max_grid > 0) grid = std::min(grid, max_grid);
+  a.grid = std::min(grid, a.total);
+  TP_CHECK(a.tiles <= ws.max_tiles)
+      << "stream GEMM: " << a.tiles << " tiles, counters for " << ws.max_tiles;
+  TP_CHECK(size_t{kConsumers} * kMT * kN / 2 <= ws.slot_floats) << "stream GEMM: slot too small";
+  const CUtensorMap wmap = MakeMap(w.data, n, k, 64 * kMT);
+  const CUtensorMap xmap = MakeMap(x.data, m, k, kN);
+  LaunchPdl(kernel, dim3(a.grid), dim3(kThreads), kSmem, stream, wmap, xmap, a);
+}
+
+template <int kI>
+void LaunchIndexed(int index, const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                   const StreamGemmWorkspace& ws, cudaStream_t stream, int max_grid) {
+  if constexpr (kI < static_cast<int>(std::size(kConfigs))) {
+    if (index == kI) {
+      constexpr Config c = kConfigs[kI];
+      LaunchConfig<c.n_tok, c.mt, c.stages>(x, w, bias, y, ws, stream, max_grid);
+    } else {
+      LaunchIndexed<kI + 1>(index, x, w, bias, y, ws, stream, max_grid);
+    }
+  }
+}
+
+}  // namespace
+
+int StreamGemmNumConfigs() { return static_cast<int>(std::size(kConfigs)); }
+
+std::string StreamGemmConfigName(int config) {
+  TP_CHECK(config >= 0 && config < StreamGemmNumConfigs()) << "stream GEMM config " << config;
+  const Config& c = kConfigs[config];
+  return "n" + std::to_string(c.n_tok) + " x" + std::to_string(64 * c.mt) + " rows, " +
+         std::to_string(c.stages) + " stages";
+}
+
+int StreamGemmConfigTokens(int config) {
+  TP_CHECK(config >= 0 && config < StreamGemmNumConfigs()) << "stream GEMM config " << config;
+  return kConfigs[config].n_tok;
+}
+
+int StreamGemmAutoConfig(int64_t m) {
+  for (int i = 0; i < 4; ++i) {
+    if (m <= kConfigs[i].n_tok) return i;
+  }
+  return -1;
+}
+
+bool StreamGemmSupported() {
+  static const bool ok = [] {
+    int device = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      return false;
+    }
+    return major == 9 && minor == 0;  // sm_90a code
+  }();
+  return ok;
+}
+
+bool StreamGemmFits(const Tensor& x, const Tensor& w, const Tensor& y) {
+  const int64_t k = w.dim(-1);
+  if (w.dtype != DType::kBF16 || x.dtype != DType::kBF16 || y.dtype != DType::kBF16) return false;
+  if (k <= 0 || k % 8 != 0 || x.dim(-1) != k) return false;
+  const int64_t m = x.numel() / k;
+  if (m < 1 || m > kStreamGemmMaxM || w.dim(0) > (int64_t{1} << 30)) return false;
+  for (const void* p : {x.data, w.data, y.data}) {
+    if ((reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
+  }
+  return StreamGemmSupported();
+}
+
+void LaunchStreamGemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                      const StreamGemmWorkspace& ws, cudaStream_t stream, int config,
+                      int max_grid) {
+  const int64_t k = w.dim(-1);
+  const int64_t m = k == 0 ? 0 : x.numel() / k;
+  TP_CHECK(StreamGemmFits(x, w, y)) << "stream GEMM: x " << x.ShapeString() << " w "
+                                    << w.ShapeString() << " y " << y.ShapeString();
+  TP_CHECK(y.numel() == m * w.dim(0)) << "stream GEMM: y " << y.ShapeString();
+  TP_CHECK(bias == nullptr || (bias->numel() == w.dim(0) && bias->dtype == DType::kBF16))
+      << "stream GEMM: bias " << bias->ShapeString();
+  if (config < 0) config = StreamGemmAutoConfig(m);
+  TP_CHECK(config >= 0 && config < StreamGemmNumConfigs() && m <= kConfigs[config].n_tok)
+      << "stream GEMM config " << config << " for M=" << m;
+  LaunchIndexed<0>(config, x, w, bias, y, ws, stream, max_grid);
+}
+
+}  // namespace tpserve::cuda
