@@ -152,19 +152,8 @@ CudaOps::CudaOps(int device) : device_(device) {
   const size_t record_bytes = sizeof(unsigned long long) * cuda::kNormRecordWords * kMaxNormRecords;
   TP_CUDA_CHECK(cudaMalloc(&norm_records_, record_bytes));
   TP_CUDA_CHECK(cudaMemset(norm_records_, 0, record_bytes));
-  if (cuda::StreamGemmSupported()) {
-    int sms = 0;
-    TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    stream_ws_.num_sms = sms;
-    stream_ws_.max_grid = sms * cuda::kStreamGemmBlocksPerSm;
-    stream_ws_.slot_floats = cuda::kStreamGemmSlotFloats;
-    stream_ws_.max_tiles = cuda::kStreamGemmMaxTiles;
-    TP_CUDA_CHECK(cudaMalloc(&stream_ws_.partials,
-                             sizeof(float) * 2 * stream_ws_.max_grid * stream_ws_.slot_floats));
-    TP_CUDA_CHECK(cudaMalloc(&stream_ws_.counters, sizeof(int) * stream_ws_.max_tiles));
-    TP_CUDA_CHECK(cudaMemset(stream_ws_.counters, 0, sizeof(int) * stream_ws_.max_tiles));
-    set_stream_max_m(static_cast<int>(EnvInt(env::kStreamGemmMaxM)));
-  }
+  // The stream GEMM's workspace is allocated when it is first enabled (set_stream_max_m).
+  if (cuda::StreamGemmSupported()) set_stream_max_m(static_cast<int>(EnvInt(env::kStreamGemmMaxM)));
 }
 
 CudaOps::~CudaOps() {
@@ -493,7 +482,23 @@ void CudaOps::set_skinny_max_m(int m) {
 
 void CudaOps::set_stream_max_m(int m) {
   TP_CHECK(m >= 0 && m <= cuda::kStreamGemmMaxM) << "stream_max_m " << m;
+  if (m > 0 && cuda::StreamGemmSupported()) AllocateStreamWorkspace();
   stream_max_m_ = stream_ws_.partials != nullptr ? m : 0;
+}
+
+void CudaOps::AllocateStreamWorkspace() {
+  if (stream_ws_.partials != nullptr) return;
+  EnsureNotCapturing("allocating the stream GEMM workspace");
+  int sms = 0;
+  TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+  stream_ws_.num_sms = sms;
+  stream_ws_.max_grid = sms * cuda::kStreamGemmBlocksPerSm;
+  stream_ws_.slot_floats = cuda::kStreamGemmSlotFloats;
+  stream_ws_.max_tiles = cuda::kStreamGemmMaxTiles;
+  TP_CUDA_CHECK(cudaMalloc(&stream_ws_.partials,
+                           sizeof(float) * 2 * stream_ws_.max_grid * stream_ws_.slot_floats));
+  TP_CUDA_CHECK(cudaMalloc(&stream_ws_.counters, sizeof(int) * stream_ws_.max_tiles));
+  TP_CUDA_CHECK(cudaMemset(stream_ws_.counters, 0, sizeof(int) * stream_ws_.max_tiles));
 }
 
 void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) {
@@ -534,7 +539,8 @@ void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor 
 
 void CudaOps::GemmStream(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, int config,
                          int max_grid) {
-  TP_CHECK(stream_ws_.partials != nullptr) << "the stream GEMM needs an sm_90 device";
+  TP_CHECK(cuda::StreamGemmSupported()) << "the stream GEMM needs an sm_90 device";
+  AllocateStreamWorkspace();
   cuda::LaunchStreamGemm(x, w, bias, y, stream_ws_, stream_, config, max_grid);
 }
 

@@ -214,7 +214,8 @@ class CudaOps final : public Ops {
   // Decode batches of skinny_max_m_ < M <= stream_max_m_ run the weight-streaming wgmma GEMM
   // (gemm_stream.h) instead of cuBLASLt (TPSERVE_STREAM_GEMM_MAX_M; 0 on other devices).
   int stream_max_m_ = 0;
-  cuda::StreamGemmWorkspace stream_ws_;
+  cuda::StreamGemmWorkspace stream_ws_;  // allocated on first use (35 MB on an H200)
+  void AllocateStreamWorkspace();
   bool fused_skinny_ = true;
   bool fused_norm_ = true;
   // Deterministic mode with cuBLASLt's fixed algorithm: decode GEMMs (M <= kChainGemvMaxM) run
