@@ -84,6 +84,7 @@ struct Engine::Seq {
   std::vector<int32_t> blocks;
   GenerateResult result;
   bool done = false;
+  int pending = 0;  // launched steps sampling its next token whose ids are not applied yet
 };
 
 Engine::~Engine() {
@@ -253,6 +254,9 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
   std::vector<std::optional<InFlight>> inflight(k);
   std::vector<uint64_t> finished_ids;  // told to the runner in the next plan
   DeviceBuffer ids_buffer(ops_, sizeof(int32_t) * std::max(1, options_.model.max_batch_seqs));
+  // A step's time runs from its launch, or from the end of the step it queued behind (a step
+  // launched ahead), whichever is later.
+  auto last_finish = std::chrono::steady_clock::now();
 
   // Applies the sampled ids of group g's step in flight (receiving them if not the last stage).
   auto finish = [&](int g) -> absl::Status {
@@ -265,13 +269,21 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
       // A stream-ordered Recv that gave up left garbage: ask before using the ids.
       TP_RETURN_IF_ERROR(pp->Health());
     }
+    const auto now = std::chrono::steady_clock::now();
     const double step_ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - f.start)
-            .count();
+        std::chrono::duration<double, std::milli>(now - std::max(f.start, last_finish)).count();
+    last_finish = now;
     int logprob_row = 0;
     for (size_t i = 0; i < f.sampled.size(); ++i) {
       Seq& s = *f.sampled[i];
       const int32_t id = f.ids[i];
+      s.pending = std::max(0, s.pending - 1);
+      if (s.done) {
+        // Ended (a stop token) in the step before, which finished after this one was launched:
+        // the token sampled past its end is dropped.
+        if (last_stage && s.req->sampling.logprobs >= 0) ++logprob_row;
+        continue;
+      }
       s.result.step_ms.push_back(step_ms);
       s.result.step_tokens.push_back(f.num_tokens);
       s.tokens.push_back(id);
@@ -304,6 +316,103 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
   };
 
   uint64_t step_id = 0;
+  if (k == 1 && runner_->launch_ahead()) {
+    // One step ahead (pp = 1): the next plan is built and launched while the step before it
+    // still runs; a sequence whose last token is not on the host yet continues with
+    // feed_last_sampled (its id is fed on the device). A sequence that stops on a token of the
+    // step in flight has one more token computed, dropped by finish.
+    std::optional<InFlight> cur;
+    // Finishes the step in flight: its result from the runner, then finish's bookkeeping.
+    auto finish_cur = [&]() -> absl::Status {
+      inflight[0] = std::move(*cur);
+      cur.reset();
+      TP_ASSIGN_OR_RETURN(inflight[0]->result, runner_->Finish());
+      if (last_stage) {
+        inflight[0]->ids.assign(inflight[0]->result.token_ids().begin(),
+                                inflight[0]->result.token_ids().end());
+      }
+      return finish(0);
+    };
+    for (;;) {
+      worker::StepPlan plan;
+      plan.set_step_id(step_id + 1);
+      plan.mutable_finished_seq_ids()->Assign(finished_ids.begin(), finished_ids.end());
+      InFlight f;
+      int budget = options_.model.max_batch_tokens;
+      for (Seq& s : seqs) {
+        if (s.done || budget == 0) continue;
+        if (static_cast<int>(f.sampled.size()) >= options_.model.max_batch_seqs) break;
+        const bool fed = s.pending > 0;
+        if (fed &&
+            static_cast<int>(s.result.output_ids.size()) + s.pending >= s.req->max_new_tokens) {
+          continue;  // the token in flight is its last
+        }
+        // A fed sequence computes the token in flight, at position tokens.size().
+        const size_t begin = fed ? s.tokens.size() : s.computed;
+        const size_t chunk = fed ? 1 : std::min<size_t>(s.tokens.size() - s.computed, budget);
+        const size_t end = begin + chunk;
+        const size_t need_blocks = (end + bs - 1) / bs;
+        if (need_blocks > s.blocks.size() &&
+            !pool.Allocate(static_cast<int>(need_blocks - s.blocks.size()), s.blocks)) {
+          return absl::InternalError("KV block pool exhausted despite the admission check");
+        }
+        worker::SeqStep* step = plan.add_seqs();
+        step->set_seq_id(s.id);
+        step->set_start_pos(static_cast<int32_t>(begin));
+        if (fed) {
+          step->add_token_ids(0);
+          step->set_feed_last_sampled(true);
+        } else {
+          step->mutable_token_ids()->Assign(s.tokens.begin() + begin, s.tokens.begin() + end);
+        }
+        step->mutable_block_table()->Assign(s.blocks.begin(), s.blocks.end());
+        budget -= static_cast<int>(chunk);
+        f.num_tokens += static_cast<int>(chunk);
+        s.computed = end;
+        if (fed || end == s.tokens.size()) {
+          step->set_sample(true);
+          const SamplingParams& p = s.req->sampling;
+          worker::Sampling* sp_out = step->mutable_sampling();
+          sp_out->set_temperature(p.temperature);
+          sp_out->set_top_p(p.top_p);
+          sp_out->set_top_k(p.top_k);
+          sp_out->set_seed(p.seed);
+          sp_out->set_repetition_penalty(p.repetition_penalty);
+          if (p.logprobs >= 0) sp_out->set_logprobs(p.logprobs);
+          f.sampled.push_back(&s);
+        }
+      }
+      if (cur && (plan.seqs_size() == 0 || !runner_->CanLaunchAhead(plan))) {
+        // Nothing to go ahead with, or a step that needs the ids on the host: undo the plan
+        // (its blocks stay with their sequences), finish the step in flight and plan again
+        // from what it sampled.
+        for (const worker::SeqStep& st : plan.seqs()) {
+          for (Seq& s : seqs) {
+            if (s.id == st.seq_id()) s.computed = static_cast<size_t>(st.start_pos());
+          }
+        }
+        TP_RETURN_IF_ERROR(finish_cur());
+        continue;
+      }
+      if (plan.seqs_size() == 0) break;
+      ++step_id;
+      finished_ids.clear();
+      f.start = std::chrono::steady_clock::now();
+      const bool record = std::any_of(f.sampled.begin(), f.sampled.end(),
+                                      [](Seq* s) { return s->req->record_logits; });
+      std::vector<std::vector<float>> logits;
+      TP_RETURN_IF_ERROR(runner_->Launch(plan, record ? &logits : nullptr));
+      for (Seq* sp : f.sampled) ++sp->pending;
+      for (size_t i = 0; i < f.sampled.size() && record; ++i) {
+        if (f.sampled[i]->req->record_logits) {
+          f.sampled[i]->result.step_logits.push_back(std::move(logits.at(i)));
+        }
+      }
+      // The step before: its ids while this one waits behind it on the device.
+      if (cur) TP_RETURN_IF_ERROR(finish_cur());
+      cur = std::move(f);
+    }
+  }
   for (bool progress = true; progress;) {
     progress = false;
     for (int g = 0; g < k; ++g) {

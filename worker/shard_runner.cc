@@ -128,7 +128,12 @@ absl::StatusOr<std::unique_ptr<ShardRunner>> ShardRunner::Create(
   // Launching ahead needs the fed ids where the next forward reads them without the host: one
   // pipeline stage (a later stage would need them from the last one) and, at tp > 1, every rank
   // sampling for itself (not the host-staged broadcast).
-  const std::string ahead = EnvString(env::kLaunchAhead);
+  const std::string ahead =
+      options.launch_ahead.empty() ? EnvString(env::kLaunchAhead) : options.launch_ahead;
+  if (ahead != "auto" && ahead != "1" && ahead != "0") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("launch_ahead must be auto, 1 or 0, not '", ahead, "'"));
+  }
   r->launch_ahead_ = ahead != "0" && plan.pp == 1 && (plan.tp == 1 || r->every_tp_rank_samples_) &&
                      (ahead == "1" || ops->AsyncSampling());
   if (plan.tp > 1) {
@@ -408,6 +413,7 @@ absl::Status ShardRunner::Launch(const worker::StepPlan& plan,
                                             "not be (CanLaunchAhead)"));
   }
   InFlight* ahead_of = in_flight_.empty() ? nullptr : &in_flight_.back();
+  steps_ahead_ += ahead_of != nullptr;
   TP_ASSIGN_OR_RETURN(BatchMeta meta, MakeBatch(plan, cache_->block_size(), cache_->num_blocks()));
   if (samples_) {
     for (uint64_t id : plan.finished_seq_ids()) {

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -50,6 +51,9 @@ struct ShardRunnerOptions {
   // Deterministic mode (--deterministic, Ops::SetDeterministic): a token's result does not
   // depend on the rest of the batch. Set on the ops before anything is sized.
   bool deterministic = false;
+  // Launching a step before the one in flight has finished (ShardRunner::CanLaunchAhead):
+  // "auto", "1" or "0" as TPSERVE_LAUNCH_AHEAD, which an empty value defers to.
+  std::string launch_ahead;
 };
 
 class ShardRunner {
@@ -97,6 +101,8 @@ class ShardRunner {
   // repetition penalty (it needs the previous token on the host).
   bool CanLaunchAhead(const worker::StepPlan& plan) const;
   bool launch_ahead() const { return launch_ahead_; }
+  // Steps launched while another was in flight (Launch), since the runner was created.
+  int64_t steps_launched_ahead() const { return steps_ahead_; }
 
   // One forward over `meta`, whose block tables are already filled: a CUDA graph replay when
   // `graphs` and UsesGraphs(meta), else the eager forward (op profiles time the eager one).
@@ -172,7 +178,8 @@ class ShardRunner {
   std::map<uint64_t, int32_t> last_sampled_;
   std::unique_ptr<DeviceBuffer> feed_ids_;  // the fed ids, broadcast inside the TP group
   bool launch_ahead_ = false;               // CanLaunchAhead's switch
-  std::deque<InFlight> in_flight_;          // launched, not finished; oldest first
+  int64_t steps_ahead_ = 0;
+  std::deque<InFlight> in_flight_;  // launched, not finished; oldest first
 };
 
 }  // namespace tpserve
