@@ -25,6 +25,7 @@
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gemm_stream.h"
+#include "kernels/cuda/stream_k.h"
 
 namespace tpserve::cuda {
 namespace {
@@ -39,7 +40,7 @@ struct StreamArgs {
   float* ws;      // [grid * 2] slots of kConsumers * (kMT * kN / 2) floats
   int* counters;  // [tiles], zero between launches
   int m, n, k;
-  int tiles, kb, total, grid;
+  StreamKPlan plan;
 };
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
@@ -174,17 +175,6 @@ struct Wgmma<128> {
   }
 };
 
-// The block holding flattened pair i (blocks own [Start(c), Start(c + 1))).
-__device__ __forceinline__ int Start(const StreamArgs& a, int c) {
-  return static_cast<int>(static_cast<long long>(c) * a.total / a.grid);
-}
-__device__ __forceinline__ int BlockOf(const StreamArgs& a, int i) {
-  int c = static_cast<int>(static_cast<long long>(i) * a.grid / a.total);
-  while (c + 1 < a.grid && Start(a, c + 1) <= i) ++c;
-  while (c > 0 && Start(a, c) > i) --c;
-  return c;
-}
-
 // Rounds and stores a tile's sums (+ bias): rows n0 + 64 mt + 16 warp + lane / 4 (+ 8), tokens
 // 8 j + 2 (lane % 4) (+ 1).
 template <int kN, int kMT>
@@ -218,7 +208,7 @@ __device__ __forceinline__ void StoreTile(const StreamArgs& a, const float (&acc
 // add every slot in block order and store.
 template <int kN, int kMT>
 __device__ void FinishSegment(const StreamArgs& a, float (&acc)[kMT][kN / 2], int tile, bool whole,
-                              bool first_segment, int* s_last) {
+                              int* s_last) {
   constexpr int kAcc = kMT * kN / 2;
   const int n0 = tile * 64 * kMT;
   if (whole) {
@@ -227,7 +217,8 @@ __device__ void FinishSegment(const StreamArgs& a, float (&acc)[kMT][kN / 2], in
   }
   const int tid = threadIdx.x;
   float4* slot = reinterpret_cast<float4*>(
-      a.ws + (static_cast<size_t>(blockIdx.x) * 2 + (first_segment ? 0 : 1)) * kConsumers * kAcc);
+      a.ws + (static_cast<size_t>(blockIdx.x) * 2 + StreamKSlot(a.plan, blockIdx.x, tile)) *
+                 kConsumers * kAcc);
   float* flat = &acc[0][0];
 #pragma unroll
   for (int i = 0; i < kAcc / 4; ++i) {
@@ -236,7 +227,8 @@ __device__ void FinishSegment(const StreamArgs& a, float (&acc)[kMT][kN / 2], in
   }
   __threadfence();
   ConsumerBarrier();
-  const int c0 = BlockOf(a, tile * a.kb), c1 = BlockOf(a, tile * a.kb + a.kb - 1);
+  const int kb = a.plan.kb;
+  const int c0 = StreamKBlockOf(a.plan, tile * kb), c1 = StreamKBlockOf(a.plan, tile * kb + kb - 1);
   if (tid == 0) *s_last = atomicAdd(&a.counters[tile], 1) == c1 - c0;
   ConsumerBarrier();
   if (!*s_last) return;
@@ -244,7 +236,7 @@ __device__ void FinishSegment(const StreamArgs& a, float (&acc)[kMT][kN / 2], in
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) flat[i] = 0.0f;
   for (int c = c0; c <= c1; ++c) {
-    const int s = Start(a, c) / a.kb == tile ? 0 : 1;
+    const int s = StreamKSlot(a.plan, c, tile);
     const float4* src = reinterpret_cast<const float4*>(a.ws + (static_cast<size_t>(c) * 2 + s) *
                                                                    kConsumers * kAcc);
 #pragma unroll
@@ -284,7 +276,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   PdlLaunchDependents();
-  const int begin = Start(a, blockIdx.x), count = Start(a, blockIdx.x + 1) - begin;
+  const StreamKPlan& plan = a.plan;
+  const int begin = StreamKStart(plan, blockIdx.x);
+  const int count = StreamKStart(plan, blockIdx.x + 1) - begin;
 
   if (tid >= kConsumers) {
     if (tid != kConsumers) return;
@@ -293,18 +287,20 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < pre; ++i) {
       const int it = begin + i;
       MbarExpectTx(&full[i], kStageBytes);
-      TmaLoad(smem + i * kStageBytes, &wmap, &full[i], (it % a.kb) * kBK, (it / a.kb) * 64 * kMT);
+      TmaLoad(smem + i * kStageBytes, &wmap, &full[i], (it % plan.kb) * kBK,
+              (it / plan.kb) * 64 * kMT);
     }
     PdlWait();
     for (int i = 0; i < pre; ++i) {
-      TmaLoad(smem + i * kStageBytes + kABytes, &xmap, &full[i], ((begin + i) % a.kb) * kBK, 0);
+      TmaLoad(smem + i * kStageBytes + kABytes, &xmap, &full[i], ((begin + i) % plan.kb) * kBK, 0);
     }
     for (int i = pre; i < count; ++i) {
       const int s = i % kStages, it = begin + i;
       MbarWait(&empty[s], ((i / kStages) & 1) ^ 1);
       MbarExpectTx(&full[s], kStageBytes);
-      TmaLoad(smem + s * kStageBytes, &wmap, &full[s], (it % a.kb) * kBK, (it / a.kb) * 64 * kMT);
-      TmaLoad(smem + s * kStageBytes + kABytes, &xmap, &full[s], (it % a.kb) * kBK, 0);
+      TmaLoad(smem + s * kStageBytes, &wmap, &full[s], (it % plan.kb) * kBK,
+              (it / plan.kb) * 64 * kMT);
+      TmaLoad(smem + s * kStageBytes + kABytes, &xmap, &full[s], (it % plan.kb) * kBK, 0);
     }
     return;
   }
@@ -344,10 +340,10 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < kN / 2; ++j) FenceReg(acc[mt][j]);
     }
     MbarArrive(&empty[s]);
-    const int kblk = it % a.kb;
-    if (kblk == a.kb - 1 || i == count - 1) {
-      const bool whole = seg_begin % a.kb == 0 && kblk == a.kb - 1;
-      FinishSegment<kN, kMT>(a, acc, it / a.kb, whole, seg_begin == begin, &s_last);
+    const int kblk = it % plan.kb;
+    if (kblk == plan.kb - 1 || i == count - 1) {
+      const bool whole = seg_begin % plan.kb == 0 && kblk == plan.kb - 1;
+      FinishSegment<kN, kMT>(a, acc, it / plan.kb, whole, &s_last);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -429,18 +425,15 @@ void LaunchConfig(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y
   a.m = static_cast<int>(m);
   a.n = static_cast<int>(n);
   a.k = static_cast<int>(k);
-  a.tiles = static_cast<int>(CeilDiv(n, 64 * kMT));
-  a.kb = static_cast<int>(CeilDiv(k, kBK));
-  a.total = a.tiles * a.kb;
   int grid = std::min(ws.num_sms * per_sm, ws.max_grid);
   if (max_grid > 0) grid = std::min(grid, max_grid);
-  a.grid = std::min(grid, a.total);
-  TP_CHECK(a.tiles <= ws.max_tiles)
-      << "stream GEMM: " << a.tiles << " tiles, counters for " << ws.max_tiles;
+  a.plan = MakeStreamKPlan(CeilDiv(n, 64 * kMT), CeilDiv(k, kBK), grid);
+  TP_CHECK(a.plan.tiles <= ws.max_tiles)
+      << "stream GEMM: " << a.plan.tiles << " tiles, counters for " << ws.max_tiles;
   TP_CHECK(size_t{kConsumers} * kMT * kN / 2 <= ws.slot_floats) << "stream GEMM: slot too small";
   const CUtensorMap wmap = MakeMap(w.data, n, k, 64 * kMT);
   const CUtensorMap xmap = MakeMap(x.data, m, k, kN);
-  LaunchPdl(kernel, dim3(a.grid), dim3(kThreads), kSmem, stream, wmap, xmap, a);
+  LaunchPdl(kernel, dim3(a.plan.grid), dim3(kThreads), kSmem, stream, wmap, xmap, a);
 }
 
 template <int kI>
