@@ -265,9 +265,11 @@ absl::Status Serve(ControlClient& client, int rank, int world_size, bool mpi, MP
       if (launched.empty()) {
         got = client.Read(&msg) ? ControlClient::ReadResult::kMessage
                                 : ControlClient::ReadResult::kEnded;
-      } else if (runner->OldestReady() &&
-                 (!hold_reports || std::chrono::steady_clock::now() - launched.front().launched >
-                                       std::chrono::milliseconds(2))) {
+      } else if (!runner->launch_ahead() ||
+                 (runner->OldestReady() &&
+                  (!hold_reports || std::chrono::steady_clock::now() - launched.front().launched >
+                                        std::chrono::milliseconds(2)))) {
+        // Without launching ahead nothing can use the wait: block on the step's end as before.
         TP_RETURN_IF_ERROR(report_oldest());
       } else {
         got = client.ReadFor(&msg, std::chrono::microseconds(20));
