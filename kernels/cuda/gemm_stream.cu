@@ -59,9 +59,13 @@ __device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
 __device__ __forceinline__ void MbarArrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
 }
+// Every wait has a deadline: a stage that never completes (a TMA fault, a bug in the ring)
+// traps after ~2^26 polls (seconds: try_wait suspends the thread for a while each time) instead
+// of hanging the stream.
 __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
+  uint32_t done = 0, polls = 0;
   do {
+    if (++polls == (1u << 26)) __trap();
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
         " selp.u32 %0, 1, 0, p;\n}\n"
