@@ -302,7 +302,15 @@ absl::Status Main(const std::vector<std::string>& args) {
                         ProfileEngineOps(*engine, options.block_size,
                                          DefaultOpProfileScenarios(static_cast<int>(prefill_len))));
   }
-  out["peak_device_memory_GB"] = DeviceMemoryInUse() / 1e9;
+  // Device memory in use (a CUDA build run on the CPU, e.g. on a machine without a GPU, has none).
+  out["peak_device_memory_GB"] = device == "cuda" ? DeviceMemoryInUse() / 1e9 : 0.0;
+  // Whether steps were launched before the previous one finished (TPSERVE_LAUNCH_AHEAD), so
+  // that an A/B run shows which path it measured.
+  out["launch_ahead"] = engine->runner().launch_ahead();
+  out["steps_launched_ahead"] = engine->runner().steps_launched_ahead();
+  std::fprintf(stderr, "launch ahead: %s, %lld steps launched ahead\n",
+               engine->runner().launch_ahead() ? "on" : "off",
+               static_cast<long long>(engine->runner().steps_launched_ahead()));
   const std::string json_path = a.GetOr("json", "");
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
   std::cout << out.dump() << std::endl;
