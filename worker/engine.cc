@@ -315,6 +315,51 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
     return absl::OkStatus();
   };
 
+  // Adds sequence s's next piece of work to `plan` and moves s.computed past it: its next chunk
+  // of at most `budget` tokens, or, while a step in flight samples its next token (launching
+  // ahead), that token, fed on the device (nothing when that token is its last).
+  auto plan_seq = [&](Seq& s, worker::StepPlan& plan, InFlight& f, int& budget) -> absl::Status {
+    const bool fed = s.pending > 0;
+    if (fed && static_cast<int>(s.result.output_ids.size()) + s.pending >= s.req->max_new_tokens) {
+      return absl::OkStatus();  // the token in flight is its last
+    }
+    // A fed sequence computes the token in flight, at position tokens.size().
+    const size_t begin = fed ? s.tokens.size() : s.computed;
+    const size_t chunk = fed ? 1 : std::min<size_t>(s.tokens.size() - s.computed, budget);
+    const size_t end = begin + chunk;
+    const size_t need_blocks = (end + bs - 1) / bs;
+    if (need_blocks > s.blocks.size() &&
+        !pool.Allocate(static_cast<int>(need_blocks - s.blocks.size()), s.blocks)) {
+      return absl::InternalError("KV block pool exhausted despite the admission check");
+    }
+    worker::SeqStep* step = plan.add_seqs();
+    step->set_seq_id(s.id);
+    step->set_start_pos(static_cast<int32_t>(begin));
+    if (fed) {
+      step->add_token_ids(0);
+      step->set_feed_last_sampled(true);
+    } else {
+      step->mutable_token_ids()->Assign(s.tokens.begin() + begin, s.tokens.begin() + end);
+    }
+    step->mutable_block_table()->Assign(s.blocks.begin(), s.blocks.end());
+    budget -= static_cast<int>(chunk);
+    f.num_tokens += static_cast<int>(chunk);
+    s.computed = end;
+    if (fed || end == s.tokens.size()) {
+      step->set_sample(true);
+      const SamplingParams& p = s.req->sampling;
+      worker::Sampling* sp_out = step->mutable_sampling();
+      sp_out->set_temperature(p.temperature);
+      sp_out->set_top_p(p.top_p);
+      sp_out->set_top_k(p.top_k);
+      sp_out->set_seed(p.seed);
+      sp_out->set_repetition_penalty(p.repetition_penalty);
+      if (p.logprobs >= 0) sp_out->set_logprobs(p.logprobs);
+      f.sampled.push_back(&s);
+    }
+    return absl::OkStatus();
+  };
+
   uint64_t step_id = 0;
   if (k == 1 && runner_->launch_ahead()) {
     // One step ahead (pp = 1): the next plan is built and launched while the step before it
@@ -342,45 +387,7 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
       for (Seq& s : seqs) {
         if (s.done || budget == 0) continue;
         if (static_cast<int>(f.sampled.size()) >= options_.model.max_batch_seqs) break;
-        const bool fed = s.pending > 0;
-        if (fed &&
-            static_cast<int>(s.result.output_ids.size()) + s.pending >= s.req->max_new_tokens) {
-          continue;  // the token in flight is its last
-        }
-        // A fed sequence computes the token in flight, at position tokens.size().
-        const size_t begin = fed ? s.tokens.size() : s.computed;
-        const size_t chunk = fed ? 1 : std::min<size_t>(s.tokens.size() - s.computed, budget);
-        const size_t end = begin + chunk;
-        const size_t need_blocks = (end + bs - 1) / bs;
-        if (need_blocks > s.blocks.size() &&
-            !pool.Allocate(static_cast<int>(need_blocks - s.blocks.size()), s.blocks)) {
-          return absl::InternalError("KV block pool exhausted despite the admission check");
-        }
-        worker::SeqStep* step = plan.add_seqs();
-        step->set_seq_id(s.id);
-        step->set_start_pos(static_cast<int32_t>(begin));
-        if (fed) {
-          step->add_token_ids(0);
-          step->set_feed_last_sampled(true);
-        } else {
-          step->mutable_token_ids()->Assign(s.tokens.begin() + begin, s.tokens.begin() + end);
-        }
-        step->mutable_block_table()->Assign(s.blocks.begin(), s.blocks.end());
-        budget -= static_cast<int>(chunk);
-        f.num_tokens += static_cast<int>(chunk);
-        s.computed = end;
-        if (fed || end == s.tokens.size()) {
-          step->set_sample(true);
-          const SamplingParams& p = s.req->sampling;
-          worker::Sampling* sp_out = step->mutable_sampling();
-          sp_out->set_temperature(p.temperature);
-          sp_out->set_top_p(p.top_p);
-          sp_out->set_top_k(p.top_k);
-          sp_out->set_seed(p.seed);
-          sp_out->set_repetition_penalty(p.repetition_penalty);
-          if (p.logprobs >= 0) sp_out->set_logprobs(p.logprobs);
-          f.sampled.push_back(&s);
-        }
+        TP_RETURN_IF_ERROR(plan_seq(s, plan, f, budget));
       }
       if (cur && (plan.seqs_size() == 0 || !runner_->CanLaunchAhead(plan))) {
         // Nothing to go ahead with, or a step that needs the ids on the host: undo the plan
@@ -426,33 +433,7 @@ absl::StatusOr<std::vector<GenerateResult>> Engine::Generate(
         Seq& s = *sp;
         if (s.done || budget == 0) continue;
         if (static_cast<int>(f.sampled.size()) >= options_.model.max_batch_seqs) break;
-        const size_t chunk = std::min<size_t>(s.tokens.size() - s.computed, budget);
-        const size_t end = s.computed + chunk;
-        const size_t need_blocks = (end + bs - 1) / bs;
-        if (need_blocks > s.blocks.size() &&
-            !pool.Allocate(static_cast<int>(need_blocks - s.blocks.size()), s.blocks)) {
-          return absl::InternalError("KV block pool exhausted despite the admission check");
-        }
-        worker::SeqStep* step = plan.add_seqs();
-        step->set_seq_id(s.id);
-        step->set_start_pos(static_cast<int32_t>(s.computed));
-        step->mutable_token_ids()->Assign(s.tokens.begin() + s.computed, s.tokens.begin() + end);
-        step->mutable_block_table()->Assign(s.blocks.begin(), s.blocks.end());
-        budget -= static_cast<int>(chunk);
-        f.num_tokens += static_cast<int>(chunk);
-        s.computed = end;
-        if (end == s.tokens.size()) {
-          step->set_sample(true);
-          const SamplingParams& p = s.req->sampling;
-          worker::Sampling* sp_out = step->mutable_sampling();
-          sp_out->set_temperature(p.temperature);
-          sp_out->set_top_p(p.top_p);
-          sp_out->set_top_k(p.top_k);
-          sp_out->set_seed(p.seed);
-          sp_out->set_repetition_penalty(p.repetition_penalty);
-          if (p.logprobs >= 0) sp_out->set_logprobs(p.logprobs);
-          f.sampled.push_back(&s);
-        }
+        TP_RETURN_IF_ERROR(plan_seq(s, plan, f, budget));
       }
       if (plan.seqs_size() == 0) continue;
       progress = true;

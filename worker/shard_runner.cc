@@ -416,14 +416,7 @@ absl::Status ShardRunner::Launch(const worker::StepPlan& plan,
   steps_ahead_ += ahead_of != nullptr;
   TP_ASSIGN_OR_RETURN(BatchMeta meta, MakeBatch(plan, cache_->block_size(), cache_->num_blocks()));
   if (samples_) {
-    for (uint64_t id : plan.finished_seq_ids()) {
-      last_sampled_.erase(id);
-      for (InFlight& f : in_flight_) {
-        for (size_t r = 0; r < f.seq_ids.size(); ++r) {
-          if (f.seq_ids[r] == id) f.record[r] = false;
-        }
-      }
-    }
+    for (uint64_t id : plan.finished_seq_ids()) ForgetLastSampled(id);
   }
   TP_RETURN_IF_ERROR(ResolveFeeds(plan, meta, ahead_of));
   if (meta.num_tokens > options_.model.max_batch_tokens ||
@@ -467,12 +460,7 @@ absl::Status ShardRunner::Launch(const worker::StepPlan& plan,
         h.insert(h.end(), s.token_ids().begin(), s.token_ids().end());
       }
       // A later feed of this sequence refers to this step: valid only if it samples.
-      last_sampled_.erase(s.seq_id());
-      if (ahead_of != nullptr) {
-        for (size_t r = 0; r < ahead_of->seq_ids.size(); ++r) {
-          if (ahead_of->seq_ids[r] == s.seq_id()) ahead_of->record[r] = false;
-        }
-      }
+      ForgetLastSampled(s.seq_id());
     }
   }
   TP_ASSIGN_OR_RETURN(Tensor logits, Forward(meta));
@@ -482,6 +470,15 @@ absl::Status ShardRunner::Launch(const worker::StepPlan& plan,
   }
   in_flight_.push_back(std::move(f));
   return absl::OkStatus();
+}
+
+void ShardRunner::ForgetLastSampled(uint64_t seq_id) {
+  last_sampled_.erase(seq_id);
+  for (InFlight& f : in_flight_) {
+    for (size_t r = 0; r < f.seq_ids.size(); ++r) {
+      if (f.seq_ids[r] == seq_id) f.record[r] = false;
+    }
+  }
 }
 
 absl::StatusOr<worker::StepResult> ShardRunner::Finish() {

@@ -150,6 +150,9 @@ class ShardRunner {
     // (sequence, index in its history, row of this step).
     std::vector<std::tuple<uint64_t, size_t, int>> history_fixups;
   };
+  // Drops the id last sampled for `seq_id` (a later step holds the sequence, or it ended), also
+  // the one a step in flight would record for it when it finishes.
+  void ForgetLastSampled(uint64_t seq_id);
   // Penalties, then Ops::SampleAsync of the sampled rows of `logits` into `f`.
   absl::Status LaunchSampling(const worker::StepPlan& plan, const Tensor& logits,
                               std::vector<std::vector<float>>* host_logits, InFlight& f);
