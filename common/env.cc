@@ -149,11 +149,12 @@ const EnvVar kDeterministicGemm = {
     "--deterministic on CUDA: cublaslt (one unsplit cuBLASLt algorithm per shape, chosen at "
     "TPSERVE_DETERMINISTIC_GEMM_M, with decode batches of up to 16 rows through our chain GEMMs, "
     "which have its bits, and the skinny path's fusions), cublaslt-only (cuBLASLt at every M, "
-    "unfused), or fixed-order (our GEMM, one arithmetic for every M: faster at batches up to 8, "
-    "slower above)",
+    "unfused), fixed-order (our GEMM, one arithmetic for every M: faster at batches up to 8, "
+    "slower above), or stream (the weight-streaming wgmma GEMM on a fixed grid for every M, in "
+    "chunks of 128 rows, unfused; sm_90)",
     0,
     0,
-    "cublaslt|cublaslt-only|fixed-order"};
+    "cublaslt|cublaslt-only|fixed-order|stream"};
 const EnvVar kDeterministicPartition = {
     "TPSERVE_DETERMINISTIC_PARTITION",
     EnvType::kChoice,

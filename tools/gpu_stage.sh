@@ -19,5 +19,5 @@ for t in "${targets[@]}"; do
 done
 bash "${TPSERVE_BUNDLE_LIBS:-../shared/tools/bundle-libs.sh}" .carry/gpu/lib .carry/gpu/bin/*
 # The carried tree is limited (64 MiB): ship the big files xz-compressed; gpu_job.sh unpacks.
-find .carry/gpu -type f -size +1M -exec xz -T2 -6 {} +
+find .carry/gpu -type f -size +100k -exec xz -T2 -6 {} +
 du -sh .carry/gpu

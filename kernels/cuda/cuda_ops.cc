@@ -264,6 +264,9 @@ void CudaOps::SetDeterministic(bool on) {
   lt_->set_fixed_algorithm(on);
   det_fixed_order_gemm_ = EnvString(env::kDeterministicGemm) == "fixed-order";
   det_chain_ = on && EnvString(env::kDeterministicGemm) == "cublaslt";
+  det_stream_gemm_ =
+      on && EnvString(env::kDeterministicGemm) == "stream" && cuda::StreamGemmSupported();
+  if (det_stream_gemm_) AllocateStreamWorkspace();
   det_partition_ = on ? static_cast<int>(std::stoi(EnvString(env::kDeterministicPartition))) : 0;
   ++generation_;  // graphs captured before bake in the other kernels
 }
@@ -515,13 +518,17 @@ void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor 
   const bool chain = ChainFits(m, k, x.data, w.data);
   const bool streamed =
       !deterministic_ && !skinny && m <= stream_max_m_ && cuda::StreamGemmFits(x, w, y);
+  // Whether a weight fits does not depend on M (K % 8, alignment of buffers allocated aligned).
+  const bool det_streamed =
+      deterministic_ && det_stream_gemm_ && m > 0 && cuda::StreamGemmFixedFits(x, w, y);
   OpScope scope(
       this,
-      fixed_order ? "Gemm.fixedOrder"
-      : skinny    ? "Gemm.skinny"
-      : chain     ? "Gemm.chain"
-      : streamed  ? "Gemm.stream"
-                  : "Gemm.cublasLt",
+      fixed_order    ? "Gemm.fixedOrder"
+      : skinny       ? "Gemm.skinny"
+      : chain        ? "Gemm.chain"
+      : streamed     ? "Gemm.stream"
+      : det_streamed ? "Gemm.streamFixed"
+                     : "Gemm.cublasLt",
       [&] { return GemmShape(m, w.dim(0), k); },
       double(w.bytes()) + double(x.bytes()) + double(y.bytes()));
   if (fixed_order) {
@@ -532,6 +539,8 @@ void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor 
     cuda::LaunchChainGemv(x, w, bias, y, stream_);
   } else if (streamed) {
     cuda::LaunchStreamGemm(x, w, bias, y, stream_ws_, stream_);
+  } else if (det_streamed) {
+    cuda::LaunchStreamGemmFixed(x, w, bias, y, stream_ws_, stream_);
   } else {
     lt_->Run(x, w, bias, y, stream_);
   }

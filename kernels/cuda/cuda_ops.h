@@ -257,9 +257,11 @@ class CudaOps final : public Ops {
   unsigned* decode_counters_ = nullptr;  // their arrival counters (zero between launches)
   size_t decode_counters_cap_ = 0;
   int det_partition_ = 0;  // deterministic mode: keys per decode-attention split (else 0)
-  // Deterministic mode's GEMM: cuBLASLt's fixed algorithm (the default) or the fixed-order
-  // kernel (TPSERVE_DETERMINISTIC_GEMM=fixed-order).
+  // Deterministic mode's GEMM: cuBLASLt's fixed algorithm (the default), the fixed-order
+  // kernel (TPSERVE_DETERMINISTIC_GEMM=fixed-order) or the stream GEMM on a fixed grid
+  // (=stream: LaunchStreamGemmFixed wherever it fits, at every M).
   bool det_fixed_order_gemm_ = false;
+  bool det_stream_gemm_ = false;
   int reserve_heads_ = 0;
   int reserve_kv_heads_ = 0;
   int reserve_head_dim_ = 0;

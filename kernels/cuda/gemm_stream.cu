@@ -408,7 +408,8 @@ constexpr Config kConfigs[] = {
 
 template <int kN, int kMT, int kStages>
 void LaunchConfig(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
-                  const StreamGemmWorkspace& ws, cudaStream_t stream, int max_grid) {
+                  const StreamGemmWorkspace& ws, cudaStream_t stream, int max_grid,
+                  bool exact_grid) {
   const int64_t n = w.dim(0), k = w.dim(1), m = x.numel() / k;
   constexpr int kStageBytes = kMT * 64 * 128 + kN * 128;
   constexpr size_t kSmem = size_t{kStages} * kStageBytes + 1024;
@@ -430,7 +431,7 @@ void LaunchConfig(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y
   a.n = static_cast<int>(n);
   a.k = static_cast<int>(k);
   int grid = std::min(ws.num_sms * per_sm, ws.max_grid);
-  if (max_grid > 0) grid = std::min(grid, max_grid);
+  if (max_grid > 0) grid = exact_grid ? std::min(max_grid, ws.max_grid) : std::min(grid, max_grid);
   a.plan = MakeStreamKPlan(CeilDiv(n, 64 * kMT), CeilDiv(k, kBK), grid);
   TP_CHECK(a.plan.tiles <= ws.max_tiles)
       << "stream GEMM: " << a.plan.tiles << " tiles, counters for " << ws.max_tiles;
@@ -442,13 +443,14 @@ void LaunchConfig(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y
 
 template <int kI>
 void LaunchIndexed(int index, const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
-                   const StreamGemmWorkspace& ws, cudaStream_t stream, int max_grid) {
+                   const StreamGemmWorkspace& ws, cudaStream_t stream, int max_grid,
+                   bool exact_grid) {
   if constexpr (kI < static_cast<int>(std::size(kConfigs))) {
     if (index == kI) {
       constexpr Config c = kConfigs[kI];
-      LaunchConfig<c.n_tok, c.mt, c.stages>(x, w, bias, y, ws, stream, max_grid);
+      LaunchConfig<c.n_tok, c.mt, c.stages>(x, w, bias, y, ws, stream, max_grid, exact_grid);
     } else {
-      LaunchIndexed<kI + 1>(index, x, w, bias, y, ws, stream, max_grid);
+      LaunchIndexed<kI + 1>(index, x, w, bias, y, ws, stream, max_grid, exact_grid);
     }
   }
 }
@@ -489,21 +491,26 @@ bool StreamGemmSupported() {
   return ok;
 }
 
-bool StreamGemmFits(const Tensor& x, const Tensor& w, const Tensor& y) {
+bool StreamGemmFixedFits(const Tensor& x, const Tensor& w, const Tensor& y) {
   const int64_t k = w.dim(-1);
   if (w.dtype != DType::kBF16 || x.dtype != DType::kBF16 || y.dtype != DType::kBF16) return false;
   if (k <= 0 || k % 8 != 0 || x.dim(-1) != k) return false;
   const int64_t m = x.numel() / k;
-  if (m < 1 || m > kStreamGemmMaxM || w.dim(0) > (int64_t{1} << 30)) return false;
+  if (m < 1 || w.dim(0) > (int64_t{1} << 30)) return false;
   for (const void* p : {x.data, w.data, y.data}) {
     if ((reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
   }
   return StreamGemmSupported();
 }
 
+bool StreamGemmFits(const Tensor& x, const Tensor& w, const Tensor& y) {
+  const int64_t k = w.dim(-1);
+  return k > 0 && x.numel() / k <= kStreamGemmMaxM && StreamGemmFixedFits(x, w, y);
+}
+
 void LaunchStreamGemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
-                      const StreamGemmWorkspace& ws, cudaStream_t stream, int config,
-                      int max_grid) {
+                      const StreamGemmWorkspace& ws, cudaStream_t stream, int config, int max_grid,
+                      bool exact_grid) {
   const int64_t k = w.dim(-1);
   const int64_t m = k == 0 ? 0 : x.numel() / k;
   TP_CHECK(StreamGemmFits(x, w, y)) << "stream GEMM: x " << x.ShapeString() << " w "
@@ -514,7 +521,22 @@ void LaunchStreamGemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tens
   if (config < 0) config = StreamGemmAutoConfig(m);
   TP_CHECK(config >= 0 && config < StreamGemmNumConfigs() && m <= kConfigs[config].n_tok)
       << "stream GEMM config " << config << " for M=" << m;
-  LaunchIndexed<0>(config, x, w, bias, y, ws, stream, max_grid);
+  LaunchIndexed<0>(config, x, w, bias, y, ws, stream, max_grid, exact_grid);
+}
+
+void LaunchStreamGemmFixed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                           const StreamGemmWorkspace& ws, cudaStream_t stream) {
+  TP_CHECK(StreamGemmFixedFits(x, w, y)) << "stream GEMM: x " << x.ShapeString() << " w "
+                                         << w.ShapeString() << " y " << y.ShapeString();
+  const int64_t k = w.dim(-1), n = w.dim(0), m = x.numel() / k;
+  TP_CHECK(y.numel() == m * n) << "stream GEMM: y " << y.ShapeString();
+  const int grid = ws.num_sms * kStreamGemmBlocksPerSm;
+  TP_CHECK(grid <= ws.max_grid) << "stream GEMM: workspace for " << ws.max_grid << " blocks";
+  for (int64_t r0 = 0; r0 < m; r0 += kStreamGemmMaxM) {
+    const int64_t rows = std::min(kStreamGemmMaxM, m - r0);
+    LaunchStreamGemm(x.reshape({m, k}).rows(r0, rows), w, bias, y.reshape({m, n}).rows(r0, rows),
+                     ws, stream, /*config=*/-1, grid, /*exact_grid=*/true);
+  }
 }
 
 }  // namespace tpserve::cuda

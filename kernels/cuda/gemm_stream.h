@@ -38,10 +38,22 @@ bool StreamGemmSupported();
 // device.
 bool StreamGemmFits(const Tensor& x, const Tensor& w, const Tensor& y);
 // config -1: by M (StreamGemmAutoConfig); 0 .. StreamGemmNumConfigs() - 1 for benchmarks and
-// tests. max_grid > 0 caps the grid (tests: more or fewer split tiles).
+// tests. max_grid > 0 caps the grid (tests: more or fewer split tiles); exact_grid: the grid is
+// max_grid blocks (capped by the pairs and the workspace) even where fewer are resident at once.
 void LaunchStreamGemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                       const StreamGemmWorkspace& ws, cudaStream_t stream, int config = -1,
-                      int max_grid = 0);
+                      int max_grid = 0, bool exact_grid = false);
+// Deterministic mode (TPSERVE_DETERMINISTIC_GEMM=stream): any M >= 1, in chunks of
+// kStreamGemmMaxM rows, each through the auto configuration of its size on a grid of exactly
+// kStreamGemmBlocksPerSm blocks an SM. The (weight tile, K block) pairs a block owns, and so
+// the K ranges whose sums are added in block order, depend only on the weight's shape: a row's
+// bits are the same for every M and every position in the batch, as long as wgmma computes an
+// output column the same way whatever its N and whatever the other columns (a chain of k16
+// steps, as mma.sync; deterministic_ops_test GemmRowsDoNotDependOnM checks it on the GPU).
+// StreamGemmFits without the bound on M.
+bool StreamGemmFixedFits(const Tensor& x, const Tensor& w, const Tensor& y);
+void LaunchStreamGemmFixed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                           const StreamGemmWorkspace& ws, cudaStream_t stream);
 int StreamGemmNumConfigs();
 std::string StreamGemmConfigName(int config);
 // The largest M a configuration takes (its wgmma N).
