@@ -553,6 +553,12 @@ void CudaOps::GemmStream(const Tensor& x, const Tensor& w, const Tensor* bias, T
   cuda::LaunchStreamGemm(x, w, bias, y, stream_ws_, stream_, config, max_grid);
 }
 
+void CudaOps::GemmStreamFixed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) {
+  TP_CHECK(cuda::StreamGemmSupported()) << "the stream GEMM needs an sm_90 device";
+  AllocateStreamWorkspace();
+  cuda::LaunchStreamGemmFixed(x, w, bias, y, stream_ws_, stream_);
+}
+
 void CudaOps::GemmCublasLt(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) {
   lt_->Run(x, w, bias, y, stream_);
 }

@@ -145,6 +145,8 @@ class CudaOps final : public Ops {
   // Benchmarks: force one path.
   void GemmStream(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, int config,
                   int max_grid = 0);
+  // Deterministic mode's stream GEMM (LaunchStreamGemmFixed), any M.
+  void GemmStreamFixed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y);
   void GemmCublasLt(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y);
   void GemmSkinny(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, int config);
   void SiluMulGemmSkinny(const Tensor& gate_up, const Tensor& w, Tensor y, int config);

@@ -10,7 +10,8 @@
 //   --split-k: cuBLASLt at M = 32 / 64 / 128 with split-K forced to 1..8; --chain: the chain GEMM
 //   (deterministic mode's cuBLASLt bits, gemm_lt_chain.cu) in each pipeline configuration against
 //   the default and the fixed cuBLASLt algorithm at M = 1, 2, 8, 16; --stream: the weight-streaming
-//   wgmma GEMM, gemm_stream.cu, in each configuration against cuBLASLt at M = 3 .. 128)
+//   wgmma GEMM, gemm_stream.cu, in each configuration against cuBLASLt at M = 3 .. 128, and its
+//   fixed-grid variant of deterministic mode at M = 1 .. 128, at M = 1 beside the skinny kernel)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -331,7 +332,7 @@ void StreamGemms(CudaOps& ops, double copy_gbs) {
   FillRandom(xbuf, size_t{2} * kMaxM * 11008, 1.0f);
   for (const Shape& sh : kShapes) {
     RotatingWeights rw(ops, sh);
-    for (int m : {3, 8, 16, 32, 48, 64, 96, 128}) {
+    for (int m : {1, 3, 8, 16, 32, 48, 64, 96, 128}) {
       Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
       Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
       auto add = [&](const std::string& what, double ms) {
@@ -340,6 +341,15 @@ void StreamGemms(CudaOps& ops, double copy_gbs) {
             Fmt("%.0f GB/s = %.1f%% of copy", gbs, 100.0 * gbs / copy_gbs));
       };
       add("cuBLASLt", MedianMs(s, 50, [&](int i) { ops.GemmCublasLt(x, rw.At(i), nullptr, y); }));
+      // Deterministic mode's variant (TPSERVE_DETERMINISTIC_GEMM=stream): auto config, a fixed
+      // grid of 2 blocks an SM; at M = 1 beside the skinny kernel, the default there.
+      add("stream fixed grid (deterministic)",
+          MedianMs(s, 50, [&](int i) { ops.GemmStreamFixed(x, rw.At(i), nullptr, y); }));
+      if (m == 1) {
+        add("skinny (default config)",
+            MedianMs(s, 50, [&](int i) { ops.GemmSkinny(x, rw.At(i), nullptr, y, 0); }));
+        continue;
+      }
       for (int c = 0; c < cuda::StreamGemmNumConfigs(); ++c) {
         const int tokens = cuda::StreamGemmConfigTokens(c);
         // Each configuration at the batches it would take (and the next smaller token count).
