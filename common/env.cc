@@ -100,7 +100,7 @@ const EnvVar kDecodeKernel = {
     EnvType::kChoice,
     "auto",
     "decode-attention kernel: auto (by the batch), subtile, twophase or mma "
-    "(A/B runs; mma: 8-bit caches at head_dim 64/128, else twophase; "
+    "(A/B runs; mma: fp8, int8, int4 caches at head_dim 64/128, else twophase; "
     "--deterministic keeps its own)",
     0,
     0,

@@ -29,6 +29,9 @@ constexpr int kThreads = 128;
 constexpr int kSub = 64;  // keys whose K and V are in flight at once (sub-tile kernel)
 constexpr int kMaxTwoPhasePartition = 512;
 constexpr int kMaxMmaPartition = 1024;
+// The mma kernel's largest split for kG heads a block (its scores and the int4 V scales of a
+// split are in static shared memory: 48 KB).
+constexpr int MmaMaxPartition(int g) { return g <= 4 ? kMaxMmaPartition : kMaxTwoPhasePartition; }
 constexpr float kLog2e = 1.4426950408889634f;
 
 // A block's (split, head group, sequence) in the launch's grid order (DecodeGrid):
@@ -376,34 +379,85 @@ __global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
                       counters, records, out);
 }
 
-// The tensor-core decode kernel (8-bit caches at head_dim 64 and 128): the two-phase kernel's
-// phases with both products on mma.m16n8k16 (f16 operands, f32 accumulation), for the few
-// instructions per byte that one byte an element leaves (the two-phase kernel spends ~2.5 per
-// element of K and of V on conversions and FMAs and reaches 65-72% of copy bandwidth at B=64).
+// The tensor-core decode kernel (fp8, int8 and int4 caches at head_dim 64 and 128): the
+// two-phase kernel's phases with both products on mma.m16n8k16 (f16 operands: every code is an
+// f16 value; f32 accumulation), for the few instructions per byte that 8- and 4-bit elements
+// leave (the two-phase kernel spent ~2.5 per element of K and of V on conversions and FMAs and
+// reached 65-72% of copy bandwidth at B=64 for 8 bits, 32% for 4).
 // A warp takes 16-key tiles. Lane (r, c) = (lane / 4, lane % 4):
 // - scores, S^T[16 keys, heads] = K[16 keys, kD] q^T: K is the A operand, straight from the
-//   cache rows in registers: the lane loads 16 bytes of keys r and r + 8 at dims
-//   64 ch + 16 c + [0, 16) (ch < kD / 64), and k step 4 ch + i takes their 4 bytes at
-//   64 ch + 16 c + 4 i as the fragment's columns (2c, 2c + 1, 2c + 8, 2c + 9): a sum is
-//   independent of the order of its terms' columns as long as q (the B operand, head g = r)
-//   takes the same dims in the same columns. Each score is scaled by its key's K scale.
-// - output, O^T[kD, heads] = V^T[kD, 16 keys] P'^T: V is the A operand, its rows the dims: the
-//   lane loads kD / 8 bytes of each of keys 4c .. 4c + 3 at dims (kD / 8) r + [0, kD / 8); block
-//   j's fragment rows r and r + 8 are the dims (kD / 8) r + 2j and + 1, its columns (2c, 2c + 1,
-//   2c + 8, 2c + 9) the keys 4c .. 4c + 3 (byte permutes pair two keys' bytes of one dim).
-//   P' = p * vscale / max vscale of the split (in [0, 1], so its rounding to f16 keeps ~11 bits;
-//   the split's output is multiplied back by the max), the B operand with head g = r.
+//   cache rows in registers: the lane loads keys r and r + 8 at dims 64 ch + 16 c + [0, 16)
+//   (ch < kD / 64: 16 bytes of 8-bit codes, 8 of int4), and k step 4 ch + i takes 4 of those
+//   dims as the fragment's columns (2c, 2c + 1, 2c + 8, 2c + 9): a sum does not depend on which
+//   column holds which term as long as q (the B operand, head g = r) puts the same dims in the
+//   same columns (8 bits: dims 4i + [0, 4) in order; int4: the pairs (j, j + 4) of an 8-dim word
+//   that the nibble-to-f16 trick yields). Each score is scaled by its key's K scale (int4: a
+//   sum per 64-dim scale group, ch, each scaled by its group's scale).
+// - output, O^T[kD, heads] = V^T[kD, 16 keys] P'^T: V is the A operand, its rows the dims:
+//   block j's fragment rows r and r + 8 are two adjacent dims, its columns (2c, 2c + 1, 2c + 8,
+//   2c + 9) the keys 4c .. 4c + 3 (byte permutes pair two keys' codes of one dim). 8 bits: the
+//   lane loads kD / 8 bytes of each of its 4 keys at dims (kD / 8) r + [0, kD / 8), block j
+//   takes dims (kD / 8) r + 2j and + 1. int4: the 16 rows of a block lie in one 64-dim scale
+//   group (its V scale goes into P'): the lane loads 4 bytes per key and group at dims
+//   64 g + 8 r + [0, 8), block j takes dims 64 (j / 4) + 8 r + 2 (j % 4) and + 1.
+//   P' = p * vscale / max |vscale| of the split (in [-1, 1], so its rounding to f16 keeps ~11
+//   bits; the split's output is multiplied back by the max), the B operand with head g = r.
 // The q and P' operands use columns r < kG; the others are zero (the MMA's waste at G = 1 is
-// 7 columns of 8, still ~16 FLOP per cache byte: far under the tensor cores' rate). The first
-// V tiles are loaded before the softmax phase, so their latency overlaps it.
+// 7 columns of 8, still ~16 FLOP per cache byte at 8 bits, 32 at 4: far under the tensor
+// cores' rate). The first V tiles are loaded before the softmax phase, so their latency
+// overlaps it.
 // H200, 32 heads, d 128, ctx 1024, 512-key splits (tpserve-cuda-bench --decode): fp8 B=64
 // 0.167 ms (78% of copy) against the two-phase kernel's 0.199 (65%), B=128 80% against 67%.
+// Resident blocks an SM the mma kernel is compiled for (<= 80 registers): fp8 B=64 ctx 1024
+// took 0.1747 ms at 88 registers (5 blocks) and 0.1667 at 80 (6).
+constexpr int kMmaBlocksPerSm = 6;
 template <typename Kv, int kD>
-inline constexpr bool kMmaDecodeSupported = Kv::kBits == 8 && Kv::kQuantized &&
-                                            (kD == 64 || kD == 128);
+inline constexpr bool kMmaDecodeSupported = Kv::kQuantized && (kD == 64 || kD == 128) &&
+                                            (Kv::kBits == 8 ||
+                                             (Kv::kBits == 4 && kKvGroup<Kv, kD> == 64));
+
+// Four f16x2 of an int4 word (nibble j = dim j, stored as q + 8): (dims j, j + 4) for j = 0..3,
+// exact. 0x6400 | n is the f16 1024 + n, and 0x6400 | (n << 4) is 1024 + 16 n.
+__device__ __forceinline__ void I4WordToHalf2(uint32_t w, uint32_t (&h)[4]) {
+  const __half2 k1032 = __half2(__half(1032.0f), __half(1032.0f));
+  const __half2 k1_16 = __half2(__half(0.0625f), __half(0.0625f));
+  const __half2 km72 = __half2(__half(-72.0f), __half(-72.0f));
+  const uint32_t w8 = w >> 8;
+  uint32_t b[4] = {(w & 0x000F000Fu) | 0x64006400u, (w & 0x00F000F0u) | 0x64006400u,
+                   (w8 & 0x000F000Fu) | 0x64006400u, (w8 & 0x00F000F0u) | 0x64006400u};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    __half2 v = *reinterpret_cast<const __half2*>(&b[j]);
+    v = (j % 2 == 0) ? __hsub2(v, k1032) : __hfma2(v, k1_16, km72);
+    h[j] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// Byte jj of a (low 8 bits) and of b (bits 16..23), the other bytes copies: the input of the
+// nibble-to-f16 trick for two keys' codes of the dims 2 jj and 2 jj + 1.
+template <int kJJ>
+__device__ __forceinline__ uint32_t PairBytes(uint32_t a, uint32_t b) {
+  return __byte_perm(a, b, kJJ | (kJJ << 4) | ((4 + kJJ) << 8) | ((4 + kJJ) << 12));
+}
+// (low nibbles, high nibbles) of PairBytes as f16x2 values q = n - 8.
+__device__ __forceinline__ void I4PairToHalf2(uint32_t t, uint32_t& lo, uint32_t& hi) {
+  const uint32_t a = (t & 0x000F000Fu) | 0x64006400u, b = (t & 0x00F000F0u) | 0x64006400u;
+  const __half2 x =
+      __hsub2(*reinterpret_cast<const __half2*>(&a), __half2(__half(1032.0f), __half(1032.0f)));
+  const __half2 y =
+      __hfma2(*reinterpret_cast<const __half2*>(&b), __half2(__half(0.0625f), __half(0.0625f)),
+              __half2(__half(-72.0f), __half(-72.0f)));
+  lo = *reinterpret_cast<const uint32_t*>(&x);
+  hi = *reinterpret_cast<const uint32_t*>(&y);
+}
+
+__device__ __forceinline__ uint32_t Float2ToHalf2(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
 
 template <typename Kv, int kD, int kG>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
     DecodeMmaKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
                     const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
                     const float* __restrict__ v_scales, const int32_t* __restrict__ query_start,
@@ -414,18 +468,25 @@ __global__ void __launch_bounds__(kThreads)
                     unsigned* __restrict__ counters, float* __restrict__ records,
                     __nv_bfloat16* __restrict__ out, int block_shift, int order) {
   if constexpr (kMmaDecodeSupported<Kv, kD> && kG <= 8) {
+    constexpr bool kI4 = Kv::kBits == 4;
     constexpr int kSteps = kD / 16;   // k steps of a score tile = dim blocks of an output tile
-    constexpr int kChunks = kD / 64;  // 16-byte K loads per key row and lane
-    constexpr int kVBytes = kD / 8;   // bytes of a V row per lane
+    constexpr int kChunks = kD / 64;  // K loads per key row and lane (dims 64 ch + 16 c + [0, 16))
+    constexpr int kGroups = kI4 ? kD / 64 : 1;  // scale groups per row
+    constexpr int kRowBytes = kD * Kv::kBits / 8;
+    constexpr int kVBytes = kD / 8;  // 8 bits: bytes of a V row per lane
     constexpr int kWarps = kThreads / 32;
     // Tiles in flight per warp. H200, fp8, B=64 ctx 1024, 512-key splits: 2 tiles 78% of copy
     // (80 registers: 6 blocks an SM), 4 tiles 71% (~128 registers: 4 blocks).
     constexpr int kUnroll = 2;
-    constexpr int kMaxP = kMaxMmaPartition;
-    using VLoad = std::conditional_t<kVBytes == 16, uint4, uint2>;
+    constexpr int kMaxP = MmaMaxPartition(kG);
+    using KLoad = std::conditional_t<kI4, uint2, uint4>;
+    // A lane's V codes of one key: 8 bits, kD / 8 bytes; int4, one word per scale group.
+    struct VLoad {
+      uint32_t w[kI4 ? kGroups : kVBytes / 4];
+    };
     static_assert(kWarps * kG * kD <= kG * kMaxP, "warp outputs fit in p_s");
     __shared__ __align__(16) float p_s[kG][kMaxP];
-    __shared__ float vs_s[kMaxP];
+    __shared__ float vs_s[kMaxP][kGroups];
     __shared__ int32_t row_s[kMaxP];
     __shared__ float o_s[kG][kD];
     __shared__ float m_s[kG], l_s[kG];
@@ -455,8 +516,7 @@ __global__ void __launch_bounds__(kThreads)
         static_cast<int64_t>(table_rows != nullptr ? table_rows[seq] : seq) * max_blocks_per_seq;
 
     PdlWait();  // q and this step's K/V rows come from the previous kernels
-    // q of head r as the score MMAs' B operand: step 4 ch + i holds dims
-    // 64 ch + 16 c + 4 i + [0, 4).
+    // q of head r as the score MMAs' B operand, step 4 ch + i, dims as the K fragment's (above).
     uint32_t qb[kSteps][2];
     {
       const __nv_bfloat16* qrow = q + (q_row * num_heads + head0 + min(r, kG - 1)) * kD;
@@ -469,19 +529,23 @@ __global__ void __launch_bounds__(kThreads)
         Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&hi), f + 8);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const __half2 a = __floats2half2_rn(f[4 * i], f[4 * i + 1]);
-          const __half2 b = __floats2half2_rn(f[4 * i + 2], f[4 * i + 3]);
-          qb[4 * ch + i][0] = r < kG ? *reinterpret_cast<const uint32_t*>(&a) : 0u;
-          qb[4 * ch + i][1] = r < kG ? *reinterpret_cast<const uint32_t*>(&b) : 0u;
+          // 8 bits: dims 4i + (0, 1) and 4i + (2, 3); int4: in the word of dims 8 (i / 2) +
+          // [0, 8), pairs (j, j + 4) and (j + 1, j + 5) for j = 2 (i % 2).
+          const int a0 = kI4 ? 8 * (i / 2) + 2 * (i % 2) : 4 * i;
+          const int a1 = kI4 ? a0 + 4 : a0 + 1;
+          const int b0 = kI4 ? a0 + 1 : a0 + 2;
+          const int b1 = kI4 ? a0 + 5 : a0 + 3;
+          qb[4 * ch + i][0] = r < kG ? Float2ToHalf2(f[a0], f[a1]) : 0u;
+          qb[4 * ch + i][1] = r < kG ? Float2ToHalf2(f[b0], f[b1]) : 0u;
         }
       }
     }
 
     // Phase 1: scores (log2 domain); the lanes of column 0 also keep each key's pool row and V
-    // scale for phase 3.
+    // scales for phase 3.
     for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnroll) {
-      uint4 kw[kUnroll][2][kChunks];
-      float ks[kUnroll][2];
+      KLoad kw[kUnroll][2][kChunks];
+      float ks[kUnroll][2][kGroups];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
@@ -490,18 +554,32 @@ __global__ void __launch_bounds__(kThreads)
           if (tok < n) {  // also false for a tile past the last
             const int64_t row =
                 KvPoolRow(table, start + tok, block_size, block_shift, num_kv_heads, kv_head);
-            const uint8_t* p = k_cache + row * kD + 16 * c;
+            const uint8_t* p = k_cache + row * kRowBytes + c * (kI4 ? 8 : 16);
 #pragma unroll
-            for (int ch = 0; ch < kChunks; ++ch) kw[u][h][ch] = LoadStreaming(p + 64 * ch);
-            ks[u][h] = __ldg(k_scales + row);  // one scale per row (kKvGroup = kD)
+            for (int ch = 0; ch < kChunks; ++ch) {
+              if constexpr (kI4) {
+                kw[u][h][ch] = LoadStreaming8(p + 32 * ch);
+              } else {
+                kw[u][h][ch] = LoadStreaming(p + 64 * ch);
+              }
+            }
+#pragma unroll
+            for (int g = 0; g < kGroups; ++g) ks[u][h][g] = __ldg(k_scales + row * kGroups + g);
             if (c == 0) {
               row_s[tok] = static_cast<int32_t>(row);
-              vs_s[tok] = __ldg(v_scales + row);
+#pragma unroll
+              for (int g = 0; g < kGroups; ++g) vs_s[tok][g] = __ldg(v_scales + row * kGroups + g);
             }
           } else {
 #pragma unroll
-            for (int ch = 0; ch < kChunks; ++ch) kw[u][h][ch] = make_uint4(0, 0, 0, 0);
-            ks[u][h] = 0.0f;
+            for (int ch = 0; ch < kChunks; ++ch) kw[u][h][ch] = KLoad{};
+#pragma unroll
+            for (int g = 0; g < kGroups; ++g) ks[u][h][g] = 0.0f;
+            // int4's phase 3 scales P' by these: finite zeros past the context in the last tile.
+            if (c == 0 && tok < num_tiles * 16) {
+#pragma unroll
+              for (int g = 0; g < kGroups; ++g) vs_s[tok][g] = 0.0f;
+            }
           }
         }
       }
@@ -509,22 +587,41 @@ __global__ void __launch_bounds__(kThreads)
       for (int u = 0; u < kUnroll; ++u) {
         const int tile = t0 + u * kWarps;
         if (tile >= num_tiles) continue;  // warp-uniform
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float acc[kGroups][4] = {};
 #pragma unroll
         for (int ch = 0; ch < kChunks; ++ch) {
-          const uint32_t w0[4] = {kw[u][0][ch].x, kw[u][0][ch].y, kw[u][0][ch].z, kw[u][0][ch].w};
-          const uint32_t w1[4] = {kw[u][1][ch].x, kw[u][1][ch].y, kw[u][1][ch].z, kw[u][1][ch].w};
+          float(&a)[4] = acc[kI4 ? ch : 0];
+          if constexpr (kI4) {
+            const uint32_t w0[2] = {kw[u][0][ch].x, kw[u][0][ch].y};
+            const uint32_t w1[2] = {kw[u][1][ch].x, kw[u][1][ch].y};
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            Mma16816F16(acc, CodePairToHalf2<Kv, false>(w0[i]), CodePairToHalf2<Kv, false>(w1[i]),
-                        CodePairToHalf2<Kv, true>(w0[i]), CodePairToHalf2<Kv, true>(w1[i]),
-                        qb[4 * ch + i][0], qb[4 * ch + i][1]);
+            for (int wi = 0; wi < 2; ++wi) {
+              uint32_t h0[4], h1[4];
+              I4WordToHalf2(w0[wi], h0);
+              I4WordToHalf2(w1[wi], h1);
+              Mma16816F16(a, h0[0], h1[0], h0[1], h1[1], qb[4 * ch + 2 * wi][0],
+                          qb[4 * ch + 2 * wi][1]);
+              Mma16816F16(a, h0[2], h1[2], h0[3], h1[3], qb[4 * ch + 2 * wi + 1][0],
+                          qb[4 * ch + 2 * wi + 1][1]);
+            }
+          } else {
+            const uint32_t w0[4] = {kw[u][0][ch].x, kw[u][0][ch].y, kw[u][0][ch].z, kw[u][0][ch].w};
+            const uint32_t w1[4] = {kw[u][1][ch].x, kw[u][1][ch].y, kw[u][1][ch].z, kw[u][1][ch].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              Mma16816F16(a, CodePairToHalf2<Kv, false>(w0[i]), CodePairToHalf2<Kv, false>(w1[i]),
+                          CodePairToHalf2<Kv, true>(w0[i]), CodePairToHalf2<Kv, true>(w1[i]),
+                          qb[4 * ch + i][0], qb[4 * ch + i][1]);
+            }
           }
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int tok = tile * 16 + r + 8 * (e / 2), g = 2 * c + e % 2;
-          if (g < kG && tok < n) p_s[g][tok] = acc[e] * ks[u][e / 2] * scale_log2;
+          float sc = 0.0f;
+#pragma unroll
+          for (int gr = 0; gr < kGroups; ++gr) sc += acc[gr][e] * ks[u][e / 2][gr];
+          if (g < kG && tok < n) p_s[g][tok] = sc * scale_log2;
         }
       }
     }
@@ -540,11 +637,16 @@ __global__ void __launch_bounds__(kThreads)
           const int tok = (t0 + u * kWarps) * 16 + 4 * c + e;
           vw[u][e] = VLoad{};
           if (tok < n) {
-            const uint8_t* p = v_cache + static_cast<int64_t>(row_s[tok]) * kD + kVBytes * r;
-            if constexpr (kVBytes == 16) {
-              vw[u][e] = LoadStreaming(p);
+            const uint8_t* p = v_cache + static_cast<int64_t>(row_s[tok]) * kRowBytes;
+            if constexpr (kI4) {
+#pragma unroll
+              for (int g = 0; g < kGroups; ++g) vw[u][e].w[g] = LoadStreaming4(p + 32 * g + 4 * r);
+            } else if constexpr (kVBytes == 16) {
+              const uint4 x = LoadStreaming(p + kVBytes * r);
+              vw[u][e] = VLoad{{x.x, x.y, x.z, x.w}};
             } else {
-              vw[u][e] = LoadStreaming8(p);
+              const uint2 x = LoadStreaming8(p + kVBytes * r);
+              vw[u][e] = VLoad{{x.x, x.y}};
             }
           }
         }
@@ -552,10 +654,14 @@ __global__ void __launch_bounds__(kThreads)
     };
     load_v(warp);
 
-    // Phase 2: softmax numerators per head (one warp per head); P' = p * vscale / vmax, zero
-    // for the keys past the context in the last tile.
+    // Phase 2: softmax numerators per head (one warp per head). 8 bits: p_s becomes P' = p *
+    // vscale / vmax; int4 (a scale per group): p, and phase 3 applies the group's scale.
+    // Zero for the keys past the context in the last tile.
     float vmax = 0.0f;
-    for (int i = lane; i < n; i += 32) vmax = fmaxf(vmax, vs_s[i]);
+    for (int i = lane; i < n; i += 32) {
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) vmax = fmaxf(vmax, fabsf(vs_s[i][g]));
+    }
     vmax = WarpMax(vmax);
     const float inv_vmax = vmax > 0.0f ? 1.0f / vmax : 0.0f;
     for (int g = warp; g < kG; g += kWarps) {
@@ -568,7 +674,7 @@ __global__ void __launch_bounds__(kThreads)
         if (i < n) {
           const float p = exp2f(p_s[g][i] - m);
           l += p;
-          pv = p * (vs_s[i] * inv_vmax);
+          pv = kI4 ? p : p * (vs_s[i][0] * inv_vmax);
         }
         p_s[g][i] = pv;
       }
@@ -594,30 +700,62 @@ __global__ void __launch_bounds__(kThreads)
       for (int u = 0; u < kUnroll; ++u) {
         const int tile = t0 + u * kWarps;
         if (tile >= num_tiles) continue;  // warp-uniform
-        uint32_t b0 = 0u, b1 = 0u;
-        if (r < kG) {
-          const float4 p = *reinterpret_cast<const float4*>(&p_s[r][tile * 16 + 4 * c]);
-          const __half2 x = __floats2half2_rn(p.x, p.y), y = __floats2half2_rn(p.z, p.w);
-          b0 = *reinterpret_cast<const uint32_t*>(&x);
-          b1 = *reinterpret_cast<const uint32_t*>(&y);
-        }
+        // P' of head r, keys 4c .. 4c + 3, per scale group.
+        uint32_t b0[kGroups], b1[kGroups];
 #pragma unroll
-        for (int w = 0; w < kVBytes / 4; ++w) {
-          const uint32_t* v0 = reinterpret_cast<const uint32_t*>(&vw[u][0]);
-          const uint32_t* v1 = reinterpret_cast<const uint32_t*>(&vw[u][1]);
-          const uint32_t* v2 = reinterpret_cast<const uint32_t*>(&vw[u][2]);
-          const uint32_t* v3 = reinterpret_cast<const uint32_t*>(&vw[u][3]);
-          // Bytes (b of key 4c, b of key 4c + 1, b + 1 of 4c, b + 1 of 4c + 1), b = 0 and 2.
-          const uint32_t k01_lo = __byte_perm(v0[w], v1[w], 0x5140);
-          const uint32_t k01_hi = __byte_perm(v0[w], v1[w], 0x7362);
-          const uint32_t k23_lo = __byte_perm(v2[w], v3[w], 0x5140);
-          const uint32_t k23_hi = __byte_perm(v2[w], v3[w], 0x7362);
-          Mma16816F16(acc[2 * w], CodePairToHalf2<Kv, false>(k01_lo),
-                      CodePairToHalf2<Kv, true>(k01_lo), CodePairToHalf2<Kv, false>(k23_lo),
-                      CodePairToHalf2<Kv, true>(k23_lo), b0, b1);
-          Mma16816F16(acc[2 * w + 1], CodePairToHalf2<Kv, false>(k01_hi),
-                      CodePairToHalf2<Kv, true>(k01_hi), CodePairToHalf2<Kv, false>(k23_hi),
-                      CodePairToHalf2<Kv, true>(k23_hi), b0, b1);
+        for (int g = 0; g < kGroups; ++g) b0[g] = b1[g] = 0u;
+        if (r < kG) {
+          const int k0 = tile * 16 + 4 * c;
+          const float4 p = *reinterpret_cast<const float4*>(&p_s[r][k0]);
+#pragma unroll
+          for (int g = 0; g < kGroups; ++g) {
+            if constexpr (kI4) {
+              b0[g] =
+                  Float2ToHalf2(p.x * (vs_s[k0][g] * inv_vmax), p.y * (vs_s[k0 + 1][g] * inv_vmax));
+              b1[g] = Float2ToHalf2(p.z * (vs_s[k0 + 2][g] * inv_vmax),
+                                    p.w * (vs_s[k0 + 3][g] * inv_vmax));
+            } else {
+              b0[g] = Float2ToHalf2(p.x, p.y);
+              b1[g] = Float2ToHalf2(p.z, p.w);
+            }
+          }
+        }
+        if constexpr (kI4) {
+#pragma unroll
+          for (int g = 0; g < kGroups; ++g) {
+            const uint32_t v0 = vw[u][0].w[g], v1 = vw[u][1].w[g], v2 = vw[u][2].w[g],
+                           v3 = vw[u][3].w[g];
+            uint32_t lo01, hi01, lo23, hi23;
+            I4PairToHalf2(PairBytes<0>(v0, v1), lo01, hi01);
+            I4PairToHalf2(PairBytes<0>(v2, v3), lo23, hi23);
+            Mma16816F16(acc[4 * g + 0], lo01, hi01, lo23, hi23, b0[g], b1[g]);
+            I4PairToHalf2(PairBytes<1>(v0, v1), lo01, hi01);
+            I4PairToHalf2(PairBytes<1>(v2, v3), lo23, hi23);
+            Mma16816F16(acc[4 * g + 1], lo01, hi01, lo23, hi23, b0[g], b1[g]);
+            I4PairToHalf2(PairBytes<2>(v0, v1), lo01, hi01);
+            I4PairToHalf2(PairBytes<2>(v2, v3), lo23, hi23);
+            Mma16816F16(acc[4 * g + 2], lo01, hi01, lo23, hi23, b0[g], b1[g]);
+            I4PairToHalf2(PairBytes<3>(v0, v1), lo01, hi01);
+            I4PairToHalf2(PairBytes<3>(v2, v3), lo23, hi23);
+            Mma16816F16(acc[4 * g + 3], lo01, hi01, lo23, hi23, b0[g], b1[g]);
+          }
+        } else {
+#pragma unroll
+          for (int w = 0; w < kVBytes / 4; ++w) {
+            const uint32_t v0 = vw[u][0].w[w], v1 = vw[u][1].w[w], v2 = vw[u][2].w[w],
+                           v3 = vw[u][3].w[w];
+            // Bytes (b of key 4c, b of key 4c + 1, b + 1 of 4c, b + 1 of 4c + 1), b = 0 and 2.
+            const uint32_t k01_lo = __byte_perm(v0, v1, 0x5140);
+            const uint32_t k01_hi = __byte_perm(v0, v1, 0x7362);
+            const uint32_t k23_lo = __byte_perm(v2, v3, 0x5140);
+            const uint32_t k23_hi = __byte_perm(v2, v3, 0x7362);
+            Mma16816F16(acc[2 * w], CodePairToHalf2<Kv, false>(k01_lo),
+                        CodePairToHalf2<Kv, true>(k01_lo), CodePairToHalf2<Kv, false>(k23_lo),
+                        CodePairToHalf2<Kv, true>(k23_lo), b0[0], b1[0]);
+            Mma16816F16(acc[2 * w + 1], CodePairToHalf2<Kv, false>(k01_hi),
+                        CodePairToHalf2<Kv, true>(k01_hi), CodePairToHalf2<Kv, false>(k23_hi),
+                        CodePairToHalf2<Kv, true>(k23_hi), b0[0], b1[0]);
+          }
         }
       }
     }
@@ -626,10 +764,11 @@ __global__ void __launch_bounds__(kThreads)
     auto* ow = reinterpret_cast<float(*)[kG][kD]>(&p_s[0][0]);
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
+      const int d0 = kI4 ? 64 * (j / 4) + 8 * r + 2 * (j % 4) : kVBytes * r + 2 * j;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int g = 2 * c + e % 2, d = kVBytes * r + 2 * j + e / 2;
-        if (g < kG) ow[warp][g][d] = acc[j][e];
+        const int g = 2 * c + e % 2;
+        if (g < kG) ow[warp][g][d0 + e / 2] = acc[j][e];
       }
     }
     __syncthreads();
@@ -903,7 +1042,10 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
                  int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
                  unsigned* counters, Tensor out, cudaStream_t stream) {
   const DecodePlan plan = PlanDecode<Kv, kD>(b, num_heads, num_kv_heads);
-  const int partition = plan.partition;
+  // The mma kernel's shared memory holds MmaMaxPartition(kG) keys (1024 up to 4 heads a block).
+  const int partition = plan.kernel == DecodeKernel::kMma
+                            ? std::min(plan.partition, MmaMaxPartition(kG))
+                            : plan.partition;
   auto kernel = plan.kernel == DecodeKernel::kSubTile ? DecodePartitionKernel<Kv, kD, kG>
                 : plan.kernel == DecodeKernel::kMma   ? DecodeMmaKernel<Kv, kD, kG>
                                                       : DecodeTwoPhaseKernel<Kv, kD, kG>;

@@ -63,9 +63,9 @@ inline int DecodePartition(int num_seqs, int num_heads, int num_kv_heads) {
   return pairs >= 512 ? 256 : pairs >= 128 ? 128 : 64;
 }
 // The decode-attention kernels (attention_decode.cu). kAuto: by the batch. kMma: the two-phase
-// kernel's phases on the tensor cores, for 8-bit caches (fp8, int8) at head_dim 64 and 128;
-// elsewhere it runs the two-phase kernel. Auto picks it wherever it would pick the two-phase
-// kernel for such a cache.
+// kernel's phases on the tensor cores, for quantized caches (fp8, int8, int4) at head_dim 64
+// and 128; elsewhere it runs the two-phase kernel. Auto picks it wherever it would pick the
+// two-phase kernel for such a cache.
 enum class DecodeKernel { kAuto, kSubTile, kTwoPhase, kMma };
 // Benchmarks and tests: every later decode launch of this process uses `kernel` (kAuto: by the
 // batch) and `partition` keys per split (0: by the batch; else 64, 128, 256, 512 or 1024; the

@@ -1180,9 +1180,9 @@ TEST_F(CudaAttentionTest, PrefillQuantizedKvCache) {
 }
 
 // Quantized caches through the kernels the batch picks: the sub-tile kernel (one and several
-// 64-key partitions merged in-kernel), from 128 sequence-head pairs the mma kernel (fp8, int8 at
-// head_dim 64 and 128) or the two-phase kernel (int4, head_dim 32; 16 elements a lane at G <=
-// 2), with 512-key partitions; DecodeEveryKernelAndPartition forces the other partitions.
+// 64-key partitions merged in-kernel), from 128 sequence-head pairs the mma kernel (head_dim 64
+// and 128) or the two-phase kernel (head_dim 32; 16 elements a lane at G <= 2), with 512-key
+// partitions; DecodeEveryKernelAndPartition forces the other partitions.
 TEST_F(CudaAttentionTest, DecodeQuantizedKvCache) {
   std::vector<AttnCase> cases = {
       {{{1, 1}, {1, 16}, {1, 0}, {1, 17}, {1, 300}, {1, 1023}}, 8, 2, 128, 16},  // sub-tile, G=4
@@ -1208,8 +1208,8 @@ TEST_F(CudaAttentionTest, DecodeQuantizedKvCache) {
 
 // Every decode kernel (sub-tile, two-phase, mma) at forced partitions, for each cache dtype (the
 // two-phase kernel reads 16 elements a lane from a quantized cache at G <= 2, 8 at G = 8; the
-// mma kernel runs for fp8 and int8 at head_dim 64 and 128, G = 1, 2 and 8, and falls back to
-// the two-phase kernel for the other cases):
+// mma kernel runs for fp8, int8 and int4 at head_dim 64 and 128, G = 1, 2 and 8, and falls back
+// to the two-phase kernel for the other cases):
 // contexts of one key, of part of a partition and of many, padding, a block size that is not
 // a power of two (page math by division instead of shifts).
 TEST_F(CudaAttentionTest, DecodeEveryKernelAndPartition) {
