@@ -54,11 +54,11 @@ const EnvVar kWorkerCudaGraphs = {"TPSERVE_WORKER_CUDA_GRAPHS", EnvType::kBool, 
 const EnvVar kLaunchAhead = {
     "TPSERVE_LAUNCH_AHEAD",
     EnvType::kChoice,
-    "0",
+    "auto",
     "a worker enqueues a step before the previous step's sampled ids reach the host (the ids "
-    "feed the next step on the device): auto (where sampling is asynchronous: CUDA, pp = 1; "
-    "not yet measured on a GPU, hence not the default), 1 (also on the CPU: tests), 0 (each "
-    "step's ids on the host first)",
+    "feed the next step on the device): auto (where sampling is asynchronous: CUDA, tp = 1, "
+    "pp = 1), 1 (also on the CPU, and at tp > 1 where every rank samples), 0 (each step's ids "
+    "on the host first)",
     0,
     0,
     "auto|1|0"};
@@ -131,7 +131,7 @@ const EnvVar kStreamGemmMaxM = {
     EnvType::kInt,
     "0",
     "CUDA (sm_90): the largest decode batch whose GEMMs run the weight-streaming wgmma kernel "
-    "instead of cuBLASLt (from M = 3; 0 = never)",
+    "instead of cuBLASLt (from M = 3; 0 = never: slower than cuBLASLt on the H200)",
     0,
     128};
 const EnvVar kDeterministicGemmM = {

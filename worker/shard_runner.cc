@@ -134,8 +134,9 @@ absl::StatusOr<std::unique_ptr<ShardRunner>> ShardRunner::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("launch_ahead must be auto, 1 or 0, not '", ahead, "'"));
   }
+  // auto: where it was measured (H200, tp = 1); 1 also at tp > 1 and with synchronous sampling.
   r->launch_ahead_ = ahead != "0" && plan.pp == 1 && (plan.tp == 1 || r->every_tp_rank_samples_) &&
-                     (ahead == "1" || ops->AsyncSampling());
+                     (ahead == "1" || (ops->AsyncSampling() && plan.tp == 1));
   if (plan.tp > 1) {
     // Allocated with the rest, before serving: the ids of feed_last_sampled sequences.
     r->feed_ids_ = std::make_unique<DeviceBuffer>(
