@@ -451,6 +451,17 @@ __device__ __forceinline__ void I4PairToHalf2(uint32_t t, uint32_t& lo, uint32_t
   hi = *reinterpret_cast<const uint32_t*>(&y);
 }
 
+// One output MMA of an int4 V block: dims 2 kJJ and 2 kJJ + 1 of the word of keys 4c .. 4c + 3
+// (v[0..3]) as the A operand, P' (b0, b1) as B.
+template <int kJJ>
+__device__ __forceinline__ void I4PvMma(float (&acc)[4], const uint32_t (&v)[4], uint32_t b0,
+                                        uint32_t b1) {
+  uint32_t lo01, hi01, lo23, hi23;
+  I4PairToHalf2(PairBytes<kJJ>(v[0], v[1]), lo01, hi01);
+  I4PairToHalf2(PairBytes<kJJ>(v[2], v[3]), lo23, hi23);
+  Mma16816F16(acc, lo01, hi01, lo23, hi23, b0, b1);
+}
+
 __device__ __forceinline__ uint32_t Float2ToHalf2(float a, float b) {
   const __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&h);
@@ -723,21 +734,11 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
         if constexpr (kI4) {
 #pragma unroll
           for (int g = 0; g < kGroups; ++g) {
-            const uint32_t v0 = vw[u][0].w[g], v1 = vw[u][1].w[g], v2 = vw[u][2].w[g],
-                           v3 = vw[u][3].w[g];
-            uint32_t lo01, hi01, lo23, hi23;
-            I4PairToHalf2(PairBytes<0>(v0, v1), lo01, hi01);
-            I4PairToHalf2(PairBytes<0>(v2, v3), lo23, hi23);
-            Mma16816F16(acc[4 * g + 0], lo01, hi01, lo23, hi23, b0[g], b1[g]);
-            I4PairToHalf2(PairBytes<1>(v0, v1), lo01, hi01);
-            I4PairToHalf2(PairBytes<1>(v2, v3), lo23, hi23);
-            Mma16816F16(acc[4 * g + 1], lo01, hi01, lo23, hi23, b0[g], b1[g]);
-            I4PairToHalf2(PairBytes<2>(v0, v1), lo01, hi01);
-            I4PairToHalf2(PairBytes<2>(v2, v3), lo23, hi23);
-            Mma16816F16(acc[4 * g + 2], lo01, hi01, lo23, hi23, b0[g], b1[g]);
-            I4PairToHalf2(PairBytes<3>(v0, v1), lo01, hi01);
-            I4PairToHalf2(PairBytes<3>(v2, v3), lo23, hi23);
-            Mma16816F16(acc[4 * g + 3], lo01, hi01, lo23, hi23, b0[g], b1[g]);
+            const uint32_t v[4] = {vw[u][0].w[g], vw[u][1].w[g], vw[u][2].w[g], vw[u][3].w[g]};
+            I4PvMma<0>(acc[4 * g + 0], v, b0[g], b1[g]);
+            I4PvMma<1>(acc[4 * g + 1], v, b0[g], b1[g]);
+            I4PvMma<2>(acc[4 * g + 2], v, b0[g], b1[g]);
+            I4PvMma<3>(acc[4 * g + 3], v, b0[g], b1[g]);
           }
         } else {
 #pragma unroll
