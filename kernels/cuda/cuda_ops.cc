@@ -547,10 +547,10 @@ void CudaOps::Gemm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor 
 }
 
 void CudaOps::GemmStream(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, int config,
-                         int max_grid) {
+                         int max_grid, bool exact_grid) {
   TP_CHECK(cuda::StreamGemmSupported()) << "the stream GEMM needs an sm_90 device";
   AllocateStreamWorkspace();
-  cuda::LaunchStreamGemm(x, w, bias, y, stream_ws_, stream_, config, max_grid);
+  cuda::LaunchStreamGemm(x, w, bias, y, stream_ws_, stream_, config, max_grid, exact_grid);
 }
 
 void CudaOps::GemmStreamFixed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y) {

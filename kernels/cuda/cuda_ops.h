@@ -144,7 +144,7 @@ class CudaOps final : public Ops {
   int stream_max_m() const { return stream_max_m_; }
   // Benchmarks: force one path.
   void GemmStream(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, int config,
-                  int max_grid = 0);
+                  int max_grid = 0, bool exact_grid = false);
   // Deterministic mode's stream GEMM (LaunchStreamGemmFixed), any M.
   void GemmStreamFixed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y);
   void GemmCublasLt(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y);

@@ -30,9 +30,12 @@
 namespace tpserve::cuda {
 namespace {
 
-constexpr int kBK = 64;                    // K a stage: 128 bytes of bf16, one swizzle row
-constexpr int kConsumers = 128;            // one warpgroup
-constexpr int kThreads = kConsumers + 32;  // + the producer warp
+constexpr int kBK = 64;          // K a stage: 128 bytes of bf16, one swizzle row
+constexpr int kConsumers = 128;  // one warpgroup
+// The producers: one warp issuing TMA boxes (kLoaders = 32), or a warpgroup copying the weight
+// rows with cp.async (kLoaders = 128; the tokens still come through TMA).
+template <int kLoaders>
+inline constexpr int kThreadsOf = kConsumers + kLoaders;
 
 struct StreamArgs {
   __nv_bfloat16* y;
@@ -83,6 +86,17 @@ __device__ __forceinline__ void TmaLoad(void* dst, const CUtensorMap* map, uint6
       " [%0], [%1, {%3, %4}], [%2];" ::"r"(SmemAddr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)), "r"(c0), "r"(c1)
       : "memory");
+}
+
+// cp.async of 16 bytes (zeros where `bytes` is 0), completion counted on `bar` as one arrival
+// that the barrier's expected count includes (.noinc).
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncArriveNoinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SmemAddr(bar))
+               : "memory");
 }
 
 // wgmma's descriptor of a K-major operand in shared memory written by TMA with the 128-byte
@@ -256,13 +270,18 @@ __device__ void FinishSegment(const StreamArgs& a, float (&acc)[kMT][kN / 2], in
   if (tid == 0) a.counters[tile] = 0;
 }
 
-template <int kN, int kMT, int kStages>
-__global__ void __launch_bounds__(kThreads)
+// kAtoms: 64-K swizzle atoms a stage (a stage reads kAtoms x 128 contiguous bytes of each weight
+// row); kLoaders: see kThreadsOf.
+template <int kN, int kMT, int kStages, int kAtoms, int kLoaders>
+__global__ void __launch_bounds__(kThreadsOf<kLoaders>)
     StreamGemmKernel(const __grid_constant__ CUtensorMap wmap,
-                     const __grid_constant__ CUtensorMap xmap, StreamArgs a) {
+                     const __grid_constant__ CUtensorMap xmap, StreamArgs a,
+                     const __nv_bfloat16* __restrict__ w) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kABytes = kMT * 64 * 128;
-  constexpr int kStageBytes = kABytes + kN * 128;
+  constexpr int kWAtomBytes = kMT * 64 * 128, kXAtomBytes = kN * 128;
+  constexpr int kABytes = kWAtomBytes * kAtoms;
+  constexpr int kStageBytes = kABytes + kXAtomBytes * kAtoms;
+  constexpr int kStageK = kBK * kAtoms;
   extern __shared__ uint8_t smem_raw[];
   // The 128-byte swizzle repeats every 1024 bytes: stages start on 1024-byte boundaries.
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
@@ -271,9 +290,10 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ __align__(8) uint64_t empty[kStages];
   __shared__ int s_last;
   const int tid = threadIdx.x;
+  constexpr bool kCp = kLoaders == 128;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      MbarInit(&full[s], 1);
+      MbarInit(&full[s], kCp ? kLoaders + 1 : 1);
       MbarInit(&empty[s], kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -284,27 +304,96 @@ __global__ void __launch_bounds__(kThreads)
   const int begin = StreamKStart(plan, blockIdx.x);
   const int count = StreamKStart(plan, blockIdx.x + 1) - begin;
 
-  if (tid >= kConsumers) {
+  if (kCp && tid >= kConsumers) {
+    // cp.async producers: consecutive threads copy consecutive 16-byte pieces of a stage's rows
+    // (a warp instruction reads 512 contiguous bytes of a row when kAtoms >= 4), each written
+    // where the 128-byte swizzle puts it (piece j of row r of an atom at r * 128 + (j ^ r % 8) *
+    // 16). Thread kConsumers also feeds the tokens through TMA.
+    constexpr int kPieces = 8 * kAtoms;  // 16-byte pieces of a row a stage
+    constexpr int kRows = 64 * kMT;
+    static_assert(kRows * kPieces % kLoaders == 0, "pieces a loader");
+    const int ptid = tid - kConsumers;
+    const bool x_thread = ptid == 0;
+    auto issue_w = [&](int i) {
+      const int s = i % kStages, it = begin + i;
+      const int row0 = (it / plan.kb) * kRows;
+      const int k0 = (it % plan.kb) * kStageK;
+      const uint32_t base = SmemAddr(smem + s * kStageBytes);
+#pragma unroll 4
+      for (int idx = ptid; idx < kRows * kPieces; idx += kLoaders) {
+        const int r = idx / kPieces, piece = idx % kPieces;
+        const int at = piece / 8, j = piece % 8;
+        const int row = row0 + r, k = k0 + 8 * piece;
+        const bool in = row < a.n && k < a.k;
+        const __nv_bfloat16* src = w + (in ? static_cast<int64_t>(row) * a.k + k : 0);
+        CpAsync16(base + at * kWAtomBytes + r * 128 + ((j ^ (r % 8)) * 16), src, in ? 16 : 0);
+      }
+      CpAsyncArriveNoinc(&full[s]);
+    };
+    auto issue_x = [&](int i) {
+      const int s = i % kStages, it = begin + i;
+#pragma unroll
+      for (int at = 0; at < kAtoms; ++at) {
+        TmaLoad(smem + s * kStageBytes + kABytes + at * kXAtomBytes, &xmap, &full[s],
+                (it % plan.kb) * kStageK + at * kBK, 0);
+      }
+    };
+    const int pre = min(kStages, count);
+    for (int i = 0; i < pre; ++i) issue_w(i);
+    PdlWait();
+    for (int i = 0; i < pre; ++i) {
+      if (x_thread) {
+        MbarExpectTx(&full[i], kXAtomBytes * kAtoms);
+        issue_x(i);
+      }
+    }
+    for (int i = pre; i < count; ++i) {
+      const int s = i % kStages;
+      MbarWait(&empty[s], ((i / kStages) & 1) ^ 1);
+      issue_w(i);
+      if (x_thread) {
+        MbarExpectTx(&full[s], kXAtomBytes * kAtoms);
+        issue_x(i);
+      }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    return;
+  }
+  if (!kCp && tid >= kConsumers) {
     if (tid != kConsumers) return;
     // Producer. The first stages' weights go out before the previous kernel has finished.
     const int pre = min(kStages, count);
     for (int i = 0; i < pre; ++i) {
       const int it = begin + i;
       MbarExpectTx(&full[i], kStageBytes);
-      TmaLoad(smem + i * kStageBytes, &wmap, &full[i], (it % plan.kb) * kBK,
-              (it / plan.kb) * 64 * kMT);
+#pragma unroll
+      for (int at = 0; at < kAtoms; ++at) {
+        TmaLoad(smem + i * kStageBytes + at * kWAtomBytes, &wmap, &full[i],
+                (it % plan.kb) * kStageK + at * kBK, (it / plan.kb) * 64 * kMT);
+      }
     }
     PdlWait();
     for (int i = 0; i < pre; ++i) {
-      TmaLoad(smem + i * kStageBytes + kABytes, &xmap, &full[i], ((begin + i) % plan.kb) * kBK, 0);
+#pragma unroll
+      for (int at = 0; at < kAtoms; ++at) {
+        TmaLoad(smem + i * kStageBytes + kABytes + at * kXAtomBytes, &xmap, &full[i],
+                ((begin + i) % plan.kb) * kStageK + at * kBK, 0);
+      }
     }
     for (int i = pre; i < count; ++i) {
       const int s = i % kStages, it = begin + i;
       MbarWait(&empty[s], ((i / kStages) & 1) ^ 1);
       MbarExpectTx(&full[s], kStageBytes);
-      TmaLoad(smem + s * kStageBytes, &wmap, &full[s], (it % plan.kb) * kBK,
-              (it / plan.kb) * 64 * kMT);
-      TmaLoad(smem + s * kStageBytes + kABytes, &xmap, &full[s], (it % plan.kb) * kBK, 0);
+#pragma unroll
+      for (int at = 0; at < kAtoms; ++at) {
+        TmaLoad(smem + s * kStageBytes + at * kWAtomBytes, &wmap, &full[s],
+                (it % plan.kb) * kStageK + at * kBK, (it / plan.kb) * 64 * kMT);
+      }
+#pragma unroll
+      for (int at = 0; at < kAtoms; ++at) {
+        TmaLoad(smem + s * kStageBytes + kABytes + at * kXAtomBytes, &xmap, &full[s],
+                (it % plan.kb) * kStageK + at * kBK, 0);
+      }
     }
     return;
   }
@@ -321,6 +410,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < count; ++i) {
     const int s = i % kStages, it = begin + i;
     MbarWait(&full[s], (i / kStages) & 1);
+    // cp.async wrote the weights through the generic proxy; wgmma reads through the async one.
+    if constexpr (kCp) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     const uint8_t* stage = smem + s * kStageBytes;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
@@ -329,11 +420,14 @@ __global__ void __launch_bounds__(kThreads)
     }
     WgmmaFence();
 #pragma unroll
-    for (int kk = 0; kk < kBK / 16; ++kk) {
-      const uint64_t b = SmemDesc(stage + kABytes + kk * 32);
+    for (int at = 0; at < kAtoms; ++at) {
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        Wgmma<kN>::Run(acc[mt], SmemDesc(stage + mt * 64 * 128 + kk * 32), b);
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t b = SmemDesc(stage + kABytes + at * kXAtomBytes + kk * 32);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Wgmma<kN>::Run(acc[mt], SmemDesc(stage + at * kWAtomBytes + mt * 64 * 128 + kk * 32), b);
+        }
       }
     }
     WgmmaCommit();
@@ -397,23 +491,54 @@ CUtensorMap MakeMap(const void* data, int64_t rows, int64_t cols, int box_rows) 
 }
 
 struct Config {
-  int n_tok, mt, stages;
+  int n_tok, mt, stages, atoms = 1, loaders = 32;
 };
 // The configurations tpserve-cuda-bench --stream compares; StreamGemmAutoConfig picks by M.
 constexpr Config kConfigs[] = {
-    {16, 2, 6}, {32, 2, 5},  {64, 2, 4}, {128, 2, 6},  // auto's choices
-    {16, 1, 8}, {32, 1, 8},  {64, 1, 6}, {128, 1, 4},  // one 64-row tile a block
-    {64, 2, 8}, {16, 2, 10},                           // deeper rings (one block an SM)
+    {16, 2, 6},
+    {32, 2, 5},
+    {64, 2, 4},
+    {128, 2, 6},  // auto's choices
+    {16, 1, 8},
+    {32, 1, 8},
+    {64, 1, 6},
+    {128, 1, 4},  // one 64-row tile a block
+    {64, 2, 8},
+    {16, 2, 10},  // deeper rings (one block an SM)
+    // Longer runs of each weight row a stage (256 / 512 bytes).
+    {16, 2, 3, 2},
+    {16, 1, 5, 4},
+    {64, 2, 2, 2},
+    {64, 1, 3, 4},
+    // Deep rings for one block an SM (the whole of a tile's K without splitting it).
+    {16, 1, 20},
+    {64, 1, 13},
+    {128, 1, 9},
+    // 768 B - 1 KB of each weight row a stage.
+    {16, 1, 2, 8},
+    {16, 2, 3, 4},
+    {64, 2, 2, 4},
+    {64, 1, 2, 6},
+    {32, 1, 4, 4},
+    {128, 1, 2, 4},
+    // The weights through cp.async (a warp instruction: 512 contiguous bytes of a row).
+    {16, 1, 5, 4, 128},
+    {16, 2, 3, 4, 128},
+    {64, 1, 3, 4, 128},
+    {64, 2, 2, 4, 128},
+    {16, 1, 2, 8, 128},
+    {128, 1, 2, 4, 128},
 };
 
-template <int kN, int kMT, int kStages>
+template <int kN, int kMT, int kStages, int kAtoms, int kLoaders>
 void LaunchConfig(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                   const StreamGemmWorkspace& ws, cudaStream_t stream, int max_grid,
                   bool exact_grid) {
   const int64_t n = w.dim(0), k = w.dim(1), m = x.numel() / k;
-  constexpr int kStageBytes = kMT * 64 * 128 + kN * 128;
+  constexpr int kStageBytes = (kMT * 64 * 128 + kN * 128) * kAtoms;
   constexpr size_t kSmem = size_t{kStages} * kStageBytes + 1024;
-  auto kernel = StreamGemmKernel<kN, kMT, kStages>;
+  auto kernel = StreamGemmKernel<kN, kMT, kStages, kAtoms, kLoaders>;
+  constexpr int kThreads = kThreadsOf<kLoaders>;
   static int per_sm = [&] {
     TP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kSmem)));
@@ -432,13 +557,14 @@ void LaunchConfig(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y
   a.k = static_cast<int>(k);
   int grid = std::min(ws.num_sms * per_sm, ws.max_grid);
   if (max_grid > 0) grid = exact_grid ? std::min(max_grid, ws.max_grid) : std::min(grid, max_grid);
-  a.plan = MakeStreamKPlan(CeilDiv(n, 64 * kMT), CeilDiv(k, kBK), grid);
+  a.plan = MakeStreamKPlan(CeilDiv(n, 64 * kMT), CeilDiv(k, kBK * kAtoms), grid);
   TP_CHECK(a.plan.tiles <= ws.max_tiles)
       << "stream GEMM: " << a.plan.tiles << " tiles, counters for " << ws.max_tiles;
   TP_CHECK(size_t{kConsumers} * kMT * kN / 2 <= ws.slot_floats) << "stream GEMM: slot too small";
   const CUtensorMap wmap = MakeMap(w.data, n, k, 64 * kMT);
   const CUtensorMap xmap = MakeMap(x.data, m, k, kN);
-  LaunchPdl(kernel, dim3(a.plan.grid), dim3(kThreads), kSmem, stream, wmap, xmap, a);
+  LaunchPdl(kernel, dim3(a.plan.grid), dim3(kThreads), kSmem, stream, wmap, xmap, a,
+            static_cast<const __nv_bfloat16*>(w.data));
 }
 
 template <int kI>
@@ -448,7 +574,8 @@ void LaunchIndexed(int index, const Tensor& x, const Tensor& w, const Tensor* bi
   if constexpr (kI < static_cast<int>(std::size(kConfigs))) {
     if (index == kI) {
       constexpr Config c = kConfigs[kI];
-      LaunchConfig<c.n_tok, c.mt, c.stages>(x, w, bias, y, ws, stream, max_grid, exact_grid);
+      LaunchConfig<c.n_tok, c.mt, c.stages, c.atoms, c.loaders>(x, w, bias, y, ws, stream, max_grid,
+                                                                exact_grid);
     } else {
       LaunchIndexed<kI + 1>(index, x, w, bias, y, ws, stream, max_grid, exact_grid);
     }
@@ -463,12 +590,19 @@ std::string StreamGemmConfigName(int config) {
   TP_CHECK(config >= 0 && config < StreamGemmNumConfigs()) << "stream GEMM config " << config;
   const Config& c = kConfigs[config];
   return "n" + std::to_string(c.n_tok) + " x" + std::to_string(64 * c.mt) + " rows, " +
-         std::to_string(c.stages) + " stages";
+         std::to_string(c.stages) + " stages" +
+         (c.atoms > 1 ? " of " + std::to_string(128 * c.atoms) + " B a row" : "") +
+         (c.loaders == 128 ? ", cp.async" : "");
 }
 
 int StreamGemmConfigTokens(int config) {
   TP_CHECK(config >= 0 && config < StreamGemmNumConfigs()) << "stream GEMM config " << config;
   return kConfigs[config].n_tok;
+}
+
+int StreamGemmConfigRows(int config) {
+  TP_CHECK(config >= 0 && config < StreamGemmNumConfigs()) << "stream GEMM config " << config;
+  return 64 * kConfigs[config].mt;
 }
 
 int StreamGemmAutoConfig(int64_t m) {

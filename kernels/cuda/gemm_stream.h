@@ -58,6 +58,8 @@ int StreamGemmNumConfigs();
 std::string StreamGemmConfigName(int config);
 // The largest M a configuration takes (its wgmma N).
 int StreamGemmConfigTokens(int config);
+// The weight rows of a configuration's tile (64 or 128).
+int StreamGemmConfigRows(int config);
 // The configuration auto takes for M (-1 when M > kStreamGemmMaxM).
 int StreamGemmAutoConfig(int64_t m);
 
