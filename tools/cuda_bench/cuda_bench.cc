@@ -11,14 +11,18 @@
 //   (deterministic mode's cuBLASLt bits, gemm_lt_chain.cu) in each pipeline configuration against
 //   the default and the fixed cuBLASLt algorithm at M = 1, 2, 8, 16; --stream: the weight-streaming
 //   wgmma GEMM, gemm_stream.cu, in each configuration against cuBLASLt at M = 3 .. 128, and its
-//   fixed-grid variant of deterministic mode at M = 1 .. 128, at M = 1 beside the skinny kernel)
+//   fixed-grid variant of deterministic mode at M = 1 .. 128, at M = 1 beside the skinny kernel).
+//   A second argument, a regular expression, keeps only the rows of --stream and of the attention
+//   kernels whose label it matches (a short run for a profiler such as ncu).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <random>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -39,6 +43,9 @@ struct Row {
   std::string metric;
 };
 std::vector<Row> g_rows;
+std::optional<std::regex> g_only;  // the rows to measure (all when empty)
+
+bool Wanted(const std::string& label) { return !g_only || std::regex_search(label, *g_only); }
 
 double MedianMs(cudaStream_t s, int iters, const std::function<void(int)>& fn) {
   for (int i = 0; i < 3; ++i) fn(i);
@@ -335,28 +342,44 @@ void StreamGemms(CudaOps& ops, double copy_gbs) {
     for (int m : {1, 3, 8, 16, 32, 48, 64, 96, 128}) {
       Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
       Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
-      auto add = [&](const std::string& what, double ms) {
+      auto add = [&](const std::string& what, const std::function<void(int)>& fn) {
+        const std::string label = std::string(sh.name) + " M=" + std::to_string(m) + " " + what;
+        if (!Wanted(label)) return;
+        const double ms = MedianMs(s, 50, fn);
         const double gbs = rw.bytes / ms / 1e6;
-        Add(std::string(sh.name) + " M=" + std::to_string(m) + " " + what, ms,
-            Fmt("%.0f GB/s = %.1f%% of copy", gbs, 100.0 * gbs / copy_gbs));
+        Add(label, ms, Fmt("%.0f GB/s = %.1f%% of copy", gbs, 100.0 * gbs / copy_gbs));
       };
-      add("cuBLASLt", MedianMs(s, 50, [&](int i) { ops.GemmCublasLt(x, rw.At(i), nullptr, y); }));
+      add("cuBLASLt", [&](int i) { ops.GemmCublasLt(x, rw.At(i), nullptr, y); });
       // Deterministic mode's variant (TPSERVE_DETERMINISTIC_GEMM=stream): auto config, a fixed
       // grid of 2 blocks an SM; at M = 1 beside the skinny kernel, the default there.
       add("stream fixed grid (deterministic)",
-          MedianMs(s, 50, [&](int i) { ops.GemmStreamFixed(x, rw.At(i), nullptr, y); }));
+          [&](int i) { ops.GemmStreamFixed(x, rw.At(i), nullptr, y); });
       if (m == 1) {
-        add("skinny (default config)",
-            MedianMs(s, 50, [&](int i) { ops.GemmSkinny(x, rw.At(i), nullptr, y, 0); }));
+        add("skinny (default config)", [&](int i) { ops.GemmSkinny(x, rw.At(i), nullptr, y, 0); });
         continue;
       }
       for (int c = 0; c < cuda::StreamGemmNumConfigs(); ++c) {
         const int tokens = cuda::StreamGemmConfigTokens(c);
         // Each configuration at the batches it would take (and the next smaller token count).
         if (m > tokens || m * 4 <= tokens) continue;
-        add(std::string("stream ") + (c == cuda::StreamGemmAutoConfig(m) ? "(auto) " : "") +
-                cuda::StreamGemmConfigName(c),
-            MedianMs(s, 50, [&](int i) { ops.GemmStream(x, rw.At(i), nullptr, y, c); }));
+        const std::string name = std::string("stream ") +
+                                 (c == cuda::StreamGemmAutoConfig(m) ? "(auto) " : "") +
+                                 cuda::StreamGemmConfigName(c);
+        add(name, [&](int i) { ops.GemmStream(x, rw.At(i), nullptr, y, c); });
+        // The same on a grid of one block a tile (no tile split, no fixup) and of two.
+        const int tiles = static_cast<int>((sh.n + cuda::StreamGemmConfigRows(c) - 1) /
+                                           cuda::StreamGemmConfigRows(c));
+        for (int per : {1, 2}) {
+          add(name + ", grid " + std::to_string(per) + " x tiles", [&](int i) {
+            ops.GemmStream(x, rw.At(i), nullptr, y, c, per * tiles, /*exact_grid=*/true);
+          });
+        }
+      }
+      // The auto configuration on smaller grids (one block an SM and 1.5): fewer, longer ranges.
+      for (int grid : {132, 198}) {
+        add("stream (auto) grid " + std::to_string(grid), [&](int i) {
+          ops.GemmStream(x, rw.At(i), nullptr, y, cuda::StreamGemmAutoConfig(m), grid);
+        });
       }
     }
   }
@@ -468,7 +491,7 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
   // 4. Attention. 6.7B: 32 heads, 32 KV heads, head_dim 128, block size 16.
   const int hq = 32, hk = 32, d = 128, bs = 16;
   auto batch = [&](int seqs, int qlen, int ctx) { return PagedBatch(seqs, qlen, ctx, bs); };
-  if (!m1_only) {
+  if (!m1_only && Wanted("prefill attention 2048 tok, 32 heads, d128")) {
     const int T = 2048;
     BatchMeta m = batch(1, T, T);
     size_t cache_bytes = size_t{2} * m.max_blocks_per_seq * bs * hk * d;
@@ -540,12 +563,14 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
       tv.scales = vs;
       const double bytes = 2.0 * (code_bytes + scale_bytes);
       for (const Variant& v : variants) {
+        const std::string label = "decode attention B=" + std::to_string(B) + " ctx " +
+                                  std::to_string(ctx) + " " + std::string(KvCacheDTypeName(kv)) +
+                                  " " + v.name;
+        if (!Wanted(label)) continue;
         cuda::SetDecodeOverride(v.kernel, v.partition);
         double ms =
             MedianMs(s, 50, [&](int) { ops.AttentionDecode(tq, tk, tv, hq, hk, d, 0.0884f, to); });
-        Add("decode attention B=" + std::to_string(B) + " ctx " + std::to_string(ctx) + " " +
-                std::string(KvCacheDTypeName(kv)) + " " + v.name,
-            ms,
+        Add(label, ms,
             Fmt("%.0f GB/s KV = %.1f%% of copy", bytes / ms / 1e6,
                 100.0 * bytes / ms / 1e6 / copy_gbs));
       }
@@ -565,13 +590,22 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (!mode.empty() && mode != "--m1" && mode != "--attention" && mode != "--decode" &&
-      mode != "--det-gemm" && mode != "--shards" && mode != "--split-k" && mode != "--chain" &&
-      mode != "--stream") {
+  if ((!mode.empty() && mode != "--m1" && mode != "--attention" && mode != "--decode" &&
+       mode != "--det-gemm" && mode != "--shards" && mode != "--split-k" && mode != "--chain" &&
+       mode != "--stream") ||
+      argc > 3) {
     std::fprintf(stderr,
                  "usage: tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm | --shards "
-                 "| --split-k | --chain | --stream]\n");
+                 "| --split-k | --chain | --stream] [ROW-REGEX]\n");
     return 2;
+  }
+  if (argc == 3) {
+    try {
+      tpserve::g_only.emplace(argv[2]);
+    } catch (const std::regex_error& e) {
+      std::fprintf(stderr, "tpserve-cuda-bench: bad row regex '%s': %s\n", argv[2], e.what());
+      return 2;
+    }
   }
   return tpserve::Main(mode == "--m1", mode == "--attention" || mode == "--decode",
                        mode == "--decode", mode == "--det-gemm", mode == "--shards",
