@@ -3,11 +3,12 @@
 # puts them under .carry/gpu/). Runs the gpu-tier tests, makes a random DeepSeek-Coder-6.7B-shaped
 # checkpoint, compares it with transformers bf16, runs the engine benchmark and the HF
 # baselines. Logs and JSON go to $OUT (or ./gpu-out) as gpu-job.tgz, beside summary.txt.
-# Usage: bash tools/gpu_job.sh [tests] [ds67] [refs] [bench] [hf] [pp] [kernels] [serve] [trace]
-#          [presets] [kvq] [detserve]
+# Usage: bash tools/gpu_job.sh [tests] [ds67] [refs] [bench] [hf] [pp] [kernels] [ncu] [serve]
+#          [trace] [presets] [kvq] [detserve]
 #   (default: tests ds67 bench hf; refs: the transformers references alone, without tpserve's
 #   test; `refs hf` needs no tpserve binary but `tpserve random-model`; kernels: the kernel
-#   benchmark tpserve-cuda-bench; serve: tools/serve_check.sh, served vs engine tokens;
+#   benchmark tpserve-cuda-bench; ncu: Nsight Compute profiles of single kernels (NCU_ROWS, below);
+#   serve: tools/serve_check.sh, served vs engine tokens;
 #   presets: `tpserve bench` presets against `tpserve serve` in each SERVE_AB configuration)
 #   kvq: tiny-coder held-out perplexity with each --kv-cache-dtype (the files listed in
 #   .carry/heldout.txt, made by tools/tiny_coder_heldout.py --copy-to .carry/heldout), then the
@@ -200,6 +201,30 @@ if has kernels && [ -x "$stage/bin/tpserve-cuda-bench" ]; then
   timeout 300 "$stage/bin/tpserve-cuda-bench" ${CUDA_BENCH_ARGS:-} >"$out/cuda_bench.log" 2>&1
   log "rc=$?"
   sed -n '/==== summary/,$p' "$out/cuda_bench.log" | tee -a "$out/summary.txt"
+fi
+if has ncu && [ -x "$stage/bin/tpserve-cuda-bench" ]; then
+  # Nsight Compute profiles of single kernels (it reads the hardware counters on this machine;
+  # --clock-control none leaves the clocks alone): each NCU_ROWS entry "NAME MODE SKIP COUNT REGEX"
+  # (";"-separated) profiles COUNT launches, after SKIP warm-ups, of the tpserve-cuda-bench MODE
+  # rows that REGEX matches. ncu_NAME.txt: the details page (speed of light, warp states, memory
+  # tables); sass_NAME.csv: the warp-stall samples per SASS instruction.
+  rows=${NCU_ROWS:-"lt_qkv64 --stream 10 1 ^qkv 12288x4096 M=64 cuBLASLt;st_qkv64 --stream 10 1 ^qkv 12288x4096 M=64 stream \(auto\) n64 x128 rows, 4 stages\$;fp8dec --attention 10 2 decode attention B=64 ctx 1024 fp8 auto;bf16dec --attention 10 2 decode attention B=64 ctx 1024 bf16 auto;prefill --attention 4 1 prefill attention"}
+  IFS=';' read -ra entries <<<"$rows"
+  for e in "${entries[@]}"; do
+    read -r name mode skip count rx <<<"$e"
+    log "ncu $name ($mode '$rx')"
+    timeout 200 ncu --clock-control none --set detailed --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis_Tables \
+      --metrics sm__cycles_active.max,sm__cycles_active.min,sm__cycles_active.avg,dram__bytes_read.sum \
+      --launch-skip "$skip" --launch-count "$count" -o "/tmp/ncu_$name" \
+      "$stage/bin/tpserve-cuda-bench" "$mode" "$rx" >"$out/ncu_$name.log" 2>&1
+    log "rc=$?"
+    ncu -i "/tmp/ncu_$name.ncu-rep" --page details --print-details all >"$out/ncu_$name.txt" 2>&1
+    ncu -i "/tmp/ncu_$name.ncu-rep" --page source --print-source sass --csv \
+      >"$out/sass_$name.csv" 2>&1
+    grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|sm__cycles_active|Registers Per|Achieved Occ" \
+      "$out/ncu_$name.txt" | head -12 | tee -a "$out/summary.txt"
+  done
 fi
 if has serve; then
   # Served vs engine greedy tokens: the 6.7B shape with and without the workers' decode graphs,
