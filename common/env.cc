@@ -122,6 +122,14 @@ const EnvVar kDecodeOrder = {"TPSERVE_DECODE_ORDER",
                              0,
                              0,
                              "seq|split|head"};
+const EnvVar kDecodePrefetch = {"TPSERVE_DECODE_PREFETCH",
+                                EnvType::kInt,
+                                "0",
+                                "decode attention, tensor-core (mma) kernel for 8- and 4-bit "
+                                "caches: L2 prefetches of K/V rows this many loop iterations "
+                                "ahead of the loads (0 = none; A/B runs)",
+                                0,
+                                4};
 const EnvVar kCublasLtAutotune = {"TPSERVE_CUBLASLT_AUTOTUNE", EnvType::kBool, "0",
                                   "time cuBLASLt's candidate algorithms for M <= 256 instead of "
                                   "taking its heuristic (faster, not bitwise reproducible across "
@@ -346,6 +354,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kDecodeKernel,
       &env::kDecodePartition,
       &env::kDecodeOrder,
+      &env::kDecodePrefetch,
       &env::kCublasLtAutotune,
       &env::kStreamGemmMaxM,
       &env::kDeterministicGemm,

@@ -47,6 +47,7 @@ extern const EnvVar kPrefillTile;
 extern const EnvVar kDecodeKernel;
 extern const EnvVar kDecodePartition;
 extern const EnvVar kDecodeOrder;
+extern const EnvVar kDecodePrefetch;
 extern const EnvVar kCublasLtAutotune;
 extern const EnvVar kStreamGemmMaxM;
 extern const EnvVar kDeterministicGemm;

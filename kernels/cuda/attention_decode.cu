@@ -219,14 +219,18 @@ inline constexpr int kTwoPhaseLaneElems = (Kv::kQuantized && kG <= 2 && kKvGroup
 // scores, softmax, PV) with few registers, so that many blocks stay resident and their loads
 // overlap. `block_shift`: KvBlockShift(block_size).
 template <typename Kv, int kD, int kG>
-__global__ void __launch_bounds__(kThreads) DecodeTwoPhaseKernel(
-    const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
-    const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
-    const float* __restrict__ v_scales, const int32_t* __restrict__ query_start,
-    const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
-    const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
-    int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
-    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift, int order) {
+__global__ void __launch_bounds__(kThreads)
+    DecodeTwoPhaseKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
+                         const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
+                         const float* __restrict__ v_scales,
+                         const int32_t* __restrict__ query_start,
+                         const int32_t* __restrict__ context_lens,
+                         const int32_t* __restrict__ block_tables,
+                         const int32_t* __restrict__ table_rows, int max_blocks_per_seq,
+                         int block_size, int num_heads, int num_kv_heads, int partition,
+                         float scale_log2, unsigned* __restrict__ counters,
+                         float* __restrict__ records, __nv_bfloat16* __restrict__ out,
+                         int block_shift, int order, int prefetch) {
   constexpr int kE = kTwoPhaseLaneElems<Kv, kD, kG>;
   using Lane = KvLane<Kv, kE>;
   constexpr int kLanesPerToken = kD / kE;                    // kE-element chunks per row
@@ -462,12 +466,17 @@ __device__ __forceinline__ void I4PvMma(float (&acc)[4], const uint32_t (&v)[4],
   Mma16816F16(acc, lo01, hi01, lo23, hi23, b0, b1);
 }
 
+// A hint: the 128-byte line holding p into L2 (no register holds the data, nothing waits on it).
+__device__ __forceinline__ void PrefetchL2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 __device__ __forceinline__ uint32_t Float2ToHalf2(float a, float b) {
   const __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-template <typename Kv, int kD, int kG>
+template <typename Kv, int kD, int kG, bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
     DecodeMmaKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
                     const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
@@ -477,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
                     const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size,
                     int num_heads, int num_kv_heads, int partition, float scale_log2,
                     unsigned* __restrict__ counters, float* __restrict__ records,
-                    __nv_bfloat16* __restrict__ out, int block_shift, int order) {
+                    __nv_bfloat16* __restrict__ out, int block_shift, int order, int prefetch) {
   if constexpr (kMmaDecodeSupported<Kv, kD> && kG <= 8) {
     constexpr bool kI4 = Kv::kBits == 4;
     constexpr int kSteps = kD / 16;   // k steps of a score tile = dim blocks of an output tile
@@ -552,9 +561,33 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
       }
     }
 
+    // kPrefetch (TPSERVE_DECODE_PREFETCH > 0, its own instantiation so that the default kernel
+    // keeps its registers): L2 prefetches `prefetch` loop iterations ahead of a warp's loads
+    // (lane l: key l % 16 of the iteration's tile l / 16), bytes in flight that cost no
+    // registers. K rows need the page lookup; V rows come from row_s (phase 1 fills it).
+    constexpr int kStride = kWarps * kUnroll;  // tiles a loop iteration of all warps
+    auto prefetch_k = [&](int t0) {
+      const int tok = (t0 + (lane / 16) * kWarps) * 16 + lane % 16;
+      if (lane / 16 < kUnroll && tok < n) {
+        PrefetchL2(k_cache +
+                   KvPoolRow(table, start + tok, block_size, block_shift, num_kv_heads, kv_head) *
+                       kRowBytes);
+      }
+    };
+    auto prefetch_v = [&](int t0) {
+      const int tok = (t0 + (lane / 16) * kWarps) * 16 + lane % 16;
+      if (lane / 16 < kUnroll && tok < n) {
+        PrefetchL2(v_cache + static_cast<int64_t>(row_s[tok]) * kRowBytes);
+      }
+    };
+    if constexpr (kPrefetch) {
+      for (int d = 1; d <= prefetch; ++d) prefetch_k(warp + d * kStride);
+    }
+
     // Phase 1: scores (log2 domain); the lanes of column 0 also keep each key's pool row and V
     // scales for phase 3.
     for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnroll) {
+      if constexpr (kPrefetch) prefetch_k(t0 + (prefetch + 1) * kStride);
       KLoad kw[kUnroll][2][kChunks];
       float ks[kUnroll][2][kGroups];
 #pragma unroll
@@ -664,6 +697,9 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
       }
     };
     load_v(warp);
+    if constexpr (kPrefetch) {
+      for (int d = 1; d <= prefetch; ++d) prefetch_v(warp + d * kStride);
+    }
 
     // Phase 2: softmax numerators per head (one warp per head). 8 bits: p_s becomes P' = p *
     // vscale / vmax; int4 (a scale per group): p, and phase 3 applies the group's scale.
@@ -706,6 +742,7 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
       for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
     }
     for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnroll) {
+      if constexpr (kPrefetch) prefetch_v(t0 + (prefetch + 1) * kStride);
       if (t0 != warp) load_v(t0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -791,14 +828,18 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
 // sub-tile before using any (32 KB in flight per block at head_dim 128), scores go to shared
 // memory, and the softmax is online across sub-tiles.
 template <typename Kv, int kD, int kG>
-__global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
-    const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
-    const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
-    const float* __restrict__ v_scales, const int32_t* __restrict__ query_start,
-    const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
-    const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size, int num_heads,
-    int num_kv_heads, int partition, float scale_log2, unsigned* __restrict__ counters,
-    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift, int order) {
+__global__ void __launch_bounds__(kThreads)
+    DecodePartitionKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
+                          const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
+                          const float* __restrict__ v_scales,
+                          const int32_t* __restrict__ query_start,
+                          const int32_t* __restrict__ context_lens,
+                          const int32_t* __restrict__ block_tables,
+                          const int32_t* __restrict__ table_rows, int max_blocks_per_seq,
+                          int block_size, int num_heads, int num_kv_heads, int partition,
+                          float scale_log2, unsigned* __restrict__ counters,
+                          float* __restrict__ records, __nv_bfloat16* __restrict__ out,
+                          int block_shift, int order, int prefetch) {
   constexpr int kLanesPerToken = kD / 8;                     // 8-element chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // rows read per block step
   constexpr int kUnroll = kSub / kTokensPerStep;
@@ -1027,6 +1068,8 @@ DecodePlan PlanDecode(const DeviceBatch& b, int num_heads, int num_kv_heads) {
 // blockIdx.x is the split, so the blocks that run together cover few sequences, all their splits
 // and heads. Without sharing the two are within 1% (engine batch 8-64 steps, batch64 preset).
 int DecodeOrderOf();
+// TPSERVE_DECODE_PREFETCH: the mma kernel's L2 prefetch distance in loop iterations (0 = none).
+int DecodePrefetchOf();
 dim3 DecodeGrid(int splits, int groups, int seqs) {
   switch (DecodeOrderOf()) {
     case kDecodeSeqMajor:
@@ -1048,8 +1091,10 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
                             ? std::min(plan.partition, MmaMaxPartition(kG))
                             : plan.partition;
   auto kernel = plan.kernel == DecodeKernel::kSubTile ? DecodePartitionKernel<Kv, kD, kG>
-                : plan.kernel == DecodeKernel::kMma   ? DecodeMmaKernel<Kv, kD, kG>
-                                                      : DecodeTwoPhaseKernel<Kv, kD, kG>;
+                : plan.kernel == DecodeKernel::kMma
+                    ? (DecodePrefetchOf() > 0 ? DecodeMmaKernel<Kv, kD, kG, true>
+                                              : DecodeMmaKernel<Kv, kD, kG, false>)
+                    : DecodeTwoPhaseKernel<Kv, kD, kG>;
   const int block_shift = KvBlockShift(b.block_size);
   const auto* kc = static_cast<const uint8_t*>(k_cache.data);
   const auto* vc = static_cast<const uint8_t*>(v_cache.data);
@@ -1061,7 +1106,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
               k_scales, v_scales, b.query_start, b.context_lens, b.block_tables,
               static_cast<const int32_t*>(nullptr), b.max_blocks_per_seq, b.block_size, num_heads,
               num_kv_heads, partition, scale * kLog2e, counters, workspace,
-              out.ptr<__nv_bfloat16>(), block_shift, DecodeOrderOf());
+              out.ptr<__nv_bfloat16>(), block_shift, DecodeOrderOf(), DecodePrefetchOf());
     TP_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -1078,7 +1123,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
               k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
               b.block_tables, b.token_table_rows + t0, b.max_blocks_per_seq, b.block_size,
               num_heads, num_kv_heads, partition, scale * kLog2e, counters, workspace,
-              out.ptr<__nv_bfloat16>(), block_shift, DecodeOrderOf());
+              out.ptr<__nv_bfloat16>(), block_shift, DecodeOrderOf(), DecodePrefetchOf());
     TP_CUDA_CHECK_LAUNCH();
   }
 }
@@ -1113,6 +1158,12 @@ DecodeOverrides& Overrides() {
   return o;
 }
 
+std::atomic<int>& PrefetchOverride() {
+  static std::atomic<int> prefetch{static_cast<int>(EnvInt(env::kDecodePrefetch))};
+  return prefetch;
+}
+int DecodePrefetchOf() { return PrefetchOverride().load(); }
+
 int DecodeOrderOf() {
   static const int order = [] {
     const std::string o = EnvString(env::kDecodeOrder);
@@ -1127,6 +1178,9 @@ void SetDecodeOverride(DecodeKernel kernel, int partition) {
   Overrides().kernel = static_cast<int>(kernel);
   Overrides().partition = partition;
 }
+void SetDecodePrefetch(int distance) { PrefetchOverride() = distance; }
+int DecodePrefetch() { return DecodePrefetchOf(); }
+
 DecodeKernel DecodeKernelOverride() { return static_cast<DecodeKernel>(Overrides().kernel.load()); }
 int DecodePartitionOverride() { return Overrides().partition.load(); }
 

@@ -73,6 +73,10 @@ enum class DecodeKernel { kAuto, kSubTile, kTwoPhase, kMma };
 // from TPSERVE_DECODE_KERNEL and TPSERVE_DECODE_PARTITION. Deterministic mode's fixed partition is
 // not overridden.
 void SetDecodeOverride(DecodeKernel kernel, int partition);
+// Benchmarks: the mma decode kernel's L2 prefetch distance in loop iterations for every later
+// launch (0 = none; starts from TPSERVE_DECODE_PREFETCH).
+void SetDecodePrefetch(int distance);
+int DecodePrefetch();
 DecodeKernel DecodeKernelOverride();
 int DecodePartitionOverride();
 // The partition of this batch: fixed in deterministic mode, else by its size or the override.

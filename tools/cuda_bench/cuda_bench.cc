@@ -518,8 +518,10 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
     const char* name;
     cuda::DecodeKernel kernel;
     int partition;
+    int prefetch = -1;  // the mma kernel's L2 prefetch distance (-1: TPSERVE_DECODE_PREFETCH's)
   };
   std::vector<Variant> variants = {{"auto", cuda::DecodeKernel::kAuto, 0}};
+  const int env_prefetch = cuda::DecodePrefetch();
   if (decode_sweep) {
     variants.push_back({"subtile p64", cuda::DecodeKernel::kSubTile, 64});
     variants.push_back({"twophase p128", cuda::DecodeKernel::kTwoPhase, 128});
@@ -528,6 +530,9 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
     variants.push_back({"mma p256", cuda::DecodeKernel::kMma, 256});
     variants.push_back({"mma p512", cuda::DecodeKernel::kMma, 512});
     variants.push_back({"mma p1024", cuda::DecodeKernel::kMma, 1024});
+    variants.push_back({"mma p512 prefetch 1", cuda::DecodeKernel::kMma, 512, 1});
+    variants.push_back({"mma p512 prefetch 2", cuda::DecodeKernel::kMma, 512, 2});
+    variants.push_back({"mma p512 prefetch 4", cuda::DecodeKernel::kMma, 512, 4});
   }
   const DType kv_dtypes[] = {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4};
   for (auto [B, ctx] :
@@ -568,6 +573,7 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
                                   " " + v.name;
         if (!Wanted(label)) continue;
         cuda::SetDecodeOverride(v.kernel, v.partition);
+        cuda::SetDecodePrefetch(v.prefetch >= 0 ? v.prefetch : env_prefetch);
         double ms =
             MedianMs(s, 50, [&](int) { ops.AttentionDecode(tq, tk, tv, hq, hk, d, 0.0884f, to); });
         Add(label, ms,
@@ -575,6 +581,7 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
                 100.0 * bytes / ms / 1e6 / copy_gbs));
       }
       cuda::SetDecodeOverride(cuda::DecodeKernel::kAuto, 0);
+      cuda::SetDecodePrefetch(env_prefetch);
       for (void* p : {kc, vc, ks, vs}) {
         if (p != nullptr) ops.Free(p);
       }

@@ -1206,7 +1206,8 @@ TEST_F(CudaAttentionTest, DecodeQuantizedKvCache) {
   }
 }
 
-// Every decode kernel (sub-tile, two-phase, mma) at forced partitions, for each cache dtype (the
+// Every decode kernel (sub-tile, two-phase, mma; the mma kernel also with L2 prefetches, which
+// must not change a result) at forced partitions, for each cache dtype (the
 // two-phase kernel reads 16 elements a lane from a quantized cache at G <= 2, 8 at G = 8; the
 // mma kernel runs for fp8, int8 and int4 at head_dim 64 and 128, G = 1, 2 and 8, and falls back
 // to the two-phase kernel for the other cases):
@@ -1223,25 +1224,31 @@ TEST_F(CudaAttentionTest, DecodeEveryKernelAndPartition) {
   struct Variant {
     cuda::DecodeKernel kernel;
     int partition;
+    int prefetch = 0;  // the mma kernel's L2 prefetch distance (TPSERVE_DECODE_PREFETCH)
   };
   const Variant variants[] = {
       {cuda::DecodeKernel::kSubTile, 64},   {cuda::DecodeKernel::kSubTile, 256},
       {cuda::DecodeKernel::kTwoPhase, 128}, {cuda::DecodeKernel::kTwoPhase, 256},
       {cuda::DecodeKernel::kTwoPhase, 512}, {cuda::DecodeKernel::kMma, 64},
       {cuda::DecodeKernel::kMma, 512},      {cuda::DecodeKernel::kMma, 1024},
+      {cuda::DecodeKernel::kMma, 64, 1},    {cuda::DecodeKernel::kMma, 512, 4},
   };
+  const int env_prefetch = cuda::DecodePrefetch();
   for (DType kv : {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4}) {
     for (const Variant& v : variants) {
       cuda::SetDecodeOverride(v.kernel, v.partition);
+      cuda::SetDecodePrefetch(v.prefetch);
       for (size_t i = 0; i < cases.size(); ++i) {
         SCOPED_TRACE(std::string(KvCacheDTypeName(kv)) + " kernel " +
                      std::to_string(static_cast<int>(v.kernel)) + " partition " +
-                     std::to_string(v.partition) + " case " + std::to_string(i));
+                     std::to_string(v.partition) + " prefetch " + std::to_string(v.prefetch) +
+                     " case " + std::to_string(i));
         Run(cases[i], /*decode=*/true, kv);
       }
     }
   }
   cuda::SetDecodeOverride(cuda::DecodeKernel::kAuto, 0);
+  cuda::SetDecodePrefetch(env_prefetch);
 }
 
 // A decode step captured once replays correctly for new contexts and tokens (same sizes).
