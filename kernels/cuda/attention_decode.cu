@@ -562,9 +562,10 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
     }
 
     // kPrefetch (TPSERVE_DECODE_PREFETCH > 0, its own instantiation so that the default kernel
-    // keeps its registers): L2 prefetches `prefetch` loop iterations ahead of a warp's loads
-    // (lane l: key l % 16 of the iteration's tile l / 16), bytes in flight that cost no
-    // registers. K rows need the page lookup; V rows come from row_s (phase 1 fills it).
+    // keeps its registers): L2 prefetches ahead of a warp's loads, bytes in flight that cost no
+    // registers: the rows of loop iterations 1 .. `prefetch` before a phase's loop, then in
+    // iteration i those of iteration i + prefetch + 1 (lane l: key l % 16 of the iteration's
+    // tile l / 16). K rows need the page lookup; V rows come from row_s (phase 1 fills it).
     constexpr int kStride = kWarps * kUnroll;  // tiles a loop iteration of all warps
     auto prefetch_k = [&](int t0) {
       const int tok = (t0 + (lane / 16) * kWarps) * 16 + lane % 16;
