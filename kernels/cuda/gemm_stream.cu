@@ -303,6 +303,24 @@ __global__ void __launch_bounds__(kThreadsOf<kLoaders>)
   const StreamKPlan& plan = a.plan;
   const int begin = StreamKStart(plan, blockIdx.x);
   const int count = StreamKStart(plan, blockIdx.x + 1) - begin;
+  // The TMA loads of the i-th pair of this block's range into its stage: the tokens' atoms, and
+  // (TMA producer) the weights' atoms.
+  auto load_x = [&](int i) {
+    const int s = i % kStages, k0 = ((begin + i) % plan.kb) * kStageK;
+#pragma unroll
+    for (int at = 0; at < kAtoms; ++at) {
+      TmaLoad(smem + s * kStageBytes + kABytes + at * kXAtomBytes, &xmap, &full[s], k0 + at * kBK,
+              0);
+    }
+  };
+  auto load_w = [&](int i) {
+    const int s = i % kStages, it = begin + i, k0 = (it % plan.kb) * kStageK;
+#pragma unroll
+    for (int at = 0; at < kAtoms; ++at) {
+      TmaLoad(smem + s * kStageBytes + at * kWAtomBytes, &wmap, &full[s], k0 + at * kBK,
+              (it / plan.kb) * 64 * kMT);
+    }
+  };
 
   if (kCp && tid >= kConsumers) {
     // cp.async producers: consecutive threads copy consecutive 16-byte pieces of a stage's rows
@@ -330,21 +348,13 @@ __global__ void __launch_bounds__(kThreadsOf<kLoaders>)
       }
       CpAsyncArriveNoinc(&full[s]);
     };
-    auto issue_x = [&](int i) {
-      const int s = i % kStages, it = begin + i;
-#pragma unroll
-      for (int at = 0; at < kAtoms; ++at) {
-        TmaLoad(smem + s * kStageBytes + kABytes + at * kXAtomBytes, &xmap, &full[s],
-                (it % plan.kb) * kStageK + at * kBK, 0);
-      }
-    };
     const int pre = min(kStages, count);
     for (int i = 0; i < pre; ++i) issue_w(i);
     PdlWait();
     for (int i = 0; i < pre; ++i) {
       if (x_thread) {
         MbarExpectTx(&full[i], kXAtomBytes * kAtoms);
-        issue_x(i);
+        load_x(i);
       }
     }
     for (int i = pre; i < count; ++i) {
@@ -353,7 +363,7 @@ __global__ void __launch_bounds__(kThreadsOf<kLoaders>)
       issue_w(i);
       if (x_thread) {
         MbarExpectTx(&full[s], kXAtomBytes * kAtoms);
-        issue_x(i);
+        load_x(i);
       }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -364,36 +374,17 @@ __global__ void __launch_bounds__(kThreadsOf<kLoaders>)
     // Producer. The first stages' weights go out before the previous kernel has finished.
     const int pre = min(kStages, count);
     for (int i = 0; i < pre; ++i) {
-      const int it = begin + i;
       MbarExpectTx(&full[i], kStageBytes);
-#pragma unroll
-      for (int at = 0; at < kAtoms; ++at) {
-        TmaLoad(smem + i * kStageBytes + at * kWAtomBytes, &wmap, &full[i],
-                (it % plan.kb) * kStageK + at * kBK, (it / plan.kb) * 64 * kMT);
-      }
+      load_w(i);
     }
     PdlWait();
-    for (int i = 0; i < pre; ++i) {
-#pragma unroll
-      for (int at = 0; at < kAtoms; ++at) {
-        TmaLoad(smem + i * kStageBytes + kABytes + at * kXAtomBytes, &xmap, &full[i],
-                ((begin + i) % plan.kb) * kStageK + at * kBK, 0);
-      }
-    }
+    for (int i = 0; i < pre; ++i) load_x(i);
     for (int i = pre; i < count; ++i) {
-      const int s = i % kStages, it = begin + i;
+      const int s = i % kStages;
       MbarWait(&empty[s], ((i / kStages) & 1) ^ 1);
       MbarExpectTx(&full[s], kStageBytes);
-#pragma unroll
-      for (int at = 0; at < kAtoms; ++at) {
-        TmaLoad(smem + s * kStageBytes + at * kWAtomBytes, &wmap, &full[s],
-                (it % plan.kb) * kStageK + at * kBK, (it / plan.kb) * 64 * kMT);
-      }
-#pragma unroll
-      for (int at = 0; at < kAtoms; ++at) {
-        TmaLoad(smem + s * kStageBytes + kABytes + at * kXAtomBytes, &xmap, &full[s],
-                (it % plan.kb) * kStageK + at * kBK, 0);
-      }
+      load_w(i);
+      load_x(i);
     }
     return;
   }
@@ -495,16 +486,19 @@ struct Config {
 };
 // The configurations tpserve-cuda-bench --stream compares; StreamGemmAutoConfig picks by M.
 constexpr Config kConfigs[] = {
+    // auto's choices
     {16, 2, 6},
     {32, 2, 5},
     {64, 2, 4},
-    {128, 2, 6},  // auto's choices
+    {128, 2, 6},
+    // one 64-row tile a block
     {16, 1, 8},
     {32, 1, 8},
     {64, 1, 6},
-    {128, 1, 4},  // one 64-row tile a block
+    {128, 1, 4},
+    // deeper rings (one block an SM)
     {64, 2, 8},
-    {16, 2, 10},  // deeper rings (one block an SM)
+    {16, 2, 10},
     // Longer runs of each weight row a stage (256 / 512 bytes).
     {16, 2, 3, 2},
     {16, 1, 5, 4},
