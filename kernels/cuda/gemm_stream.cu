@@ -26,6 +26,7 @@
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gemm_stream.h"
 #include "kernels/cuda/stream_k.h"
+#include "kernels/cuda/wgmma_util.cuh"
 
 namespace tpserve::cuda {
 namespace {
@@ -99,99 +100,9 @@ __device__ __forceinline__ void CpAsyncArriveNoinc(uint64_t* bar) {
                : "memory");
 }
 
-// wgmma's descriptor of a K-major operand in shared memory written by TMA with the 128-byte
-// swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart (SBO), LBO unused (1).
-__device__ __forceinline__ uint64_t SmemDesc(const void* p) {
-  const uint64_t a = SmemAddr(p);
-  return ((a & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-         (uint64_t{1} << 62);
-}
-
-__device__ __forceinline__ void WgmmaFence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void WgmmaCommit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void WgmmaWaitAll() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-// Keeps the compiler from moving accesses of an accumulator across the asynchronous wgmma.
-__device__ __forceinline__ void FenceReg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
 __device__ __forceinline__ void ConsumerBarrier() {
   asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory");
 }
-
-// D[64 x kN] += A[64 x 16] B[16 x kN], A and B K-major bf16 in shared memory, D fp32 in registers
-// (thread t of warp w holds rows 16w + t/4 (+ 8), columns 8j + 2(t%4) (+ 1): d[4j + r]).
-template <int kN>
-struct Wgmma;
-
-template <>
-struct Wgmma<16> {
-  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, 1, 1, 1, 0, 0;"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7])
-        : "l"(a), "l"(b));
-  }
-};
-
-template <>
-struct Wgmma<32> {
-  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, 1, 1, "
-        "1, 0, 0;"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b));
-  }
-};
-
-template <>
-struct Wgmma<64> {
-  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1, 0, 0;"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(a), "l"(b));
-  }
-};
-
-template <>
-struct Wgmma<128> {
-  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, "
-        "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, "
-        "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1, 0, 0;"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-          "+f"(d[63])
-        : "l"(a), "l"(b));
-  }
-};
 
 // Rounds and stores a tile's sums (+ bias): rows n0 + 64 mt + 16 warp + lane / 4 (+ 8), tokens
 // 8 j + 2 (lane % 4) (+ 1).
@@ -402,7 +313,7 @@ __global__ void __launch_bounds__(kThreadsOf<kLoaders>)
     const int s = i % kStages, it = begin + i;
     MbarWait(&full[s], (i / kStages) & 1);
     // cp.async wrote the weights through the generic proxy; wgmma reads through the async one.
-    if constexpr (kCp) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if constexpr (kCp) FenceProxyAsync();
     const uint8_t* stage = smem + s * kStageBytes;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
@@ -422,7 +333,7 @@ __global__ void __launch_bounds__(kThreadsOf<kLoaders>)
       }
     }
     WgmmaCommit();
-    WgmmaWaitAll();
+    WgmmaWait<0>();
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -606,18 +517,7 @@ int StreamGemmAutoConfig(int64_t m) {
   return -1;
 }
 
-bool StreamGemmSupported() {
-  static const bool ok = [] {
-    int device = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-      return false;
-    }
-    return major == 9 && minor == 0;  // sm_90a code
-  }();
-  return ok;
-}
+bool StreamGemmSupported() { return Sm90aSupported(); }
 
 bool StreamGemmFixedFits(const Tensor& x, const Tensor& w, const Tensor& y) {
   const int64_t k = w.dim(-1);
