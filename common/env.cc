@@ -95,6 +95,17 @@ const EnvVar kPrefillTile = {"TPSERVE_PREFILL_TILE",
                              0,
                              0,
                              "128|64"};
+const EnvVar kPrefillKernel = {"TPSERVE_PREFILL_KERNEL",
+                               EnvType::kChoice,
+                               "mma",
+                               "prefill-attention kernel: mma (mma.sync, every cache dtype), "
+                               "wgmma (Hopper warpgroup MMA: bf16, fp8 and int8 caches at "
+                               "head_dim 64/128 on sm_90, else mma) or wgmma-pipe (wgmma with a "
+                               "tile's softmax beside the previous tile's P V; bf16 caches, "
+                               "else wgmma); A/B runs",
+                               0,
+                               0,
+                               "mma|wgmma|wgmma-pipe"};
 const EnvVar kDecodeKernel = {
     "TPSERVE_DECODE_KERNEL",
     EnvType::kChoice,
@@ -351,6 +362,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kPdl,
       &env::kLaunchAhead,
       &env::kPrefillTile,
+      &env::kPrefillKernel,
       &env::kDecodeKernel,
       &env::kDecodePartition,
       &env::kDecodeOrder,

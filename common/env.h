@@ -44,6 +44,7 @@ extern const EnvVar kFusedAllReduceNorm;
 extern const EnvVar kPdl;
 extern const EnvVar kLaunchAhead;
 extern const EnvVar kPrefillTile;
+extern const EnvVar kPrefillKernel;
 extern const EnvVar kDecodeKernel;
 extern const EnvVar kDecodePartition;
 extern const EnvVar kDecodeOrder;

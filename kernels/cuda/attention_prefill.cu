@@ -12,7 +12,9 @@
 // (exact: every code value is a bf16 value), and the MMAs run on the codes; the K scale
 // multiplies each score (one partial sum per scale group), the V scale each softmax weight
 // before it is rounded to bf16 (one partial P per group of output columns).
+#include <atomic>
 #include <cstring>
+#include <string>
 
 #include "common/env.h"
 #include "kernels/cuda/cuda_util.cuh"
@@ -27,6 +29,23 @@ namespace tpserve::cuda {
 int PrefillTileM() {
   static const int tile = EnvString(env::kPrefillTile) == "64" ? 64 : 128;
   return tile;
+}
+
+namespace {
+std::atomic<int>& PrefillKernelOverride() {
+  static std::atomic<int> kernel{[] {
+    const std::string k = EnvString(env::kPrefillKernel);
+    return static_cast<int>(k == "wgmma"        ? PrefillKernel::kWgmma
+                            : k == "wgmma-pipe" ? PrefillKernel::kWgmmaPipe
+                                                : PrefillKernel::kMma);
+  }()};
+  return kernel;
+}
+}  // namespace
+
+void SetPrefillKernel(PrefillKernel kernel) { PrefillKernelOverride() = static_cast<int>(kernel); }
+PrefillKernel PrefillKernelChoice() {
+  return static_cast<PrefillKernel>(PrefillKernelOverride().load());
 }
 
 namespace {
@@ -405,6 +424,12 @@ void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor
       << ", out " << out.ShapeString() << ", heads " << num_heads << "/" << num_kv_heads
       << ", head_dim " << head_dim << " (" << kCudaHeadDims << "), block_size " << b.block_size;
   if (b.num_prefill_work == 0) return;
+  const PrefillKernel kernel = PrefillKernelChoice();
+  if (kernel != PrefillKernel::kMma && WgmmaPrefillFits(k_cache.dtype, head_dim)) {
+    LaunchAttentionPrefillWgmma(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b,
+                                out, kernel == PrefillKernel::kWgmmaPipe, stream);
+    return;
+  }
   // SetBatch cut the work list into tiles of PrefillTileM() rows.
   DispatchKvType(k_cache.dtype, [&](auto kv_type) {
     using Kv = decltype(kv_type);

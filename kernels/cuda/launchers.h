@@ -16,6 +16,17 @@ namespace tpserve::cuda {
 int PrefillTileM();
 // The smallest tile PrefillTileM() returns (sizes the work list's reservation).
 inline constexpr int kPrefillTileMinM = 64;
+// The prefill-attention kernels: kMma (attention_prefill.cu: mma.sync, every head_dim and cache
+// dtype) and kWgmma (attention_prefill_wgmma.cu: Hopper's wgmma, for bf16, fp8 and int8 caches
+// at head_dim 64 and 128 on an sm_90 device; elsewhere the mma kernel runs); kWgmmaPipe: the
+// wgmma kernel with a tile's softmax overlapping the previous tile's P V (bf16 caches; the 8-bit
+// ones run kWgmma). Starts from TPSERVE_PREFILL_KERNEL; SetPrefillKernel (benchmarks and tests)
+// sets it for every later launch of this process.
+enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe };
+void SetPrefillKernel(PrefillKernel kernel);
+PrefillKernel PrefillKernelChoice();
+// Whether the wgmma kernel runs a prefill over a cache of dtype `kv` at `head_dim` here.
+bool WgmmaPrefillFits(DType kv, int head_dim);
 
 // The current batch as the kernels read it: device arrays (filled on the ops' stream by
 // SetBatch) and host copies of the scalar sizes, which fix the grids.
@@ -158,6 +169,12 @@ void LaunchInterleaveShards(const Tensor& in, Tensor out, cudaStream_t stream);
 void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             int num_heads, int num_kv_heads, int head_dim, float scale,
                             const DeviceBatch& b, Tensor out, cudaStream_t stream);
+// The wgmma kernel (WgmmaPrefillFits must hold; `pipelined`: kWgmmaPipe, for a bf16 cache);
+// LaunchAttentionPrefill calls it when chosen.
+void LaunchAttentionPrefillWgmma(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                                 int num_heads, int num_kv_heads, int head_dim, float scale,
+                                 const DeviceBatch& b, Tensor out, bool pipelined,
+                                 cudaStream_t stream);
 // workspace: DecodeWorkspaceFloats(b, num_heads, num_kv_heads, head_dim) floats; counters:
 // DecodeNumCounters(b, num_heads, num_kv_heads), zero.
 // One kernel (the last block of each sequence and head group merges the splits). A batch that

@@ -491,26 +491,55 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
   // 4. Attention. 6.7B: 32 heads, 32 KV heads, head_dim 128, block size 16.
   const int hq = 32, hk = 32, d = 128, bs = 16;
   auto batch = [&](int seqs, int qlen, int ctx) { return PagedBatch(seqs, qlen, ctx, bs); };
-  if (!m1_only && Wanted("prefill attention 2048 tok, 32 heads, d128")) {
-    const int T = 2048;
-    BatchMeta m = batch(1, T, T);
-    size_t cache_bytes = size_t{2} * m.max_blocks_per_seq * bs * hk * d;
-    void *kc = ops.Alloc(cache_bytes), *vc = ops.Alloc(cache_bytes);
-    void *q = ops.Alloc(size_t{2} * T * hq * d), *o = ops.Alloc(size_t{2} * T * hq * d);
-    FillRandom(kc, cache_bytes, 1.0f);
-    FillRandom(vc, cache_bytes, 1.0f);
-    FillRandom(q, size_t{2} * T * hq * d, 1.0f);
-    ops.SetBatch(m);
-    Tensor tq(q, {T, hq * d}, DType::kBF16, Device::kCuda),
-        to(o, {T, hq * d}, DType::kBF16, Device::kCuda);
-    Tensor tk(kc, {m.max_blocks_per_seq, bs, hk, d}, DType::kBF16, Device::kCuda),
-        tv(vc, {m.max_blocks_per_seq, bs, hk, d}, DType::kBF16, Device::kCuda);
-    double ms =
-        MedianMs(s, 20, [&](int) { ops.AttentionPrefill(tq, tk, tv, hq, hk, d, 0.0884f, to); });
-    double flops = 4.0 * d * hq * (double(T) * (T + 1) / 2);
-    Add("prefill attention 2048 tok, 32 heads, d128", ms,
-        Fmt("%.0f TFLOP/s (causal FLOPs)", flops / ms / 1e9));
-    for (void* p : {kc, vc, q, o}) ops.Free(p);
+  // Prefill attention: the mma.sync kernel (the unsuffixed rows) and the wgmma kernels, over a
+  // bf16 and an fp8 cache.
+  const cuda::PrefillKernel env_prefill = cuda::PrefillKernelChoice();
+  for (DType kv : {DType::kBF16, DType::kF8E4M3}) {
+    for (cuda::PrefillKernel kernel : {cuda::PrefillKernel::kMma, cuda::PrefillKernel::kWgmma,
+                                       cuda::PrefillKernel::kWgmmaPipe}) {
+      std::string label = "prefill attention 2048 tok, 32 heads, d128";
+      if (kv != DType::kBF16) label += std::string(" ") + std::string(KvCacheDTypeName(kv));
+      if (kernel == cuda::PrefillKernel::kWgmma) label += " wgmma";
+      if (kernel == cuda::PrefillKernel::kWgmmaPipe) label += " wgmma-pipe";
+      if (m1_only || !Wanted(label)) continue;
+      // The wgmma kernels where they run (the pipelined one for bf16 caches only).
+      if (kernel != cuda::PrefillKernel::kMma && !cuda::WgmmaPrefillFits(kv, d)) continue;
+      if (kernel == cuda::PrefillKernel::kWgmmaPipe && kv != DType::kBF16) continue;
+      const int T = 2048;
+      BatchMeta m = batch(1, T, T);
+      const int64_t rows = int64_t{m.max_blocks_per_seq} * bs * hk;
+      const size_t code_bytes = static_cast<size_t>(rows * d * DTypeBits(kv) / 8);
+      const size_t scale_bytes = static_cast<size_t>(rows * KvScaleGroups(kv, d)) * sizeof(float);
+      void *kc = ops.Alloc(code_bytes), *vc = ops.Alloc(code_bytes);
+      void *ks = nullptr, *vs = nullptr;
+      void *q = ops.Alloc(size_t{2} * T * hq * d), *o = ops.Alloc(size_t{2} * T * hq * d);
+      FillRandom(kc, code_bytes, 1.0f);
+      FillRandom(vc, code_bytes, 1.0f);
+      FillRandom(q, size_t{2} * T * hq * d, 1.0f);
+      if (scale_bytes > 0) {
+        ks = ops.Alloc(scale_bytes);
+        vs = ops.Alloc(scale_bytes);
+        const std::vector<float> scales(scale_bytes / sizeof(float), 0.01f);
+        ops.CopyToDevice(ks, scales.data(), scale_bytes);
+        ops.CopyToDevice(vs, scales.data(), scale_bytes);
+      }
+      ops.SetBatch(m);
+      Tensor tq(q, {T, hq * d}, DType::kBF16, Device::kCuda),
+          to(o, {T, hq * d}, DType::kBF16, Device::kCuda);
+      Tensor tk(kc, {m.max_blocks_per_seq, bs, hk, d}, kv, Device::kCuda),
+          tv(vc, {m.max_blocks_per_seq, bs, hk, d}, kv, Device::kCuda);
+      tk.scales = ks;
+      tv.scales = vs;
+      cuda::SetPrefillKernel(kernel);
+      double ms =
+          MedianMs(s, 20, [&](int) { ops.AttentionPrefill(tq, tk, tv, hq, hk, d, 0.0884f, to); });
+      cuda::SetPrefillKernel(env_prefill);
+      double flops = 4.0 * d * hq * (double(T) * (T + 1) / 2);
+      Add(label, ms, Fmt("%.0f TFLOP/s (causal FLOPs)", flops / ms / 1e9));
+      for (void* p : {kc, vc, ks, vs, q, o}) {
+        if (p != nullptr) ops.Free(p);
+      }
+    }
   }
   // Decode attention: each KV-cache dtype through the kernel and partition the batch picks
   // (auto), and with --decode every kernel variant (TPSERVE_DECODE_KERNEL/PARTITION's choices).

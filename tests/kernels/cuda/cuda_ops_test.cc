@@ -1179,6 +1179,39 @@ TEST_F(CudaAttentionTest, PrefillQuantizedKvCache) {
   }
 }
 
+// The wgmma prefill kernels (sm_90a; TPSERVE_PREFILL_KERNEL=wgmma and wgmma-pipe, which runs
+// wgmma for the 8-bit caches) on the cases above and
+// longer causal prompts (several 128-key tiles, a tile's two warpgroups at different diagonal
+// offsets), for bf16 and the 8-bit caches it reads; head_dim 32 and int4 go to the mma kernel
+// (checked too). Same tolerance as the mma kernel: the same roundings, sums in another order.
+TEST_F(CudaAttentionTest, PrefillWgmmaKernel) {
+  if (!cuda::WgmmaPrefillFits(DType::kBF16, 128)) GTEST_SKIP() << "needs an sm_90 device";
+  struct Restore {
+    cuda::PrefillKernel kernel = cuda::PrefillKernelChoice();
+    ~Restore() { cuda::SetPrefillKernel(kernel); }
+  } restore;
+  const std::vector<AttnCase> cases = {
+      {{{77, 77}}, 4, 4, 128, 16},                                       // one odd prompt
+      {{{130, 300}, {1, 45}, {64, 64}, {3, 17}, {1, 0}}, 8, 2, 64, 16},  // mixed, GQA, pad
+      {{{200, 700}, {1, 1000}, {1, 33}}, 12, 4, 128, 16},                // chunk + decode rows
+      {{{65, 129}, {128, 128}}, 6, 1, 128, 32},                          // block boundaries, MQA
+      {{{1000, 1000}}, 4, 4, 128, 16},                                   // 8 tiles, causal
+      {{{300, 4096}, {257, 257}}, 4, 2, 64, 16},                         // long prefix, d 64
+      {{{119, 119}, {7, 40}, {1, 33}}, 8, 2, 32, 16},                    // head_dim 32: mma
+  };
+  for (cuda::PrefillKernel kernel :
+       {cuda::PrefillKernel::kWgmma, cuda::PrefillKernel::kWgmmaPipe}) {
+    cuda::SetPrefillKernel(kernel);
+    for (DType kv : {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4}) {
+      for (size_t i = 0; i < cases.size(); ++i) {
+        SCOPED_TRACE(std::string(kernel == cuda::PrefillKernel::kWgmma ? "wgmma " : "wgmma-pipe ") +
+                     std::string(KvCacheDTypeName(kv)) + " case " + std::to_string(i));
+        Run(cases[i], /*decode=*/false, kv);
+      }
+    }
+  }
+}
+
 // Quantized caches through the kernels the batch picks: the sub-tile kernel (one and several
 // 64-key partitions merged in-kernel), from 128 sequence-head pairs the mma kernel (head_dim 64
 // and 128) or the two-phase kernel (head_dim 32; 16 elements a lane at G <= 2), with 512-key
