@@ -182,8 +182,10 @@ __device__ void FinishSegment(const StreamArgs& a, float (&acc)[kMT][kN / 2], in
 }
 
 // kAtoms: 64-K swizzle atoms a stage (a stage reads kAtoms x 128 contiguous bytes of each weight
-// row); kLoaders: see kThreadsOf.
-template <int kN, int kMT, int kStages, int kAtoms, int kLoaders>
+// row); kPipe: the consumer keeps one stage's wgmma group in flight and releases the stage before
+// it (wait_group 1) instead of waiting for each stage's group (wait_group 0).
+// kLoaders: see kThreadsOf.
+template <int kN, int kMT, int kStages, int kAtoms, bool kPipe, int kLoaders>
 __global__ void __launch_bounds__(kThreadsOf<kLoaders>)
     StreamGemmKernel(const __grid_constant__ CUtensorMap wmap,
                      const __grid_constant__ CUtensorMap xmap, StreamArgs a,
@@ -300,57 +302,72 @@ __global__ void __launch_bounds__(kThreadsOf<kLoaders>)
     return;
   }
 
-  // Consumer warpgroup.
+  // Consumer warpgroup: one segment (a run of K blocks inside one tile) at a time. kPipe keeps
+  // the previous stage's wgmma group in flight while the next one is issued; the accumulators
+  // are touched only before a segment's first group and after its last wait.
   PdlWait();
   float acc[kMT][kN / 2];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-    for (int i = 0; i < kN / 2; ++i) acc[mt][i] = 0.0f;
-  }
-  int seg_begin = begin;
-  for (int i = 0; i < count; ++i) {
-    const int s = i % kStages, it = begin + i;
-    MbarWait(&full[s], (i / kStages) & 1);
-    // cp.async wrote the weights through the generic proxy; wgmma reads through the async one.
-    if constexpr (kCp) FenceProxyAsync();
-    const uint8_t* stage = smem + s * kStageBytes;
+  int i = 0;
+  while (i < count) {
+    const int it0 = begin + i;
+    const int seg_len = min(plan.kb - it0 % plan.kb, count - i);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-      for (int j = 0; j < kN / 2; ++j) FenceReg(acc[mt][j]);
+      for (int j = 0; j < kN / 2; ++j) acc[mt][j] = 0.0f;
     }
-    WgmmaFence();
-#pragma unroll
-    for (int at = 0; at < kAtoms; ++at) {
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        const uint64_t b = SmemDesc(stage + kABytes + at * kXAtomBytes + kk * 32);
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          Wgmma<kN>::Run(acc[mt], SmemDesc(stage + at * kWAtomBytes + mt * 64 * 128 + kk * 32), b);
-        }
-      }
-    }
-    WgmmaCommit();
-    WgmmaWait<0>();
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-      for (int j = 0; j < kN / 2; ++j) FenceReg(acc[mt][j]);
-    }
-    MbarArrive(&empty[s]);
-    const int kblk = it % plan.kb;
-    if (kblk == plan.kb - 1 || i == count - 1) {
-      const bool whole = seg_begin % plan.kb == 0 && kblk == plan.kb - 1;
-      FinishSegment<kN, kMT>(a, acc, it / plan.kb, whole, &s_last);
+    int prev = -1;
+    for (int e = 0; e < seg_len; ++e, ++i) {
+      const int s = i % kStages;
+      MbarWait(&full[s], (i / kStages) & 1);
+      // cp.async wrote the weights through the generic proxy; wgmma reads through the async one.
+      if constexpr (kCp) FenceProxyAsync();
+      const uint8_t* stage = smem + s * kStageBytes;
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-        for (int j = 0; j < kN / 2; ++j) acc[mt][j] = 0.0f;
+        for (int j = 0; j < kN / 2; ++j) FenceReg(acc[mt][j]);
       }
-      seg_begin = it + 1;
+      WgmmaFence();
+#pragma unroll
+      for (int at = 0; at < kAtoms; ++at) {
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          const uint64_t b = SmemDesc(stage + kABytes + at * kXAtomBytes + kk * 32);
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            Wgmma<kN>::Run(acc[mt], SmemDesc(stage + at * kWAtomBytes + mt * 64 * 128 + kk * 32),
+                           b);
+          }
+        }
+      }
+      WgmmaCommit();
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < kN / 2; ++j) FenceReg(acc[mt][j]);
+      }
+      if constexpr (kPipe) {
+        WgmmaWait<1>();  // the previous stage's group is done with its shared memory
+        if (prev >= 0) MbarArrive(&empty[prev]);
+        prev = s;
+      } else {
+        WgmmaWait<0>();
+        MbarArrive(&empty[s]);
+      }
     }
+    if constexpr (kPipe) {
+      WgmmaWait<0>();
+      MbarArrive(&empty[prev]);
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int j = 0; j < kN / 2; ++j) FenceReg(acc[mt][j]);
+    }
+    const int last = begin + i - 1;
+    const bool whole = it0 % plan.kb == 0 && last % plan.kb == plan.kb - 1;
+    FinishSegment<kN, kMT>(a, acc, last / plan.kb, whole, &s_last);
   }
 #else
   __trap();  // built for sm_90a only (StreamGemmFits checks the device)
@@ -393,7 +410,9 @@ CUtensorMap MakeMap(const void* data, int64_t rows, int64_t cols, int box_rows) 
 }
 
 struct Config {
-  int n_tok, mt, stages, atoms = 1, loaders = 32;
+  int n_tok, mt, stages, atoms = 1;
+  bool pipe = false;
+  int loaders = 32;
 };
 // The configurations tpserve-cuda-bench --stream compares; StreamGemmAutoConfig picks by M.
 constexpr Config kConfigs[] = {
@@ -410,11 +429,15 @@ constexpr Config kConfigs[] = {
     // deeper rings (one block an SM)
     {64, 2, 8},
     {16, 2, 10},
-    // Longer runs of each weight row a stage (256 / 512 bytes).
+    // Longer runs of each weight row a stage (256 / 512 bytes), and the wgmma groups pipelined.
     {16, 2, 3, 2},
     {16, 1, 5, 4},
     {64, 2, 2, 2},
     {64, 1, 3, 4},
+    {16, 2, 6, 1, true},
+    {64, 2, 4, 1, true},
+    {16, 1, 5, 4, true},
+    {64, 1, 3, 4, true},
     // Deep rings for one block an SM (the whole of a tile's K without splitting it).
     {16, 1, 20},
     {64, 1, 13},
@@ -427,22 +450,28 @@ constexpr Config kConfigs[] = {
     {32, 1, 4, 4},
     {128, 1, 2, 4},
     // The weights through cp.async (a warp instruction: 512 contiguous bytes of a row).
-    {16, 1, 5, 4, 128},
-    {16, 2, 3, 4, 128},
-    {64, 1, 3, 4, 128},
-    {64, 2, 2, 4, 128},
-    {16, 1, 2, 8, 128},
-    {128, 1, 2, 4, 128},
+    {16, 1, 5, 4, false, 128},
+    {16, 2, 3, 4, false, 128},
+    {64, 1, 3, 4, false, 128},
+    {64, 2, 2, 4, false, 128},
+    {16, 1, 2, 8, false, 128},
+    {128, 1, 2, 4, false, 128},
+    // More pipelined variants.
+    {64, 1, 6, 1, true},
+    {16, 2, 3, 4, true},
+    {128, 2, 6, 1, true},
+    {64, 2, 8, 1, true},
+    {32, 2, 5, 1, true},
 };
 
-template <int kN, int kMT, int kStages, int kAtoms, int kLoaders>
+template <int kN, int kMT, int kStages, int kAtoms, bool kPipe, int kLoaders>
 void LaunchConfig(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                   const StreamGemmWorkspace& ws, cudaStream_t stream, int max_grid,
                   bool exact_grid) {
   const int64_t n = w.dim(0), k = w.dim(1), m = x.numel() / k;
   constexpr int kStageBytes = (kMT * 64 * 128 + kN * 128) * kAtoms;
   constexpr size_t kSmem = size_t{kStages} * kStageBytes + 1024;
-  auto kernel = StreamGemmKernel<kN, kMT, kStages, kAtoms, kLoaders>;
+  auto kernel = StreamGemmKernel<kN, kMT, kStages, kAtoms, kPipe, kLoaders>;
   constexpr int kThreads = kThreadsOf<kLoaders>;
   static int per_sm = [&] {
     TP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -479,8 +508,8 @@ void LaunchIndexed(int index, const Tensor& x, const Tensor& w, const Tensor* bi
   if constexpr (kI < static_cast<int>(std::size(kConfigs))) {
     if (index == kI) {
       constexpr Config c = kConfigs[kI];
-      LaunchConfig<c.n_tok, c.mt, c.stages, c.atoms, c.loaders>(x, w, bias, y, ws, stream, max_grid,
-                                                                exact_grid);
+      LaunchConfig<c.n_tok, c.mt, c.stages, c.atoms, c.pipe, c.loaders>(x, w, bias, y, ws, stream,
+                                                                        max_grid, exact_grid);
     } else {
       LaunchIndexed<kI + 1>(index, x, w, bias, y, ws, stream, max_grid, exact_grid);
     }
@@ -497,7 +526,7 @@ std::string StreamGemmConfigName(int config) {
   return "n" + std::to_string(c.n_tok) + " x" + std::to_string(64 * c.mt) + " rows, " +
          std::to_string(c.stages) + " stages" +
          (c.atoms > 1 ? " of " + std::to_string(128 * c.atoms) + " B a row" : "") +
-         (c.loaders == 128 ? ", cp.async" : "");
+         (c.pipe ? ", pipelined" : "") + (c.loaders == 128 ? ", cp.async" : "");
 }
 
 int StreamGemmConfigTokens(int config) {
