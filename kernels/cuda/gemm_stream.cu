@@ -51,34 +51,6 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count)
-               : "memory");
-}
-__device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
-}
-// Every wait has a deadline: a stage that never completes (a TMA fault, a bug in the ring)
-// traps after ~2^26 polls (seconds: try_wait suspends the thread for a while each time) instead
-// of hanging the stream.
-__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0, polls = 0;
-  do {
-    if (++polls == (1u << 26)) __trap();
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(SmemAddr(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
 // A 2-D TMA load of the box at (c0 = K, c1 = row) into shared memory, completing on `bar`.
 __device__ __forceinline__ void TmaLoad(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
                                         int c1) {
@@ -89,14 +61,10 @@ __device__ __forceinline__ void TmaLoad(void* dst, const CUtensorMap* map, uint6
       : "memory");
 }
 
-// cp.async of 16 bytes (zeros where `bytes` is 0), completion counted on `bar` as one arrival
-// that the barrier's expected count includes (.noinc).
+// cp.async of 16 bytes (zeros where `bytes` is 0); CpAsyncArriveNoinc counts their completion on
+// an mbarrier.
 __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, uint32_t bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncArriveNoinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SmemAddr(bar))
                : "memory");
 }
 

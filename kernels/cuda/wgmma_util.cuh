@@ -1,7 +1,7 @@
 // Hopper warpgroup MMA (wgmma) helpers shared by the sm_90a kernels (the stream GEMM, the
 // wgmma prefill attention): shared-memory matrix descriptors for the 128-byte swizzle, the
-// fence / commit / wait of the asynchronous MMAs, and the m64nNk16 bf16 instructions with both
-// operands in shared memory (Wgmma) or A in registers (WgmmaRegA).
+// fence / commit / wait of the asynchronous MMAs, mbarriers, and the m64nNk16 bf16 instructions
+// with both operands in shared memory (Wgmma) or A in registers (WgmmaRegA).
 //
 // The 128-byte swizzle: a tile is stored as atoms of 8 rows x 128 bytes (1024 bytes, 1024-byte
 // aligned); the 16-byte piece j of row r of an atom lies at r * 128 + (j ^ r % 8) * 16. Rows of
@@ -67,6 +67,45 @@ __device__ __forceinline__ void FenceReg(uint32_t& r) { asm volatile("" : "+r"(r
 // that wgmma reads through; the writing threads run it before the barrier that publishes them.
 __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// mbarriers in shared memory (stage rings between producer and consumer threads).
+__device__ __forceinline__ uint32_t SmemAddrOf(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddrOf(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddrOf(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddrOf(bar)) : "memory");
+}
+// Every wait has a deadline: a stage that never completes (a TMA fault, a bug in the ring)
+// traps after ~2^26 polls (seconds: try_wait suspends the thread for a while each time) instead
+// of hanging the stream.
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0, polls = 0;
+  do {
+    if (++polls == (1u << 26)) __trap();
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(SmemAddrOf(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// One arrival on `bar` when all of this thread's earlier cp.async copies have completed, counted
+// in the barrier's expected count (.noinc).
+__device__ __forceinline__ void CpAsyncArriveNoinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SmemAddrOf(bar))
+               : "memory");
 }
 
 // D[64 x kN] += A[64 x 16] B[16 x kN], A and B K-major bf16 in shared memory, D fp32 in registers
