@@ -100,12 +100,13 @@ const EnvVar kPrefillKernel = {"TPSERVE_PREFILL_KERNEL",
                                "mma",
                                "prefill-attention kernel: mma (mma.sync, every cache dtype), "
                                "wgmma (Hopper warpgroup MMA: bf16, fp8 and int8 caches at "
-                               "head_dim 64/128 on sm_90, else mma) or wgmma-pipe (wgmma with a "
-                               "tile's softmax beside the previous tile's P V; bf16 caches, "
-                               "else wgmma); A/B runs",
+                               "head_dim 64/128 on sm_90, else mma), wgmma-pipe (wgmma with a "
+                               "tile's softmax beside the previous tile's P V) or wgmma-ws (the "
+                               "same fed by a producer warp; pipe and ws: bf16 caches, else "
+                               "wgmma); A/B runs",
                                0,
                                0,
-                               "mma|wgmma|wgmma-pipe"};
+                               "mma|wgmma|wgmma-pipe|wgmma-ws"};
 const EnvVar kDecodeKernel = {
     "TPSERVE_DECODE_KERNEL",
     EnvType::kChoice,

@@ -37,6 +37,7 @@ std::atomic<int>& PrefillKernelOverride() {
     const std::string k = EnvString(env::kPrefillKernel);
     return static_cast<int>(k == "wgmma"        ? PrefillKernel::kWgmma
                             : k == "wgmma-pipe" ? PrefillKernel::kWgmmaPipe
+                            : k == "wgmma-ws"   ? PrefillKernel::kWgmmaWs
                                                 : PrefillKernel::kMma);
   }()};
   return kernel;
@@ -427,7 +428,7 @@ void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor
   const PrefillKernel kernel = PrefillKernelChoice();
   if (kernel != PrefillKernel::kMma && WgmmaPrefillFits(k_cache.dtype, head_dim)) {
     LaunchAttentionPrefillWgmma(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b,
-                                out, kernel == PrefillKernel::kWgmmaPipe, stream);
+                                out, kernel, stream);
     return;
   }
   // SetBatch cut the work list into tiles of PrefillTileM() rows.

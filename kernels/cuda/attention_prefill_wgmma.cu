@@ -15,6 +15,8 @@
 // - TPSERVE_PREFILL_KERNEL=wgmma-pipe (kPipe, bf16 caches): tile t's S and tile t - 1's P V are in
 //   flight together and the softmax of tile t runs while the tensor cores do the P V
 //   (FlashAttention-3's intra-warpgroup overlap); three K/V stages.
+// - TPSERVE_PREFILL_KERNEL=wgmma-ws (PrefillWgmmaWsKernel, bf16 caches): the pipelined consumers
+//   fed by a producer warp through an mbarrier ring of 64-key tiles (below).
 // - A quantized cache with one scale per key and head (fp8, int8): the codes and scales are
 //   staged with cp.async and decoded into the bf16 tiles (exact), the K scale multiplies each
 //   score and the V scale each softmax weight before its rounding, as in the mma.sync kernel.
@@ -48,24 +50,307 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// The bf16 K/V tile stages: two (the next tile loads while this one is computed), three when
-// pipelined (tile t - 1's V is still read while tile t is computed and t + 1 loads); one for a
-// quantized cache, whose codes and scales are staged twice instead.
+// The bf16 K/V tile stages of PrefillWgmmaKernel: two (the next tile loads while this one is
+// computed), three when pipelined (tile t - 1's V is still read while tile t is computed and
+// t + 1 loads); one for a quantized cache, whose codes and scales are staged twice.
 template <typename Kv, bool kPipe>
 inline constexpr int kTileStages = Kv::kQuantized ? 1 : (kPipe ? 3 : 2);
 
+// The warp-specialized kernel's tiles: 64 keys (S is 32 registers a thread, so two consumer
+// warpgroups and the producer warp fit the 168 registers a thread of a 288-thread block: nine
+// warps put three on a register-file quarter), in a ring of 4 stages.
+constexpr int kWsKeys = 64;
+constexpr int kWsStages = 4;
+
 // Shared memory: Q (kBM rows), the bf16 K and V tile stages, a quantized cache's staged codes and
 // scales, and 1 KB to align the start to the swizzle's 1024 bytes.
-template <typename Kv, int kD, int kWgs, bool kPipe>
+template <typename Kv, int kD, int kWgs, bool kPipe, bool kWs>
 constexpr int WgmmaPrefillSmemBytes() {
-  constexpr int kTile = kBN * kD * 2;
   constexpr int kQ = kWgs * 64 * kD * 2;
+  if constexpr (kWs) return 1024 + kQ + 2 * kWsStages * kWsKeys * kD * 2;
+  constexpr int kTile = kBN * kD * 2;
   constexpr int kBf16 = kQ + 2 * kTileStages<Kv, kPipe> * kTile;
   if constexpr (!Kv::kQuantized) return 1024 + kBf16;
   constexpr int kCodeTile = kBN * kD * Kv::kBits / 8;
   return 1024 + kBf16 + 4 * kCodeTile + 4 * kBN * 4;
 }
 
+// What a block's work item means for it: the sequence, its query tile and its key tiles.
+struct PrefillItem {
+  int seq, q0, row_begin, qlen, ctx, prefix, num_tiles;
+};
+template <int kBM, int kKeys>
+__device__ __forceinline__ PrefillItem ReadItem(const int2* work, const int32_t* query_start,
+                                                const int32_t* context_lens) {
+  PrefillItem it;
+  const int2 w = work[blockIdx.x];
+  it.seq = w.x;
+  it.q0 = w.y;
+  it.row_begin = query_start[it.seq];
+  it.qlen = query_start[it.seq + 1] - it.row_begin;
+  it.ctx = context_lens[it.seq];
+  it.prefix = it.ctx - it.qlen;  // keys cached before this step's queries
+  const int q_last = min(it.q0 + kBM, it.qlen) - 1;
+  it.num_tiles = (it.prefix + q_last + kKeys) / kKeys;
+  return it;
+}
+
+// One consumer warpgroup's 64 query rows over tiles of kKeys keys: the S and O accumulators, P,
+// the running max and sum, and the tile loop. Tile t's bf16 K and V are at stage t % kStages of
+// k_s / v_s; a quantized cache's scales at stage t % 2 of ksc_s / vsc_s.
+template <typename Kv, int kD, int kBM, int kKeys, int kStages>
+struct WgConsumer {
+  static constexpr bool kQuantized = Kv::kQuantized;
+  static constexpr int kTileBytes = kKeys * kD * 2;
+  const uint8_t* q_wg;  // this warpgroup's rows in each column block of Q
+  const uint8_t* k_s;
+  const uint8_t* v_s;
+  const float* ksc_s;
+  const float* vsc_s;
+  int lane, warp, wg_row0, qi0, qi1, prefix, ctx, wg_tiles;
+  float scale_log2;
+  float
+      s[kKeys / 2];  // S: s[4 n + e] is row 16 warp + lane / 4 + 8 (e / 2), key 8 n + 2 (lane % 4)
+                     // + e % 2
+  float o[kD / 2];   // O, the same layout over the head's dims
+  uint32_t pa[kKeys / 16][4];  // P as wgmma A fragments: step kk covers keys 16 kk .. 16 kk + 15
+  float m_row[2], l_row[2], alpha[2];
+
+  __device__ __forceinline__ void Init(const PrefillItem& it, int wg, const uint8_t* q_s) {
+    const int tid = threadIdx.x % kWarpgroup;
+    lane = tid % 32;
+    warp = tid / 32;
+    wg_row0 = it.q0 + wg * 64;
+    qi0 = wg_row0 + warp * 16 + lane / 4;
+    qi1 = qi0 + 8;
+    prefix = it.prefix;
+    ctx = it.ctx;
+    // Key tiles past the warpgroup's last query (all tiles when its rows are past the query
+    // length) are masked whole for it: it skips their math.
+    const int wg_q_last = min(wg_row0 + 63, it.qlen - 1);
+    wg_tiles = wg_q_last < wg_row0 ? 0 : min((prefix + wg_q_last) / kKeys + 1, it.num_tiles);
+    q_wg = q_s + wg * 64 * 128;
+#pragma unroll
+    for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
+    m_row[0] = m_row[1] = -INFINITY;
+    l_row[0] = l_row[1] = 0.0f;
+  }
+
+  // S = Q K^T of tile t, issued and committed.
+  __device__ __forceinline__ void IssueS(int t) {
+    const uint8_t* kt = k_s + (t % kStages) * kTileBytes;
+#pragma unroll
+    for (int i = 0; i < kKeys / 2; ++i) {
+      s[i] = 0.0f;
+      FenceReg(s[i]);
+    }
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      const int cb = (kk / 4) * 128, k16 = (kk % 4) * 32;  // column block, 16-element step
+      Wgmma<kKeys>::Run(s, SmemDesc(q_wg + cb * kBM + k16), SmemDesc(kt + cb * kKeys + k16));
+    }
+    WgmmaCommit();
+  }
+  // O += P V(t), issued and committed.
+  __device__ __forceinline__ void IssuePv(int t) {
+    const uint8_t* vt = v_s + (t % kStages) * kTileBytes;
+#pragma unroll
+    for (int i = 0; i < kD / 2; ++i) FenceReg(o[i]);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      WgmmaRegA<kD>::Run(o, pa[kk], SmemDescMn(vt + kk * 16 * 128, kKeys * 128));
+    }
+    WgmmaCommit();
+  }
+  // After the last group's wait: O is read again, and P's registers stay live until the MMAs
+  // have read them.
+  __device__ __forceinline__ void FenceO() {
+#pragma unroll
+    for (int i = 0; i < kD / 2; ++i) FenceReg(o[i]);
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) FenceReg(pa[kk][e]);
+    }
+  }
+  // Tile t's scores (S complete) -> the softmax weights in s, the running max and sum updated,
+  // alpha the rescaling of O. A quantized K: the scores times each key's scale first. The row
+  // maximum is taken over the unscaled scores (scale_log2 > 0 keeps the order) and each weight
+  // is exp2(s * scale_log2 - m) with one FFMA.
+  __device__ __forceinline__ void Softmax(int t) {
+#pragma unroll
+    for (int i = 0; i < kKeys / 2; ++i) FenceReg(s[i]);
+    if constexpr (kQuantized) {  // q.k = scale * (q . codes)
+      const float* ksc = ksc_s + (t & 1) * kKeys;
+#pragma unroll
+      for (int i = 0; i < kKeys / 2; ++i) s[i] *= ksc[8 * (i / 4) + 2 * (lane % 4) + (i & 1)];
+    }
+    const int key0 = t * kKeys;
+    if (key0 + kKeys - 1 > prefix + wg_row0 + warp * 16) {  // some key of the tile is masked
+#pragma unroll
+      for (int i = 0; i < kKeys / 2; ++i) {
+        const int key = key0 + 8 * (i / 4) + 2 * (lane % 4) + (i & 1);
+        const int qi = (i & 2) ? qi1 : qi0;
+        if (key > prefix + qi || key >= ctx) s[i] = -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+        mx = fmaxf(mx, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_row[r], mx * scale_log2);
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+      alpha[r] = exp2f(m_row[r] - m_use);
+      m_row[r] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+        const float p0 = exp2f(fmaf(s[4 * n + 2 * r], scale_log2, -m_use));
+        const float p1 = exp2f(fmaf(s[4 * n + 2 * r + 1], scale_log2, -m_use));
+        s[4 * n + 2 * r] = p0;
+        s[4 * n + 2 * r + 1] = p1;
+        sum += p0 + p1;
+      }
+      l_row[r] = l_row[r] * alpha[r] + sum;
+    }
+  }
+  // O *= alpha (O complete), and P (bf16; a quantized V: times each key's scale) into pa.
+  __device__ __forceinline__ void RescaleAndPack(int t) {
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[4 * j + e] *= alpha[e / 2];
+    }
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      float w0 = 1.0f, w1 = 1.0f, w2 = 1.0f, w3 = 1.0f;  // keys 2t, 2t + 1, 2t + 8, 2t + 9
+      if constexpr (kQuantized) {
+        const float* vsc = vsc_s + (t & 1) * kKeys;
+        const int key = kk * 16 + 2 * (lane % 4);
+        w0 = vsc[key];
+        w1 = vsc[key + 1];
+        w2 = vsc[key + 8];
+        w3 = vsc[key + 9];
+      }
+      const float* lo = s + 8 * kk;  // column block 2 kk
+      const float* hi = lo + 4;      // column block 2 kk + 1
+      pa[kk][0] = PackBf16x2(lo[0] * w0, lo[1] * w1);
+      pa[kk][1] = PackBf16x2(lo[2] * w0, lo[3] * w1);
+      pa[kk][2] = PackBf16x2(hi[0] * w2, hi[1] * w3);
+      pa[kk][3] = PackBf16x2(hi[2] * w2, hi[3] * w3);
+    }
+  }
+
+  // The tile loop. acquire(t) runs first for every tile (the block's loads and barriers; a wait
+  // for the tile where it is computed), release(t) once this warpgroup is done with tile t's
+  // stage (also for the tiles it skips). kPipe: tile t's S and tile t - 1's P V are in flight
+  // together, and the softmax of tile t runs while the tensor cores do the P V.
+  template <bool kPipe, typename Acquire, typename Release>
+  __device__ __forceinline__ void Run(int num_tiles, Acquire&& acquire, Release&& release) {
+    if constexpr (!kPipe) {
+      for (int t = 0; t < num_tiles; ++t) {
+        acquire(t);
+        if (t < wg_tiles) {  // uniform over the warpgroup, as wgmma requires
+          IssueS(t);
+          WgmmaWait<0>();
+          Softmax(t);
+          RescaleAndPack(t);
+          IssuePv(t);
+          WgmmaWait<0>();
+          FenceO();
+        }
+        release(t);
+      }
+    } else if (num_tiles > 0) {
+      acquire(0);
+      if (wg_tiles > 0) {
+        IssueS(0);
+        WgmmaWait<0>();
+        Softmax(0);
+        RescaleAndPack(0);
+      } else {
+        release(0);
+      }
+      for (int t = 1; t < num_tiles; ++t) {
+        acquire(t);
+        if (t < wg_tiles) {
+          IssueS(t);
+          IssuePv(t - 1);
+          WgmmaWait<1>();  // S done, P V may still run
+          Softmax(t);
+          WgmmaWait<0>();
+          FenceO();
+          release(t - 1);
+          RescaleAndPack(t);
+        } else if (t == wg_tiles) {
+          IssuePv(t - 1);
+          WgmmaWait<0>();
+          FenceO();
+          release(t - 1);
+          release(t);
+        } else {
+          release(t);
+        }
+      }
+      if (wg_tiles == num_tiles) {
+        IssuePv(num_tiles - 1);
+        WgmmaWait<0>();
+        FenceO();
+        release(num_tiles - 1);
+      }
+    }
+  }
+
+  // Normalize and store this thread's two rows (bf16 pairs); rows past the query length are not
+  // stored.
+  __device__ __forceinline__ void Store(const PrefillItem& it, int head, int num_heads,
+                                        __nv_bfloat16* __restrict__ out) const {
+    const int64_t q_stride = static_cast<int64_t>(num_heads) * kD;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = l_row[r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const int qi = r == 0 ? qi0 : qi1;
+      if (qi < it.qlen) {
+        __nv_bfloat16* dst = out + (it.row_begin + qi) * q_stride + head * kD + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < kD / 8; ++j) {
+          *reinterpret_cast<__nv_bfloat162*>(dst + j * 8) =
+              __floats2bfloat162_rn(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        }
+      }
+    }
+  }
+};
+
+// Q's rows of the block (zeros past the query length), copied by threads [0, kCopiers) with
+// cp.async into the swizzled layout.
+template <int kD, int kBM, int kCopiers>
+__device__ __forceinline__ void CopyQ(const __nv_bfloat16* __restrict__ q, const PrefillItem& it,
+                                      int head, int num_heads, uint8_t* q_s, int ctid) {
+  constexpr int kChunks = kD / 8;
+  const int64_t q_stride = static_cast<int64_t>(num_heads) * kD;
+#pragma unroll 4
+  for (int i = ctid; i < kBM * kChunks; i += kCopiers) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool valid = it.q0 + r < it.qlen;
+    const __nv_bfloat16* src =
+        valid ? q + (it.row_begin + it.q0 + r) * q_stride + head * kD + c * 8 : q;
+    CpAsync16(SmemAddr(q_s + TileOffset<kBM>(r, c)), src, valid);
+  }
+}
+
+// Every thread of the block copies (cp.async into the swizzled tiles, one __syncthreads a tile)
+// and each warpgroup computes its 64 rows. kPipe: bf16 caches only.
 template <typename Kv, int kD, int kWgs, bool kPipe>
 __global__ void __launch_bounds__(kWgs* kWarpgroup, 1)
     PrefillWgmmaKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
@@ -100,33 +385,18 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup, 1)
   float* ksc_s = reinterpret_cast<float*>(vq_s + 2 * kCodeTile);  // scales [2][kBN]
   float* vsc_s = ksc_s + 2 * kBN;
 
-  const int2 item = work[blockIdx.x];
-  const int seq = item.x, q0 = item.y;
+  const PrefillItem it = ReadItem<kBM, kBN>(work, query_start, context_lens);
+  const int num_tiles = it.num_tiles, ctx = it.ctx;
   const int head = blockIdx.y;
   const int kv_head = head / (num_heads / num_kv_heads);
-  const int row_begin = query_start[seq];
-  const int qlen = query_start[seq + 1] - row_begin;
-  const int ctx = context_lens[seq];
-  const int prefix = ctx - qlen;  // keys cached before this step's queries
-  const int q_last = min(q0 + kBM, qlen) - 1;
-  const int num_tiles = (prefix + q_last + kBN) / kBN;
-  const int32_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks_per_seq;
-  const int tid = threadIdx.x, wg = tid / kWarpgroup, warp = (tid % kWarpgroup) / 32;
-  const int lane = tid % 32;
-  const int64_t q_stride = static_cast<int64_t>(num_heads) * kD;
+  const int32_t* table = block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq;
+  const int tid = threadIdx.x;
 
   // Each thread copies one 16-byte chunk column of every kRowsPerPass-th row: the page lookup is
   // done once per row for K and V together.
   constexpr int kRowsPerPass = kThreads / kChunks;
   const int my_chunk = tid % kChunks, my_row = tid / kChunks;
-#pragma unroll
-  for (int j = 0; j < kBM / kRowsPerPass; ++j) {
-    const int r = my_row + j * kRowsPerPass;
-    const bool valid = q0 + r < qlen;  // rows past the query length are zero and never stored
-    const __nv_bfloat16* src =
-        valid ? q + (row_begin + q0 + r) * q_stride + head * kD + my_chunk * 8 : q;
-    CpAsync16(SmemAddr(q_s + TileOffset<kBM>(r, my_chunk)), src, valid);
-  }
+  CopyQ<kD, kBM, kThreads>(q, it, head, num_heads, q_s, tid);
   auto kv_row = [&](int key) -> int64_t {
     return key >= ctx ? 0 : KvPoolRow(table, key, block_size, block_shift, num_kv_heads, kv_head);
   };
@@ -179,8 +449,6 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup, 1)
       }
     }
   };
-  auto k_tile = [&](int t) { return k_s + (kQuantized ? 0 : (t % kStages) * kTileBytes); };
-  auto v_tile = [&](int t) { return v_s + (kQuantized ? 0 : (t % kStages) * kTileBytes); };
   // The start of tile t: its loads (and Q's) have landed and are visible, every warpgroup is done
   // with the stage the next tile loads into, which starts loading; a quantized tile is decoded.
   auto begin_tile = [&](int t) {
@@ -214,254 +482,184 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup, 1)
   CpAsyncCommit();
   if (!kQuantized && num_tiles > 1) fetch_pages(1);
 
-  float o[kD / 2];  // O, m64n(kD) accumulator layout
-#pragma unroll
-  for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
-  float m_row[2] = {-INFINITY, -INFINITY};
-  float l_row[2] = {0.0f, 0.0f};
-  // This warpgroup's first row in the block, and this thread's two rows (query index within the
-  // sequence): rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64.
-  const int wg_row0 = q0 + wg * 64;
-  const int qi0 = wg_row0 + warp * 16 + lane / 4;
-  const int qi1 = qi0 + 8;
-  // Key tiles past the warpgroup's last query (all tiles when its rows are past the query
-  // length) are masked whole for it: it still loads and synchronizes, but skips the math.
-  const int wg_q_last = min(wg_row0 + 63, qlen - 1);
-  const int wg_tiles = wg_q_last < wg_row0 ? 0 : min((prefix + wg_q_last) / kBN + 1, num_tiles);
-  const uint8_t* q_wg = q_s + wg * 64 * 128;  // this warpgroup's rows in each column block
-
-  // S = Q K^T for the warpgroup's 64 rows and tile t's 128 keys, issued and committed: s[4 n + e]
-  // is row 16 warp + lane / 4 + 8 (e / 2), key 8 n + 2 (lane % 4) + e % 2.
-  float s[kBN / 2];
-  auto issue_s = [&](int t) {
-    const uint8_t* kt = k_tile(t);
-#pragma unroll
-    for (int i = 0; i < kBN / 2; ++i) {
-      s[i] = 0.0f;
-      FenceReg(s[i]);
-    }
-    WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      const int cb = (kk / 4) * 128, k16 = (kk % 4) * 32;  // column block, 16-element step
-      Wgmma<kBN>::Run(s, SmemDesc(q_wg + cb * kBM + k16), SmemDesc(kt + cb * kBN + k16));
-    }
-    WgmmaCommit();
-  };
-  // P as wgmma A fragments: step kk covers keys 16 kk .. 16 kk + 15 (accumulator columns
-  // n = 2 kk and 2 kk + 1). O += P V(t), issued and committed.
-  uint32_t pa[kBN / 16][4];
-  auto issue_pv = [&](int t) {
-    const uint8_t* vt = v_tile(t);
-#pragma unroll
-    for (int i = 0; i < kD / 2; ++i) FenceReg(o[i]);
-    WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      WgmmaRegA<kD>::Run(o, pa[kk], SmemDescMn(vt + kk * 16 * 128, kBN * 128));
-    }
-    WgmmaCommit();
-  };
-  // After the last group's wait: the accumulators are read again, and P's registers are live
-  // until the MMAs have read them.
-  auto fence_o = [&] {
-#pragma unroll
-    for (int i = 0; i < kD / 2; ++i) FenceReg(o[i]);
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) FenceReg(pa[kk][e]);
-    }
-  };
-  // Tile t's scores (S complete) -> the softmax weights in s, the running max and sum updated;
-  // alpha: the rescaling of O. A quantized K: the scores times each key's scale first.
-  // The row maximum is taken over the unscaled scores (scale_log2 > 0 keeps the order) and each
-  // weight is exp2(s * scale_log2 - m) with one FFMA.
-  float alpha[2];
-  auto softmax = [&](int t) {
-#pragma unroll
-    for (int i = 0; i < kBN / 2; ++i) FenceReg(s[i]);
-    if constexpr (kQuantized) {  // q.k = scale * (q . codes)
-      const float* ksc = ksc_s + (t & 1) * kBN;
-#pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) s[i] *= ksc[8 * (i / 4) + 2 * (lane % 4) + (i & 1)];
-    }
-    const int key0 = t * kBN;
-    if (key0 + kBN - 1 > prefix + wg_row0 + warp * 16) {  // some key of the tile is masked
-#pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) {
-        const int key = key0 + 8 * (i / 4) + 2 * (lane % 4) + (i & 1);
-        const int qi = (i & 2) ? qi1 : qi0;
-        if (key > prefix + qi || key >= ctx) s[i] = -INFINITY;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < kBN / 8; ++n) {
-        mx = fmaxf(mx, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_row[r], mx * scale_log2);
-      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-      alpha[r] = exp2f(m_row[r] - m_use);
-      m_row[r] = m_new;
-      float sum = 0.0f;
-#pragma unroll
-      for (int n = 0; n < kBN / 8; ++n) {
-        const float p0 = exp2f(fmaf(s[4 * n + 2 * r], scale_log2, -m_use));
-        const float p1 = exp2f(fmaf(s[4 * n + 2 * r + 1], scale_log2, -m_use));
-        s[4 * n + 2 * r] = p0;
-        s[4 * n + 2 * r + 1] = p1;
-        sum += p0 + p1;
-      }
-      l_row[r] = l_row[r] * alpha[r] + sum;
-    }
-  };
-  // O *= alpha (O complete), and P (bf16; a quantized V: times each key's scale) into pa.
-  auto rescale_and_pack = [&](int t) {
-#pragma unroll
-    for (int j = 0; j < kD / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[4 * j + e] *= alpha[e / 2];
-    }
-    const float* vsc = vsc_s + (t & 1) * kBN;
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      float w0 = 1.0f, w1 = 1.0f, w2 = 1.0f, w3 = 1.0f;  // keys 2t, 2t + 1, 2t + 8, 2t + 9
-      if constexpr (kQuantized) {
-        const int key = kk * 16 + 2 * (lane % 4);
-        w0 = vsc[key];
-        w1 = vsc[key + 1];
-        w2 = vsc[key + 8];
-        w3 = vsc[key + 9];
-      }
-      const float* lo = s + 8 * kk;  // column block 2 kk
-      const float* hi = lo + 4;      // column block 2 kk + 1
-      pa[kk][0] = PackBf16x2(lo[0] * w0, lo[1] * w1);
-      pa[kk][1] = PackBf16x2(lo[2] * w0, lo[3] * w1);
-      pa[kk][2] = PackBf16x2(hi[0] * w2, hi[1] * w3);
-      pa[kk][3] = PackBf16x2(hi[2] * w2, hi[3] * w3);
-    }
-  };
-
-  if constexpr (!kPipe) {
-    for (int t = 0; t < num_tiles; ++t) {
-      begin_tile(t);
-      if (t < wg_tiles) {  // uniform over the warpgroup, as wgmma requires
-        issue_s(t);
-        WgmmaWait<0>();
-        softmax(t);
-        rescale_and_pack(t);
-        issue_pv(t);
-        WgmmaWait<0>();
-        fence_o();
-      }
-    }
-  } else if (num_tiles > 0) {
-    // Pipelined: tile t's S = Q K^T and tile t - 1's O += P V are in flight together, and the
-    // softmax of tile t runs while the tensor cores do the P V.
-    begin_tile(0);
-    if (wg_tiles > 0) {
-      issue_s(0);
-      WgmmaWait<0>();
-      softmax(0);
-      rescale_and_pack(0);
-    }
-    for (int t = 1; t < num_tiles; ++t) {
-      begin_tile(t);
-      if (t < wg_tiles) {
-        issue_s(t);
-        issue_pv(t - 1);
-        WgmmaWait<1>();  // S done, P V may still run
-        softmax(t);
-        WgmmaWait<0>();
-        fence_o();
-        rescale_and_pack(t);
-      } else if (t == wg_tiles) {
-        issue_pv(t - 1);
-        WgmmaWait<0>();
-        fence_o();
-      }
-    }
-    if (wg_tiles == num_tiles) {
-      issue_pv(num_tiles - 1);
-      WgmmaWait<0>();
-      fence_o();
-    }
-  }
+  WgConsumer<Kv, kD, kBM, kBN, kStages> c;
+  c.k_s = k_s;
+  c.v_s = v_s;
+  c.ksc_s = ksc_s;
+  c.vsc_s = vsc_s;
+  c.scale_log2 = scale_log2;
+  c.Init(it, tid / kWarpgroup, q_s);
+  c.template Run<kPipe>(num_tiles, begin_tile, [](int) {});
   CpAsyncWait<0>();  // no copy outlives the block
-
-  // Normalize and store (bf16 pairs).
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_row[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int qi = r == 0 ? qi0 : qi1;
-    if (qi < qlen) {
-      __nv_bfloat16* dst = out + (row_begin + qi) * q_stride + head * kD + 2 * (lane % 4);
-#pragma unroll
-      for (int j = 0; j < kD / 8; ++j) {
-        *reinterpret_cast<__nv_bfloat162*>(dst + j * 8) =
-            __floats2bfloat162_rn(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-      }
-    }
-  }
+  c.Store(it, head, num_heads, out);
 #else
   __trap();  // built for sm_90a only (WgmmaPrefillFits checks the device)
 #endif
 }
 
-template <typename Kv, int kD, int kWgs, bool kPipe>
+// Warp-specialized (TPSERVE_PREFILL_KERNEL=wgmma-ws, bf16 caches): one producer warp copies Q
+// and a ring of kWsStages K/V tiles of kWsKeys keys with cp.async, each stage's completion
+// counted on its `full` mbarrier (every copier's noinc arrival); the consumer warpgroups wait on
+// it and release the stage through its `empty` mbarrier (every consumer thread arrives, also for
+// the tiles a warpgroup skips), so the warpgroups are not held in lockstep by block barriers
+// and one's softmax can run beside the other's MMAs. The consumers are pipelined (kPipe).
+template <int kD, int kWgs, bool kPipe>
+__global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
+    PrefillWgmmaWsKernel(const __nv_bfloat16* __restrict__ q,
+                         const __nv_bfloat16* __restrict__ k_cache,
+                         const __nv_bfloat16* __restrict__ v_cache, const int2* __restrict__ work,
+                         const int32_t* __restrict__ query_start,
+                         const int32_t* __restrict__ context_lens,
+                         const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
+                         int block_size, int block_shift, int num_heads, int num_kv_heads,
+                         float scale_log2, __nv_bfloat16* __restrict__ out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kConsumers = kWgs * kWarpgroup;
+  constexpr int kBM = kWgs * 64;
+  constexpr int kChunks = kD / 8;
+  constexpr int kStages = kWsStages;
+  constexpr int kTileBytes = kWsKeys * kD * 2;
+  static_assert(kD == 64 || kD == 128, "head_dim 64 or 128");
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~static_cast<uintptr_t>(1023));
+  uint8_t* q_s = smem;
+  uint8_t* k_s = q_s + kBM * kD * 2;
+  uint8_t* v_s = k_s + kStages * kTileBytes;
+  __shared__ __align__(8) uint64_t full[kStages];
+  __shared__ __align__(8) uint64_t empty[kStages];
+  __shared__ __align__(8) uint64_t q_full;
+
+  const PrefillItem it = ReadItem<kBM, kWsKeys>(work, query_start, context_lens);
+  const int num_tiles = it.num_tiles, ctx = it.ctx;
+  const int head = blockIdx.y;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&full[s], 32);
+      MbarInit(&empty[s], kConsumers);
+    }
+    MbarInit(&q_full, 32);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid >= kConsumers) {
+    // The producer warp: lane l copies chunk column l % kChunks of every (32 / kChunks)-th row.
+    const int ptid = tid - kConsumers;
+    CopyQ<kD, kBM, 32>(q, it, head, num_heads, q_s, ptid);
+    CpAsyncArriveNoinc(&q_full);
+    const int kv_head = head / (num_heads / num_kv_heads);
+    const int32_t* table = block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq;
+    constexpr int kRowsPerPass = 32 / kChunks;
+    const int my_chunk = ptid % kChunks, my_row = ptid / kChunks;
+    for (int t = 0; t < num_tiles; ++t) {
+      const int s = t % kStages;
+      if (t >= kStages) MbarWait(&empty[s], ((t / kStages) & 1) ^ 1);
+      const int key0 = t * kWsKeys;
+#pragma unroll 8
+      for (int j = 0; j < kWsKeys / kRowsPerPass; ++j) {
+        const int r = my_row + j * kRowsPerPass, key = key0 + r;
+        const int64_t off =
+            key >= ctx
+                ? 0
+                : KvPoolRow(table, key, block_size, block_shift, num_kv_heads, kv_head) * kD +
+                      my_chunk * 8;
+        const int dst = s * kTileBytes + TileOffset<kWsKeys>(r, my_chunk);
+        CpAsync16(SmemAddr(k_s + dst), k_cache + off, key < ctx);
+        CpAsync16(SmemAddr(v_s + dst), v_cache + off, key < ctx);
+      }
+      CpAsyncArriveNoinc(&full[s]);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the block
+    return;
+  }
+
+  WgConsumer<KvBf16, kD, kBM, kWsKeys, kStages> c;
+  c.k_s = k_s;
+  c.v_s = v_s;
+  c.ksc_s = nullptr;
+  c.vsc_s = nullptr;
+  c.scale_log2 = scale_log2;
+  c.Init(it, tid / kWarpgroup, q_s);
+  MbarWait(&q_full, 0);
+  FenceProxyAsync();
+  c.template Run<kPipe>(
+      num_tiles,
+      // Every tile is waited for, also one the warpgroup skips: an empty barrier counts
+      // arrivals, not tiles, so a warpgroup that released tile t + kStages before the other
+      // released tile t would complete the phase of tile t early, and the producer would refill
+      // a stage still being read.
+      [&](int t) {
+        MbarWait(&full[t % kStages], (t / kStages) & 1);
+        FenceProxyAsync();  // cp.async wrote the tile through the generic proxy
+      },
+      [&](int t) { MbarArrive(&empty[t % kStages]); });
+  c.Store(it, head, num_heads, out);
+#else
+  __trap();  // built for sm_90a only (WgmmaPrefillFits checks the device)
+#endif
+}
+
+template <typename Kv, int kD, int kWgs, bool kPipe, bool kWs>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                  int num_kv_heads, float scale, const DeviceBatch& b, Tensor out,
                  cudaStream_t stream) {
-  constexpr int kSmem = WgmmaPrefillSmemBytes<Kv, kD, kWgs, kPipe>();
-  static_assert(kSmem <= 227 * 1024, "shared memory of an sm_90 block");
-  static bool configured = [] {
-    TP_CUDA_CHECK(cudaFuncSetAttribute(PrefillWgmmaKernel<Kv, kD, kWgs, kPipe>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    return true;
-  }();
-  (void)configured;
+  constexpr int kSmem = WgmmaPrefillSmemBytes<Kv, kD, kWgs, kPipe, kWs>();
+  static_assert(kSmem <= 227 * 1024 - 64, "shared memory of an sm_90 block");
   dim3 grid(b.num_prefill_work, num_heads);
-  PrefillWgmmaKernel<Kv, kD, kWgs, kPipe><<<grid, kWgs * kWarpgroup, kSmem, stream>>>(
-      q.ptr<const __nv_bfloat16>(), static_cast<const uint8_t*>(k_cache.data),
-      static_cast<const uint8_t*>(v_cache.data), static_cast<const float*>(k_cache.scales),
-      static_cast<const float*>(v_cache.scales), b.prefill_work, b.query_start, b.context_lens,
-      b.block_tables, b.max_blocks_per_seq, b.block_size, KvBlockShift(b.block_size), num_heads,
-      num_kv_heads, scale * kLog2e, out.ptr<__nv_bfloat16>());
+  if constexpr (kWs) {
+    static_assert(!Kv::kQuantized, "the warp-specialized kernel reads bf16 caches");
+    auto kernel = PrefillWgmmaWsKernel<kD, kWgs, kPipe>;
+    static bool configured = [&] {
+      TP_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+      return true;
+    }();
+    (void)configured;
+    kernel<<<grid, kWgs * kWarpgroup + 32, kSmem, stream>>>(
+        q.ptr<const __nv_bfloat16>(), k_cache.ptr<const __nv_bfloat16>(),
+        v_cache.ptr<const __nv_bfloat16>(), b.prefill_work, b.query_start, b.context_lens,
+        b.block_tables, b.max_blocks_per_seq, b.block_size, KvBlockShift(b.block_size), num_heads,
+        num_kv_heads, scale * kLog2e, out.ptr<__nv_bfloat16>());
+  } else {
+    auto kernel = PrefillWgmmaKernel<Kv, kD, kWgs, kPipe>;
+    static bool configured = [&] {
+      TP_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+      return true;
+    }();
+    (void)configured;
+    kernel<<<grid, kWgs * kWarpgroup, kSmem, stream>>>(
+        q.ptr<const __nv_bfloat16>(), static_cast<const uint8_t*>(k_cache.data),
+        static_cast<const uint8_t*>(v_cache.data), static_cast<const float*>(k_cache.scales),
+        static_cast<const float*>(v_cache.scales), b.prefill_work, b.query_start, b.context_lens,
+        b.block_tables, b.max_blocks_per_seq, b.block_size, KvBlockShift(b.block_size), num_heads,
+        num_kv_heads, scale * kLog2e, out.ptr<__nv_bfloat16>());
+  }
   TP_CUDA_CHECK_LAUNCH();
 }
 
 // SetBatch cut the work list into tiles of PrefillTileM() rows: one warpgroup per 64.
-template <typename Kv, int kD, bool kPipe>
-void LaunchForTile(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
-                   int num_kv_heads, float scale, const DeviceBatch& b, Tensor out,
-                   cudaStream_t stream) {
-  if (PrefillTileM() == 64) {
-    LaunchTyped<Kv, kD, 1, kPipe>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
-                                  stream);
-  } else {
-    LaunchTyped<Kv, kD, 2, kPipe>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
-                                  stream);
-  }
-}
-
-template <typename Kv, bool kPipe>
-void LaunchForHeadDim(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
-                      int num_kv_heads, int head_dim, float scale, const DeviceBatch& b, Tensor out,
-                      cudaStream_t stream) {
+template <typename Kv, bool kPipe, bool kWs>
+void LaunchFor(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
+               int num_kv_heads, int head_dim, float scale, const DeviceBatch& b, Tensor out,
+               cudaStream_t stream) {
+  const bool tile64 = PrefillTileM() == 64;
   if (head_dim == 64) {
-    LaunchForTile<Kv, 64, kPipe>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
-                                 stream);
+    if (tile64) {
+      LaunchTyped<Kv, 64, 1, kPipe, kWs>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b,
+                                         out, stream);
+    } else {
+      LaunchTyped<Kv, 64, 2, kPipe, kWs>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b,
+                                         out, stream);
+    }
+  } else if (tile64) {
+    LaunchTyped<Kv, 128, 1, kPipe, kWs>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
+                                        stream);
   } else {
-    LaunchForTile<Kv, 128, kPipe>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
-                                  stream);
+    LaunchTyped<Kv, 128, 2, kPipe, kWs>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
+                                        stream);
   }
 }
 
@@ -475,27 +673,30 @@ bool WgmmaPrefillFits(DType kv, int head_dim) {
 
 void LaunchAttentionPrefillWgmma(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                  int num_heads, int num_kv_heads, int head_dim, float scale,
-                                 const DeviceBatch& b, Tensor out, bool pipelined,
+                                 const DeviceBatch& b, Tensor out, PrefillKernel kernel,
                                  cudaStream_t stream) {
-  TP_CHECK(WgmmaPrefillFits(k_cache.dtype, head_dim))
+  TP_CHECK(WgmmaPrefillFits(k_cache.dtype, head_dim) && kernel != PrefillKernel::kMma)
       << "wgmma prefill attention: KV dtype " << DTypeName(k_cache.dtype) << ", head_dim "
       << head_dim << " (needs bf16, fp8 or int8 at head_dim 64 or 128 on an sm_90 device)";
   switch (k_cache.dtype) {
     case DType::kBF16:
-      if (pipelined) {
-        LaunchForHeadDim<KvBf16, true>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
+      if (kernel == PrefillKernel::kWgmmaWs) {
+        LaunchFor<KvBf16, true, true>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
+                                      b, out, stream);
+      } else if (kernel == PrefillKernel::kWgmmaPipe) {
+        LaunchFor<KvBf16, true, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                                        scale, b, out, stream);
       } else {
-        LaunchForHeadDim<KvBf16, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
+        LaunchFor<KvBf16, false, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                                         scale, b, out, stream);
       }
       break;
-    case DType::kF8E4M3:  // quantized caches: the unpipelined kernel
-      LaunchForHeadDim<KvF8E4M3, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
+    case DType::kF8E4M3:  // 8-bit caches: the kernel without pipelining or producer warp
+      LaunchFor<KvF8E4M3, false, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                                         scale, b, out, stream);
       break;
     default:
-      LaunchForHeadDim<KvI8, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
+      LaunchFor<KvI8, false, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
                                     b, out, stream);
       break;
   }

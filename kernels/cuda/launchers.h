@@ -20,9 +20,10 @@ inline constexpr int kPrefillTileMinM = 64;
 // dtype) and kWgmma (attention_prefill_wgmma.cu: Hopper's wgmma, for bf16, fp8 and int8 caches
 // at head_dim 64 and 128 on an sm_90 device; elsewhere the mma kernel runs); kWgmmaPipe: the
 // wgmma kernel with a tile's softmax overlapping the previous tile's P V (bf16 caches; the 8-bit
-// ones run kWgmma). Starts from TPSERVE_PREFILL_KERNEL; SetPrefillKernel (benchmarks and tests)
-// sets it for every later launch of this process.
-enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe };
+// ones run kWgmma); kWgmmaWs: the same with a producer warp feeding an mbarrier ring, so the
+// warpgroups run apart (bf16; 8-bit caches run kWgmma). Starts from TPSERVE_PREFILL_KERNEL;
+// SetPrefillKernel (benchmarks and tests) sets it for every later launch of this process.
+enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe, kWgmmaWs };
 void SetPrefillKernel(PrefillKernel kernel);
 PrefillKernel PrefillKernelChoice();
 // Whether the wgmma kernel runs a prefill over a cache of dtype `kv` at `head_dim` here.
@@ -169,11 +170,11 @@ void LaunchInterleaveShards(const Tensor& in, Tensor out, cudaStream_t stream);
 void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             int num_heads, int num_kv_heads, int head_dim, float scale,
                             const DeviceBatch& b, Tensor out, cudaStream_t stream);
-// The wgmma kernel (WgmmaPrefillFits must hold; `pipelined`: kWgmmaPipe, for a bf16 cache);
-// LaunchAttentionPrefill calls it when chosen.
+// The wgmma kernels (WgmmaPrefillFits must hold; `kernel` not kMma); LaunchAttentionPrefill
+// calls it when one is chosen.
 void LaunchAttentionPrefillWgmma(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                  int num_heads, int num_kv_heads, int head_dim, float scale,
-                                 const DeviceBatch& b, Tensor out, bool pipelined,
+                                 const DeviceBatch& b, Tensor out, PrefillKernel kernel,
                                  cudaStream_t stream);
 // workspace: DecodeWorkspaceFloats(b, num_heads, num_kv_heads, head_dim) floats; counters:
 // DecodeNumCounters(b, num_heads, num_kv_heads), zero.

@@ -495,16 +495,21 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
   // bf16 and an fp8 cache.
   const cuda::PrefillKernel env_prefill = cuda::PrefillKernelChoice();
   for (DType kv : {DType::kBF16, DType::kF8E4M3}) {
-    for (cuda::PrefillKernel kernel : {cuda::PrefillKernel::kMma, cuda::PrefillKernel::kWgmma,
-                                       cuda::PrefillKernel::kWgmmaPipe}) {
+    for (cuda::PrefillKernel kernel :
+         {cuda::PrefillKernel::kMma, cuda::PrefillKernel::kWgmma, cuda::PrefillKernel::kWgmmaPipe,
+          cuda::PrefillKernel::kWgmmaWs}) {
       std::string label = "prefill attention 2048 tok, 32 heads, d128";
       if (kv != DType::kBF16) label += std::string(" ") + std::string(KvCacheDTypeName(kv));
       if (kernel == cuda::PrefillKernel::kWgmma) label += " wgmma";
       if (kernel == cuda::PrefillKernel::kWgmmaPipe) label += " wgmma-pipe";
+      if (kernel == cuda::PrefillKernel::kWgmmaWs) label += " wgmma-ws";
       if (m1_only || !Wanted(label)) continue;
-      // The wgmma kernels where they run (the pipelined one for bf16 caches only).
+      // The wgmma kernels where they run (pipe and ws for bf16 caches only).
       if (kernel != cuda::PrefillKernel::kMma && !cuda::WgmmaPrefillFits(kv, d)) continue;
-      if (kernel == cuda::PrefillKernel::kWgmmaPipe && kv != DType::kBF16) continue;
+      if ((kernel == cuda::PrefillKernel::kWgmmaPipe || kernel == cuda::PrefillKernel::kWgmmaWs) &&
+          kv != DType::kBF16) {
+        continue;
+      }
       const int T = 2048;
       BatchMeta m = batch(1, T, T);
       const int64_t rows = int64_t{m.max_blocks_per_seq} * bs * hk;

@@ -1179,8 +1179,8 @@ TEST_F(CudaAttentionTest, PrefillQuantizedKvCache) {
   }
 }
 
-// The wgmma prefill kernels (sm_90a; TPSERVE_PREFILL_KERNEL=wgmma and wgmma-pipe, which runs
-// wgmma for the 8-bit caches) on the cases above and
+// The wgmma prefill kernels (sm_90a; TPSERVE_PREFILL_KERNEL=wgmma, and wgmma-pipe and wgmma-ws,
+// which run wgmma for the 8-bit caches) on the cases above and
 // longer causal prompts (several 128-key tiles, a tile's two warpgroups at different diagonal
 // offsets), for bf16 and the 8-bit caches it reads; head_dim 32 and int4 go to the mma kernel
 // (checked too). Same tolerance as the mma kernel: the same roundings, sums in another order.
@@ -1199,13 +1199,16 @@ TEST_F(CudaAttentionTest, PrefillWgmmaKernel) {
       {{{300, 4096}, {257, 257}}, 4, 2, 64, 16},                         // long prefix, d 64
       {{{119, 119}, {7, 40}, {1, 33}}, 8, 2, 32, 16},                    // head_dim 32: mma
   };
-  for (cuda::PrefillKernel kernel :
-       {cuda::PrefillKernel::kWgmma, cuda::PrefillKernel::kWgmmaPipe}) {
+  const std::pair<cuda::PrefillKernel, const char*> kernels[] = {
+      {cuda::PrefillKernel::kWgmma, "wgmma"},
+      {cuda::PrefillKernel::kWgmmaPipe, "wgmma-pipe"},
+      {cuda::PrefillKernel::kWgmmaWs, "wgmma-ws"}};
+  for (auto [kernel, name] : kernels) {
     cuda::SetPrefillKernel(kernel);
     for (DType kv : {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4}) {
       for (size_t i = 0; i < cases.size(); ++i) {
-        SCOPED_TRACE(std::string(kernel == cuda::PrefillKernel::kWgmma ? "wgmma " : "wgmma-pipe ") +
-                     std::string(KvCacheDTypeName(kv)) + " case " + std::to_string(i));
+        SCOPED_TRACE(std::string(name) + " " + std::string(KvCacheDTypeName(kv)) + " case " +
+                     std::to_string(i));
         Run(cases[i], /*decode=*/false, kv);
       }
     }
