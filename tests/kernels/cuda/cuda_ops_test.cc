@@ -1119,7 +1119,16 @@ class CudaAttentionTest : public CudaOpsTest {
   }
 };
 
+// The mma.sync prefill kernel (TPSERVE_PREFILL_KERNEL=mma; the default runs wgmma where it can,
+// PrefillWgmmaKernel below checks it).
+struct ScopedPrefillKernel {
+  explicit ScopedPrefillKernel(cuda::PrefillKernel k) { cuda::SetPrefillKernel(k); }
+  ~ScopedPrefillKernel() { cuda::SetPrefillKernel(before); }
+  cuda::PrefillKernel before = cuda::PrefillKernelChoice();
+};
+
 TEST_F(CudaAttentionTest, PrefillVarlenCachedPrefixGqa) {
+  ScopedPrefillKernel mma(cuda::PrefillKernel::kMma);
   std::vector<AttnCase> cases = {
       {{{77, 77}}, 4, 4, 128, 16},                                       // one odd prompt
       {{{130, 300}, {1, 45}, {64, 64}, {3, 17}, {1, 0}}, 8, 2, 64, 16},  // mixed, GQA, pad
@@ -1164,6 +1173,7 @@ const DType kQuantizedKv[] = {DType::kF8E4M3, DType::kI8, DType::kI4};
 // Quantized caches: head dims 128 (int4: two scale groups a head), 64 and 32 (one group), GQA
 // and MQA, chunked prefill over a cached prefix beside decode rows, block sizes 16 and 32.
 TEST_F(CudaAttentionTest, PrefillQuantizedKvCache) {
+  ScopedPrefillKernel mma(cuda::PrefillKernel::kMma);
   const std::vector<AttnCase> cases = {
       {{{77, 77}}, 4, 4, 128, 16},                                       // one odd prompt
       {{{130, 300}, {1, 45}, {64, 64}, {3, 17}, {1, 0}}, 8, 2, 64, 16},  // mixed, GQA, pad
@@ -1186,10 +1196,7 @@ TEST_F(CudaAttentionTest, PrefillQuantizedKvCache) {
 // (checked too). Same tolerance as the mma kernel: the same roundings, sums in another order.
 TEST_F(CudaAttentionTest, PrefillWgmmaKernel) {
   if (!cuda::WgmmaPrefillFits(DType::kBF16, 128)) GTEST_SKIP() << "needs an sm_90 device";
-  struct Restore {
-    cuda::PrefillKernel kernel = cuda::PrefillKernelChoice();
-    ~Restore() { cuda::SetPrefillKernel(kernel); }
-  } restore;
+  ScopedPrefillKernel restore(cuda::PrefillKernelChoice());
   const std::vector<AttnCase> cases = {
       {{{77, 77}}, 4, 4, 128, 16},                                       // one odd prompt
       {{{130, 300}, {1, 45}, {64, 64}, {3, 17}, {1, 0}}, 8, 2, 64, 16},  // mixed, GQA, pad
@@ -1197,7 +1204,8 @@ TEST_F(CudaAttentionTest, PrefillWgmmaKernel) {
       {{{65, 129}, {128, 128}}, 6, 1, 128, 32},                          // block boundaries, MQA
       {{{1000, 1000}}, 4, 4, 128, 16},                                   // 8 tiles, causal
       {{{300, 4096}, {257, 257}}, 4, 2, 64, 16},                         // long prefix, d 64
-      {{{119, 119}, {7, 40}, {1, 33}}, 8, 2, 32, 16},                    // head_dim 32: mma
+      {{{150, 400}, {1, 30}}, 4, 2, 128, 24},          // block size 24 (page math by division)
+      {{{119, 119}, {7, 40}, {1, 33}}, 8, 2, 32, 16},  // head_dim 32: mma
   };
   const std::pair<cuda::PrefillKernel, const char*> kernels[] = {
       {cuda::PrefillKernel::kWgmma, "wgmma"},
