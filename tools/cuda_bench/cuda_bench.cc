@@ -135,6 +135,39 @@ struct RotatingWeights {
   void* data;
 };
 
+// A random K and V cache of `blocks` blocks of `bs` tokens x `hk` heads x `d` in dtype `kv`: random
+// codes, and for a quantized dtype every scale 0.01.
+struct RandomKvCache {
+  RandomKvCache(CudaOps& ops, int64_t blocks, int bs, int hk, int d, DType kv)
+      : ops(ops),
+        code_bytes(static_cast<size_t>(blocks * bs * hk * d * DTypeBits(kv) / 8)),
+        scale_bytes(static_cast<size_t>(blocks * bs * hk * KvScaleGroups(kv, d)) * sizeof(float)),
+        k(ops.Alloc(code_bytes), {blocks, bs, hk, d}, kv, Device::kCuda),
+        v(ops.Alloc(code_bytes), {blocks, bs, hk, d}, kv, Device::kCuda) {
+    FillRandom(k.data, code_bytes, 1.0f);
+    FillRandom(v.data, code_bytes, 1.0f);
+    if (scale_bytes > 0) {
+      const std::vector<float> scales(scale_bytes / sizeof(float), 0.01f);
+      for (Tensor* t : {&k, &v}) {
+        t->scales = ops.Alloc(scale_bytes);
+        ops.CopyToDevice(t->scales, scales.data(), scale_bytes);
+      }
+    }
+  }
+  ~RandomKvCache() {
+    for (const Tensor* t : {&k, &v}) {
+      ops.Free(t->data);
+      if (t->scales != nullptr) ops.Free(t->scales);
+    }
+  }
+  RandomKvCache(const RandomKvCache&) = delete;
+  RandomKvCache& operator=(const RandomKvCache&) = delete;
+  double Bytes() const { return 2.0 * (code_bytes + scale_bytes); }  // K and V, codes and scales
+  CudaOps& ops;
+  size_t code_bytes, scale_bytes;
+  Tensor k, v;
+};
+
 int PrintSummary(double copy_gbs) {
   std::printf("\n==== summary (copy %.0f GB/s) ====\n", copy_gbs);
   for (const Row& r : g_rows)
@@ -492,9 +525,11 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
   const int hq = 32, hk = 32, d = 128, bs = 16;
   auto batch = [&](int seqs, int qlen, int ctx) { return PagedBatch(seqs, qlen, ctx, bs); };
   // Prefill attention: the mma.sync kernel (the unsuffixed rows) and the wgmma kernels, over a
-  // bf16 and an fp8 cache.
+  // bf16 and an fp8 cache (one cache and q per dtype, for every kernel's row).
   const cuda::PrefillKernel env_prefill = cuda::PrefillKernelChoice();
+  const int T = 2048;
   for (DType kv : {DType::kBF16, DType::kF8E4M3}) {
+    std::vector<std::pair<cuda::PrefillKernel, std::string>> rows;
     for (cuda::PrefillKernel kernel :
          {cuda::PrefillKernel::kMma, cuda::PrefillKernel::kWgmma, cuda::PrefillKernel::kWgmmaPipe,
           cuda::PrefillKernel::kWgmmaWs}) {
@@ -510,41 +545,25 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
           kv != DType::kBF16) {
         continue;
       }
-      const int T = 2048;
-      BatchMeta m = batch(1, T, T);
-      const int64_t rows = int64_t{m.max_blocks_per_seq} * bs * hk;
-      const size_t code_bytes = static_cast<size_t>(rows * d * DTypeBits(kv) / 8);
-      const size_t scale_bytes = static_cast<size_t>(rows * KvScaleGroups(kv, d)) * sizeof(float);
-      void *kc = ops.Alloc(code_bytes), *vc = ops.Alloc(code_bytes);
-      void *ks = nullptr, *vs = nullptr;
-      void *q = ops.Alloc(size_t{2} * T * hq * d), *o = ops.Alloc(size_t{2} * T * hq * d);
-      FillRandom(kc, code_bytes, 1.0f);
-      FillRandom(vc, code_bytes, 1.0f);
-      FillRandom(q, size_t{2} * T * hq * d, 1.0f);
-      if (scale_bytes > 0) {
-        ks = ops.Alloc(scale_bytes);
-        vs = ops.Alloc(scale_bytes);
-        const std::vector<float> scales(scale_bytes / sizeof(float), 0.01f);
-        ops.CopyToDevice(ks, scales.data(), scale_bytes);
-        ops.CopyToDevice(vs, scales.data(), scale_bytes);
-      }
-      ops.SetBatch(m);
-      Tensor tq(q, {T, hq * d}, DType::kBF16, Device::kCuda),
-          to(o, {T, hq * d}, DType::kBF16, Device::kCuda);
-      Tensor tk(kc, {m.max_blocks_per_seq, bs, hk, d}, kv, Device::kCuda),
-          tv(vc, {m.max_blocks_per_seq, bs, hk, d}, kv, Device::kCuda);
-      tk.scales = ks;
-      tv.scales = vs;
-      cuda::SetPrefillKernel(kernel);
-      double ms =
-          MedianMs(s, 20, [&](int) { ops.AttentionPrefill(tq, tk, tv, hq, hk, d, 0.0884f, to); });
-      cuda::SetPrefillKernel(env_prefill);
-      double flops = 4.0 * d * hq * (double(T) * (T + 1) / 2);
-      Add(label, ms, Fmt("%.0f TFLOP/s (causal FLOPs)", flops / ms / 1e9));
-      for (void* p : {kc, vc, ks, vs, q, o}) {
-        if (p != nullptr) ops.Free(p);
-      }
+      rows.emplace_back(kernel, label);
     }
+    if (rows.empty()) continue;
+    BatchMeta m = batch(1, T, T);
+    RandomKvCache cache(ops, m.max_blocks_per_seq, bs, hk, d, kv);
+    void *q = ops.Alloc(size_t{2} * T * hq * d), *o = ops.Alloc(size_t{2} * T * hq * d);
+    FillRandom(q, size_t{2} * T * hq * d, 1.0f);
+    ops.SetBatch(m);
+    Tensor tq(q, {T, hq * d}, DType::kBF16, Device::kCuda),
+        to(o, {T, hq * d}, DType::kBF16, Device::kCuda);
+    const double flops = 4.0 * d * hq * (double(T) * (T + 1) / 2);
+    for (const auto& [kernel, label] : rows) {
+      cuda::SetPrefillKernel(kernel);
+      const double ms = MedianMs(
+          s, 20, [&](int) { ops.AttentionPrefill(tq, cache.k, cache.v, hq, hk, d, 0.0884f, to); });
+      Add(label, ms, Fmt("%.0f TFLOP/s (causal FLOPs)", flops / ms / 1e9));
+    }
+    cuda::SetPrefillKernel(env_prefill);
+    for (void* p : {q, o}) ops.Free(p);
   }
   // Decode attention: each KV-cache dtype through the kernel and partition the batch picks
   // (auto), and with --decode every kernel variant (TPSERVE_DECODE_KERNEL/PARTITION's choices).
@@ -575,7 +594,6 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
     if (m1_only && B != 1 && B != 64) continue;
     if (!decode_sweep && B == 128) continue;
     BatchMeta m = batch(B, 1, ctx);
-    const int64_t rows = int64_t{B} * m.max_blocks_per_seq * bs * hk;
     void *q = ops.Alloc(size_t{2} * B * hq * d), *o = ops.Alloc(size_t{2} * B * hq * d);
     FillRandom(q, size_t{2} * B * hq * d, 1.0f);
     ops.SetBatch(m);
@@ -583,24 +601,9 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
         to(o, {B, hq * d}, DType::kBF16, Device::kCuda);
     for (DType kv : kv_dtypes) {
       if (m1_only && kv != DType::kBF16) continue;
-      const size_t code_bytes = static_cast<size_t>(rows * d * DTypeBits(kv) / 8);
-      const size_t scale_bytes = static_cast<size_t>(rows * KvScaleGroups(kv, d)) * sizeof(float);
-      void *kc = ops.Alloc(code_bytes), *vc = ops.Alloc(code_bytes);
-      void *ks = nullptr, *vs = nullptr;
-      FillRandom(kc, code_bytes, 1.0f);
-      FillRandom(vc, code_bytes, 1.0f);
-      if (scale_bytes > 0) {
-        ks = ops.Alloc(scale_bytes);
-        vs = ops.Alloc(scale_bytes);
-        const std::vector<float> scales(scale_bytes / sizeof(float), 0.01f);
-        ops.CopyToDevice(ks, scales.data(), scale_bytes);
-        ops.CopyToDevice(vs, scales.data(), scale_bytes);
-      }
-      Tensor tk(kc, {B * m.max_blocks_per_seq, bs, hk, d}, kv, Device::kCuda),
-          tv(vc, {B * m.max_blocks_per_seq, bs, hk, d}, kv, Device::kCuda);
-      tk.scales = ks;
-      tv.scales = vs;
-      const double bytes = 2.0 * (code_bytes + scale_bytes);
+      RandomKvCache cache(ops, int64_t{B} * m.max_blocks_per_seq, bs, hk, d, kv);
+      const Tensor &tk = cache.k, &tv = cache.v;
+      const double bytes = cache.Bytes();
       for (const Variant& v : variants) {
         const std::string label = "decode attention B=" + std::to_string(B) + " ctx " +
                                   std::to_string(ctx) + " " + std::string(KvCacheDTypeName(kv)) +
@@ -616,9 +619,6 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
       }
       cuda::SetDecodeOverride(cuda::DecodeKernel::kAuto, 0);
       cuda::SetDecodePrefetch(env_prefetch);
-      for (void* p : {kc, vc, ks, vs}) {
-        if (p != nullptr) ops.Free(p);
-      }
     }
     for (void* p : {q, o}) ops.Free(p);
   }
