@@ -32,7 +32,6 @@ constexpr int kMaxMmaPartition = 1024;
 // The mma kernel's largest split for kG heads a block (its scores and the int4 V scales of a
 // split are in static shared memory: 48 KB).
 constexpr int MmaMaxPartition(int g) { return g <= 4 ? kMaxMmaPartition : kMaxTwoPhasePartition; }
-constexpr float kLog2e = 1.4426950408889634f;
 
 // A block's (split, head group, sequence) in the launch's grid order (DecodeGrid):
 // kDecodeSplitMajor (splits, groups, seqs), kDecodeSeqMajor (seqs, groups, splits) or

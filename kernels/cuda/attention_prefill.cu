@@ -52,7 +52,6 @@ PrefillKernel PrefillKernelChoice() {
 namespace {
 
 constexpr int kBN = 64;  // keys per tile
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Element offset of (row, 8-element chunk) in a [rows][kD] tile; chunks XOR-swizzled by row so
 // that ldmatrix over 8 consecutive rows hits 8 different bank groups (kD >= 64; a 32-wide row
@@ -61,11 +60,6 @@ template <int kD>
 __device__ __forceinline__ int Swizzle(int row, int chunk) {
   constexpr int kMask = (kD / 8 < 8 ? kD / 8 : 8) - 1;
   return row * kD + ((chunk ^ (row & kMask)) << 3);
-}
-
-__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 // Shared memory of the kernel: q, the bf16 K and V tiles (two stages; one for a quantized cache,

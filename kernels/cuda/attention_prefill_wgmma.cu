@@ -36,18 +36,12 @@ namespace {
 
 constexpr int kBN = 128;  // keys per tile
 constexpr int kWarpgroup = 128;
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Byte offset of 16-byte chunk `chunk` (8 elements of the head) of row `row` in a tile of kRows
 // rows: 64-element column blocks of kRows x 128 bytes, each 128-byte swizzled.
 template <int kRows>
 __device__ __forceinline__ int TileOffset(int row, int chunk) {
   return (chunk / 8) * (kRows * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
-}
-
-__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 // The bf16 K/V tile stages of PrefillWgmmaKernel: two (the next tile loads while this one is
@@ -241,10 +235,10 @@ struct WgConsumer {
       }
       const float* lo = s + 8 * kk;  // column block 2 kk
       const float* hi = lo + 4;      // column block 2 kk + 1
-      pa[kk][0] = PackBf16x2(lo[0] * w0, lo[1] * w1);
-      pa[kk][1] = PackBf16x2(lo[2] * w0, lo[3] * w1);
-      pa[kk][2] = PackBf16x2(hi[0] * w2, hi[1] * w3);
-      pa[kk][3] = PackBf16x2(hi[2] * w2, hi[3] * w3);
+      pa[kk][0] = PackBf16(lo[0] * w0, lo[1] * w1);
+      pa[kk][1] = PackBf16(lo[2] * w0, lo[3] * w1);
+      pa[kk][2] = PackBf16(hi[0] * w2, hi[1] * w3);
+      pa[kk][3] = PackBf16(hi[2] * w2, hi[3] * w3);
     }
   }
 

@@ -14,6 +14,9 @@
 
 namespace tpserve::cuda {
 
+// log2(e): the attention kernels' softmax runs in the log2 domain (exp2 of scores scaled by it).
+inline constexpr float kLog2e = 1.4426950408889634f;
+
 // Eight bf16 values, one 16-byte access.
 struct alignas(16) Bf16x8 {
   __nv_bfloat162 h[4];

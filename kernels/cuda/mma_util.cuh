@@ -2,6 +2,7 @@
 // fixed-order and chain GEMMs): shared-memory addresses, cp.async, ldmatrix, mma.m16n8k16.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -36,6 +37,12 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr)
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+// Two floats rounded to a bf16 pair (lo in the low half): one register of an MMA fragment.
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 // d += a b for one m16n8k16 step (bf16 in, f32 accumulate); a and b in the instruction's
