@@ -50,6 +50,13 @@ void LtGemm::set_split_k_override(int split) {
   split_override_ = split;
 }
 
+void LtGemm::set_candidate_override(int index) {
+  if (index == candidate_override_) return;
+  for (auto& [key, plan] : plans_) DestroyDescriptors(plan);
+  plans_.clear();
+  candidate_override_ = index;
+}
+
 void LtGemm::MakeDescriptors(Plan& plan, int64_t m, int64_t n, int64_t k, bool bias) const {
   TP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -182,8 +189,9 @@ LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int al
     plan.tuned = true;
     return plans_.emplace(key, plan).first->second;
   }
-  std::vector<cublasLtMatmulHeuristicResult_t> results =
-      Heuristic(plan, alignment, m <= 256 ? 8 : 1);
+  int wanted = m <= 256 ? 8 : 1;  // the autotuner's candidates
+  if (candidate_override_ >= 0) wanted = 32;
+  std::vector<cublasLtMatmulHeuristicResult_t> results = Heuristic(plan, alignment, wanted);
   TP_CHECK(!results.empty()) << "cuBLASLt has no algorithm for GEMM M=" << m << " N=" << n
                              << " K=" << k << (bias ? " with bias" : "") << " alignment "
                              << alignment;
@@ -192,6 +200,12 @@ LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int al
     if (r.state == CUBLAS_STATUS_SUCCESS) plan.candidates.push_back(r.algo);
   }
   plan.tuned = !autotune_ || plan.candidates.size() <= 1;
+  if (candidate_override_ >= 0 && candidate_override_ < static_cast<int>(results.size()) &&
+      results[candidate_override_].state == CUBLAS_STATUS_SUCCESS) {
+    plan.algo = results[candidate_override_].algo;
+    plan.tuned = true;
+    plan.candidate = candidate_override_;
+  }
   if (split_override_ > 0) {
     cublasLtMatmulAlgo_t algo = results[0].algo;
     const int32_t split = split_override_;

@@ -52,6 +52,18 @@ class LtGemm {
   // choice). Plans made before are dropped; PlanSplitK says whether a plan took it.
   void set_split_k_override(int split);
   int split_k_override() const { return split_override_; }
+  // Benchmarks: every new plan (not in fixed mode) takes the heuristic's `index`-th algorithm (0
+  // its first; up to 32 are asked for), as it comes, split-K included (-1: the usual choice).
+  // Plans made before are dropped; PlanCandidate says which a plan took (-1: none of them).
+  void set_candidate_override(int index);
+  int PlanCandidate(int64_t m, int64_t n, int64_t k) const {
+    for (const auto& [key, plan] : plans_) {
+      if (std::get<0>(key) == m && std::get<1>(key) == n && std::get<2>(key) == k) {
+        return plan.candidate;
+      }
+    }
+    return -1;
+  }
 
  private:
   struct Plan {
@@ -60,7 +72,8 @@ class LtGemm {
     cublasLtMatmulAlgo_t algo;
     std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first
     bool tuned = false;
-    int split_k = 0;  // set_split_k_override's value when taken
+    int split_k = 0;     // set_split_k_override's value when taken
+    int candidate = -1;  // set_candidate_override's index when taken
   };
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, int>;
   Plan& GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int alignment);
@@ -84,6 +97,7 @@ class LtGemm {
   bool autotune_ = false;
   bool fixed_ = false;
   int split_override_ = 0;
+  int candidate_override_ = -1;
   std::map<std::tuple<int64_t, int64_t, bool, int>, cublasLtMatmulAlgo_t> fixed_algos_;
 };
 

@@ -11,7 +11,8 @@
 //   (deterministic mode's cuBLASLt bits, gemm_lt_chain.cu) in each pipeline configuration against
 //   the default and the fixed cuBLASLt algorithm at M = 1, 2, 8, 16; --stream: the weight-streaming
 //   wgmma GEMM, gemm_stream.cu, in each configuration against cuBLASLt at M = 3 .. 128, and its
-//   fixed-grid variant of deterministic mode at M = 1 .. 128, at M = 1 beside the skinny kernel).
+//   fixed-grid variant of deterministic mode at M = 1 .. 128, at M = 1 beside the skinny kernel;
+//   --lt-sweep: cuBLASLt's first 32 heuristic candidates at M = 16 .. 128, weights cold).
 //   A second argument, a regular expression, keeps only the rows of --stream and of the attention
 //   kernels whose label it matches (a short run for a profiler such as ncu).
 #include <cuda_runtime.h>
@@ -332,20 +333,36 @@ void ShardShapes(CudaOps& ops, double copy_gbs) {
   ops.Free(ybuf);
 }
 
+// Random activations x [M, K] and outputs y [M, N] for the decode-size GEMMs of the 6.7B shapes
+// (M <= 128, K <= 11008, N <= 32256).
+struct DecodeGemmOperands {
+  static constexpr int kMaxM = 128;
+  explicit DecodeGemmOperands(CudaOps& ops)
+      : ops(ops), x(ops.Alloc(size_t{2} * kMaxM * 11008)), y(ops.Alloc(size_t{2} * kMaxM * 32256)) {
+    FillRandom(x, size_t{2} * kMaxM * 11008, 1.0f);
+  }
+  ~DecodeGemmOperands() {
+    ops.Free(x);
+    ops.Free(y);
+  }
+  DecodeGemmOperands(const DecodeGemmOperands&) = delete;
+  DecodeGemmOperands& operator=(const DecodeGemmOperands&) = delete;
+  Tensor X(int m, int k) const { return Tensor(x, {m, k}, DType::kBF16, Device::kCuda); }
+  Tensor Y(int m, int n) const { return Tensor(y, {m, n}, DType::kBF16, Device::kCuda); }
+  CudaOps& ops;
+  void *x, *y;
+};
+
 // cuBLASLt's first algorithm at decode batch sizes with split-K forced to 1..8 against its own
 // choice, for the 6.7B shapes: the batch-64 GEMMs run at 58-86% of copy (o and down lowest).
 void SplitKGemms(CudaOps& ops, double copy_gbs) {
   cudaStream_t s = ops.stream();
-  const int kMaxM = 128;
-  void* xbuf = ops.Alloc(size_t{2} * kMaxM * 11008);
-  void* ybuf = ops.Alloc(size_t{2} * kMaxM * 32256);
-  FillRandom(xbuf, size_t{2} * kMaxM * 11008, 1.0f);
+  DecodeGemmOperands io(ops);
   cuda::LtGemm lt;
   for (const Shape& sh : kShapes) {
     RotatingWeights rw(ops, sh);
     for (int m : {32, 64, 128}) {
-      Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
-      Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
+      const Tensor x = io.X(m, sh.k), y = io.Y(m, sh.n);
       for (int split : {0, 1, 2, 3, 4, 6, 8}) {
         lt.set_split_k_override(split);
         const double ms = MedianMs(s, 50, [&](int i) { lt.Run(x, rw.At(i), nullptr, y, s); });
@@ -358,23 +375,59 @@ void SplitKGemms(CudaOps& ops, double copy_gbs) {
     }
   }
   lt.set_split_k_override(0);
-  ops.Free(xbuf);
-  ops.Free(ybuf);
+}
+
+// cuBLASLt's heuristic candidates (its first 32, as they come, split-K included) at decode batch
+// sizes with the weights cold: whether another algorithm than its first reads the weights faster
+// (issue 17: the batch-64 GEMMs at 55-83% of copy). The row label names the candidate's
+// configuration; the summary's last rows give the first and the fastest of each shape and M.
+void LtSweep(CudaOps& ops, double copy_gbs) {
+  cudaStream_t s = ops.stream();
+  DecodeGemmOperands io(ops);
+  cuda::LtGemm lt;
+  std::vector<Row> best_rows;
+  for (const Shape& sh : kShapes) {
+    RotatingWeights rw(ops, sh);
+    for (int m : {16, 32, 64, 128}) {
+      const Tensor x = io.X(m, sh.k), y = io.Y(m, sh.n);
+      const std::string prefix = std::string(sh.name) + " M=" + std::to_string(m);
+      if (!Wanted(prefix)) continue;
+      double first_ms = 0, best_ms = 0;
+      std::string best;
+      for (int c = 0; c < 32; ++c) {
+        lt.set_candidate_override(c);
+        const double ms = MedianMs(s, 30, [&](int i) { lt.Run(x, rw.At(i), nullptr, y, s); });
+        if (lt.PlanCandidate(m, sh.n, sh.k) != c) break;  // no such candidate
+        const std::string label =
+            prefix + " cand " + std::to_string(c) + " " + lt.DescribePlan(m, sh.n, sh.k);
+        const double gbs = rw.bytes / ms / 1e6;
+        Add(label, ms, Fmt("%.0f GB/s = %.1f%% of copy", gbs, 100.0 * gbs / copy_gbs));
+        if (c == 0) first_ms = ms;
+        if (c == 0 || ms < best_ms) {
+          best_ms = ms;
+          best = label;
+        }
+      }
+      if (first_ms > 0) {
+        best_rows.push_back(
+            {"fastest of " + prefix + ": " + best, best_ms,
+             Fmt("first %.4f ms, fastest %.3fx faster", first_ms, first_ms / best_ms)});
+      }
+    }
+  }
+  lt.set_candidate_override(-1);
+  for (const Row& r : best_rows) Add(r.what, r.ms, r.metric);
 }
 
 // The weight-streaming GEMM against cuBLASLt (the path it replaces) at decode batch sizes, 6.7B
 // shapes; % of copy counts the weight bytes.
 void StreamGemms(CudaOps& ops, double copy_gbs) {
   cudaStream_t s = ops.stream();
-  const int kMaxM = 128;
-  void* xbuf = ops.Alloc(size_t{2} * kMaxM * 11008);
-  void* ybuf = ops.Alloc(size_t{2} * kMaxM * 32256);
-  FillRandom(xbuf, size_t{2} * kMaxM * 11008, 1.0f);
+  DecodeGemmOperands io(ops);
   for (const Shape& sh : kShapes) {
     RotatingWeights rw(ops, sh);
     for (int m : {1, 3, 8, 16, 32, 48, 64, 96, 128}) {
-      Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
-      Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
+      const Tensor x = io.X(m, sh.k), y = io.Y(m, sh.n);
       auto add = [&](const std::string& what, const std::function<void(int)>& fn) {
         const std::string label = std::string(sh.name) + " M=" + std::to_string(m) + " " + what;
         if (!Wanted(label)) return;
@@ -416,12 +469,10 @@ void StreamGemms(CudaOps& ops, double copy_gbs) {
       }
     }
   }
-  ops.Free(xbuf);
-  ops.Free(ybuf);
 }
 
 int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bool shards,
-         bool split_k, bool chain, bool stream) {
+         bool split_k, bool chain, bool stream, bool lt_sweep) {
   if (CudaDeviceCount() == 0) {
     std::printf("no CUDA device\n");
     return 0;
@@ -462,6 +513,10 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
   }
   if (stream) {
     StreamGemms(ops, copy_gbs);
+    return PrintSummary(copy_gbs);
+  }
+  if (lt_sweep) {
+    LtSweep(ops, copy_gbs);
     return PrintSummary(copy_gbs);
   }
 
@@ -633,11 +688,11 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if ((!mode.empty() && mode != "--m1" && mode != "--attention" && mode != "--decode" &&
        mode != "--det-gemm" && mode != "--shards" && mode != "--split-k" && mode != "--chain" &&
-       mode != "--stream") ||
+       mode != "--stream" && mode != "--lt-sweep") ||
       argc > 3) {
     std::fprintf(stderr,
                  "usage: tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm | --shards "
-                 "| --split-k | --chain | --stream] [ROW-REGEX]\n");
+                 "| --split-k | --chain | --stream | --lt-sweep] [ROW-REGEX]\n");
     return 2;
   }
   if (argc == 3) {
@@ -650,5 +705,6 @@ int main(int argc, char** argv) {
   }
   return tpserve::Main(mode == "--m1", mode == "--attention" || mode == "--decode",
                        mode == "--decode", mode == "--det-gemm", mode == "--shards",
-                       mode == "--split-k", mode == "--chain", mode == "--stream");
+                       mode == "--split-k", mode == "--chain", mode == "--stream",
+                       mode == "--lt-sweep");
 }
