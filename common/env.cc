@@ -101,12 +101,13 @@ const EnvVar kPrefillKernel = {"TPSERVE_PREFILL_KERNEL",
                                "prefill-attention kernel: mma (mma.sync, every cache dtype), "
                                "wgmma (Hopper warpgroup MMA: bf16, fp8 and int8 caches at "
                                "head_dim 64/128 on sm_90, else mma), wgmma-pipe (wgmma with a "
-                               "tile's softmax beside the previous tile's P V) or wgmma-ws (the "
-                               "same fed by a producer warp; pipe and ws: bf16 caches, else "
-                               "wgmma); A/B runs",
+                               "tile's softmax beside the previous tile's P V), wgmma-ws (the "
+                               "same fed by a producer warp) or wgmma-tma (its producer loading "
+                               "the pages with TMA; pipe, ws and tma: bf16 caches, else wgmma); "
+                               "A/B runs",
                                0,
                                0,
-                               "mma|wgmma|wgmma-pipe|wgmma-ws"};
+                               "mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-tma"};
 const EnvVar kDecodeKernel = {
     "TPSERVE_DECODE_KERNEL",
     EnvType::kChoice,

@@ -38,6 +38,7 @@ std::atomic<int>& PrefillKernelOverride() {
     return static_cast<int>(k == "wgmma"        ? PrefillKernel::kWgmma
                             : k == "wgmma-pipe" ? PrefillKernel::kWgmmaPipe
                             : k == "wgmma-ws"   ? PrefillKernel::kWgmmaWs
+                            : k == "wgmma-tma"  ? PrefillKernel::kWgmmaTma
                                                 : PrefillKernel::kMma);
   }()};
   return kernel;

@@ -44,6 +44,16 @@ __device__ __forceinline__ int TileOffset(int row, int chunk) {
   return (chunk / 8) * (kRows * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
 }
 
+// A 3-D TMA load of the box at (c0, c1, c2) into shared memory, completing on `bar`.
+__device__ __forceinline__ void TmaLoad3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
+                                          int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(SmemAddrOf(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddrOf(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
 // The bf16 K/V tile stages of PrefillWgmmaKernel: two (the next tile loads while this one is
 // computed), three when pipelined (tile t - 1's V is still read while tile t is computed and
 // t + 1 loads); one for a quantized cache, whose codes and scales are staged twice.
@@ -497,9 +507,11 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup, 1)
 // it and release the stage through its `empty` mbarrier (every consumer thread arrives, also for
 // the tiles a warpgroup skips), so the warpgroups are not held in lockstep by block barriers
 // and one's softmax can run beside the other's MMAs. The consumers are pipelined (kPipe).
-template <int kD, int kWgs, bool kPipe>
+template <int kD, int kWgs, bool kPipe, bool kTma>
 __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
-    PrefillWgmmaWsKernel(const __nv_bfloat16* __restrict__ q,
+    PrefillWgmmaWsKernel(const __grid_constant__ CUtensorMap k_map,
+                         const __grid_constant__ CUtensorMap v_map,
+                         const __nv_bfloat16* __restrict__ q,
                          const __nv_bfloat16* __restrict__ k_cache,
                          const __nv_bfloat16* __restrict__ v_cache, const int2* __restrict__ work,
                          const int32_t* __restrict__ query_start,
@@ -530,7 +542,8 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      MbarInit(&full[s], 32);
+      // The producer's 32 cp.async arrivals; with TMA also lane 0's expect_tx arrival.
+      MbarInit(&full[s], kTma ? 33 : 32);
       MbarInit(&empty[s], kConsumers);
     }
     MbarInit(&q_full, 32);
@@ -545,6 +558,54 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
     CpAsyncArriveNoinc(&q_full);
     const int kv_head = head / (num_heads / num_kv_heads);
     const int32_t* table = block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq;
+    if constexpr (kTma) {
+      // Pages of block_size keys (a multiple of 8 dividing kWsKeys): a page wholly before ctx is
+      // one TMA box of block_size rows x 128 bytes per 64-column block of K and of V, which the
+      // 128-byte swizzle writes as TileOffset lays rows out (a page starts at a multiple of 8
+      // rows, 1024 bytes); lane 0 issues them all. The rows of a page that reaches past ctx
+      // (the last tile's) are copied by the warp with cp.async, zeros past ctx, as below. Lane
+      // j reads the block-table entry of page j of the next tile while this one is issued.
+      const int pages = kWsKeys / block_size;  // <= 8
+      auto table_entry = [&](int tile) {
+        const int key = tile * kWsKeys + ptid * block_size;
+        return ptid < pages && key < ctx ? table[tile * pages + ptid] : 0;
+      };
+      int next = num_tiles > 0 ? table_entry(0) : 0;
+      for (int t = 0; t < num_tiles; ++t) {
+        const int s = t % kStages;
+        const int entry = next;
+        if (t + 1 < num_tiles) next = table_entry(t + 1);
+        if (t >= kStages) MbarWait(&empty[s], ((t / kStages) & 1) ^ 1);
+        const int key0 = t * kWsKeys;
+        const int whole = min(max((ctx - key0) / block_size, 0), pages);  // pages before ctx
+        if (ptid == 0) MbarExpectTx(&full[s], whole * 2 * block_size * kD * 2);
+        for (int p = 0; p < whole; ++p) {
+          const int row = __shfl_sync(0xffffffffu, entry, p) * block_size;
+          if (ptid == 0) {
+#pragma unroll
+            for (int cb = 0; cb < kD / 64; ++cb) {
+              const int dst = s * kTileBytes + cb * (kWsKeys * 128) + p * block_size * 128;
+              TmaLoad3d(k_s + dst, &k_map, &full[s], cb * 64, kv_head, row);
+              TmaLoad3d(v_s + dst, &v_map, &full[s], cb * 64, kv_head, row);
+            }
+          }
+        }
+        for (int i = ptid; i < (kWsKeys - whole * block_size) * kChunks; i += 32) {
+          const int r = whole * block_size + i / kChunks, c = i % kChunks, key = key0 + r;
+          const int64_t off =
+              key >= ctx
+                  ? 0
+                  : KvPoolRow(table, key, block_size, block_shift, num_kv_heads, kv_head) * kD +
+                        c * 8;
+          const int dst = s * kTileBytes + TileOffset<kWsKeys>(r, c);
+          CpAsync16(SmemAddr(k_s + dst), k_cache + off, key < ctx);
+          CpAsync16(SmemAddr(v_s + dst), v_cache + off, key < ctx);
+        }
+        CpAsyncArriveNoinc(&full[s]);
+      }
+      asm volatile("cp.async.wait_all;" ::: "memory");  // the consumers wait for the TMA loads
+      return;
+    }
     constexpr int kRowsPerPass = 32 / kChunks;
     const int my_chunk = ptid % kChunks, my_row = ptid / kChunks;
     for (int t = 0; t < num_tiles; ++t) {
@@ -595,7 +656,31 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
 #endif
 }
 
-template <typename Kv, int kD, int kWgs, bool kPipe, bool kWs>
+// The TMA descriptor of a bf16 cache [blocks, block_size, num_kv_heads, d] read a page of one
+// head at a time: boxes of 64 elements x 1 head x block_size rows, 128-byte swizzled.
+CUtensorMap KvPageMap(const Tensor& cache, int block_size, int num_kv_heads, int d) {
+  CUtensorMap map;
+  const int64_t rows = cache.numel() / (int64_t{num_kv_heads} * d);
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(num_kv_heads),
+                              static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(d) * 2,
+                                 static_cast<cuuint64_t>(num_kv_heads) * d * 2};
+  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(block_size)};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r =
+      EncodeTiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, cache.data, dims, strides, box, elem,
+                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TP_CHECK(r == CUDA_SUCCESS) << "cuTensorMapEncodeTiled failed (" << static_cast<int>(r)
+                              << ") for a KV cache of " << rows << " rows x " << num_kv_heads
+                              << " heads x " << d;
+  return map;
+}
+
+// Whether the TMA producer reads pages of this size (a multiple of 8 rows dividing the tile).
+bool TmaPages(int block_size) { return block_size % 8 == 0 && kWsKeys % block_size == 0; }
+
+template <typename Kv, int kD, int kWgs, bool kPipe, bool kWs, bool kTma = false>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                  int num_kv_heads, float scale, const DeviceBatch& b, Tensor out,
                  cudaStream_t stream) {
@@ -604,15 +689,20 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   dim3 grid(b.num_prefill_work, num_heads);
   if constexpr (kWs) {
     static_assert(!Kv::kQuantized, "the warp-specialized kernel reads bf16 caches");
-    auto kernel = PrefillWgmmaWsKernel<kD, kWgs, kPipe>;
+    auto kernel = PrefillWgmmaWsKernel<kD, kWgs, kPipe, kTma>;
     static bool configured = [&] {
       TP_CUDA_CHECK(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
       return true;
     }();
     (void)configured;
+    CUtensorMap k_map{}, v_map{};  // unused by the cp.async producer
+    if constexpr (kTma) {
+      k_map = KvPageMap(k_cache, b.block_size, num_kv_heads, kD);
+      v_map = KvPageMap(v_cache, b.block_size, num_kv_heads, kD);
+    }
     kernel<<<grid, kWgs * kWarpgroup + 32, kSmem, stream>>>(
-        q.ptr<const __nv_bfloat16>(), k_cache.ptr<const __nv_bfloat16>(),
+        k_map, v_map, q.ptr<const __nv_bfloat16>(), k_cache.ptr<const __nv_bfloat16>(),
         v_cache.ptr<const __nv_bfloat16>(), b.prefill_work, b.query_start, b.context_lens,
         b.block_tables, b.max_blocks_per_seq, b.block_size, KvBlockShift(b.block_size), num_heads,
         num_kv_heads, scale * kLog2e, out.ptr<__nv_bfloat16>());
@@ -635,25 +725,25 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
 }
 
 // SetBatch cut the work list into tiles of PrefillTileM() rows: one warpgroup per 64.
-template <typename Kv, bool kPipe, bool kWs>
+template <typename Kv, bool kPipe, bool kWs, bool kTma = false>
 void LaunchFor(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                int num_kv_heads, int head_dim, float scale, const DeviceBatch& b, Tensor out,
                cudaStream_t stream) {
   const bool tile64 = PrefillTileM() == 64;
   if (head_dim == 64) {
     if (tile64) {
-      LaunchTyped<Kv, 64, 1, kPipe, kWs>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b,
-                                         out, stream);
+      LaunchTyped<Kv, 64, 1, kPipe, kWs, kTma>(q, k_cache, v_cache, num_heads, num_kv_heads, scale,
+                                               b, out, stream);
     } else {
-      LaunchTyped<Kv, 64, 2, kPipe, kWs>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b,
-                                         out, stream);
+      LaunchTyped<Kv, 64, 2, kPipe, kWs, kTma>(q, k_cache, v_cache, num_heads, num_kv_heads, scale,
+                                               b, out, stream);
     }
   } else if (tile64) {
-    LaunchTyped<Kv, 128, 1, kPipe, kWs>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
-                                        stream);
+    LaunchTyped<Kv, 128, 1, kPipe, kWs, kTma>(q, k_cache, v_cache, num_heads, num_kv_heads, scale,
+                                              b, out, stream);
   } else {
-    LaunchTyped<Kv, 128, 2, kPipe, kWs>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
-                                        stream);
+    LaunchTyped<Kv, 128, 2, kPipe, kWs, kTma>(q, k_cache, v_cache, num_heads, num_kv_heads, scale,
+                                              b, out, stream);
   }
 }
 
@@ -674,7 +764,10 @@ void LaunchAttentionPrefillWgmma(const Tensor& q, const Tensor& k_cache, const T
       << head_dim << " (needs bf16, fp8 or int8 at head_dim 64 or 128 on an sm_90 device)";
   switch (k_cache.dtype) {
     case DType::kBF16:
-      if (kernel == PrefillKernel::kWgmmaWs) {
+      if (kernel == PrefillKernel::kWgmmaTma && TmaPages(b.block_size)) {
+        LaunchFor<KvBf16, true, true, true>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
+                                            scale, b, out, stream);
+      } else if (kernel == PrefillKernel::kWgmmaWs || kernel == PrefillKernel::kWgmmaTma) {
         LaunchFor<KvBf16, true, true>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
                                       b, out, stream);
       } else if (kernel == PrefillKernel::kWgmmaPipe) {

@@ -342,24 +342,6 @@ __global__ void __launch_bounds__(kThreadsOf<kLoaders>)
 #endif
 }
 
-// cuTensorMapEncodeTiled, from the driver through the runtime (no link against libcuda).
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-EncodeTiledFn EncodeTiled() {
-  static EncodeTiledFn fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    TP_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
-                                                   cudaEnableDefault, &q));
-    TP_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr)
-        << "cuTensorMapEncodeTiled is not available from the driver";
-    return reinterpret_cast<EncodeTiledFn>(p);
-  }();
-  return fn;
-}
-
 // A row-major bf16 matrix [rows, cols] read in boxes of [box_rows, 64] with the 128-byte swizzle
 // (rows past the end and columns past `cols` read as zeros).
 CUtensorMap MakeMap(const void* data, int64_t rows, int64_t cols, int box_rows) {

@@ -21,10 +21,12 @@ inline constexpr int kPrefillTileMinM = 64;
 // at head_dim 64 and 128 on an sm_90 device; elsewhere the mma kernel runs); kWgmmaPipe: the
 // wgmma kernel with a tile's softmax overlapping the previous tile's P V (bf16 caches; the 8-bit
 // ones run kWgmma); kWgmmaWs: the same with a producer warp feeding an mbarrier ring, so the
-// warpgroups run apart (bf16; 8-bit caches run kWgmma). Starts from TPSERVE_PREFILL_KERNEL
+// warpgroups run apart (bf16; 8-bit caches run kWgmma); kWgmmaTma: kWgmmaWs whose producer
+// loads the pages with TMA (block sizes that are multiples of 8 dividing 64; others run
+// kWgmmaWs). Starts from TPSERVE_PREFILL_KERNEL
 // (default wgmma: 1.51x the mma kernel on an H100); SetPrefillKernel (benchmarks and tests) sets
 // it for every later launch of this process.
-enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe, kWgmmaWs };
+enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe, kWgmmaWs, kWgmmaTma };
 void SetPrefillKernel(PrefillKernel kernel);
 PrefillKernel PrefillKernelChoice();
 // Whether the wgmma kernel runs a prefill over a cache of dtype `kv` at `head_dim` here.

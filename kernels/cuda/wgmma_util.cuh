@@ -8,9 +8,12 @@
 // more than 64 bf16 elements are cut into 64-element column blocks stored one after another.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "common/check.h"
 
 namespace tpserve::cuda {
 
@@ -26,6 +29,25 @@ inline bool Sm90aSupported() {
     return major == 9 && minor == 0;
   }();
   return ok;
+}
+
+// cuTensorMapEncodeTiled (the TMA descriptors), from the driver through the runtime (no link
+// against libcuda).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+inline EncodeTiledFn EncodeTiled() {
+  static EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    TP_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                   cudaEnableDefault, &q));
+    TP_CHECK(q == cudaDriverEntryPointSuccess && p != nullptr)
+        << "cuTensorMapEncodeTiled is not available from the driver";
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  return fn;
 }
 
 // The descriptor of a K-major operand (rows of the M or N dimension, 64 K elements = 128 bytes

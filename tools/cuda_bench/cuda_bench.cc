@@ -587,16 +587,17 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
     std::vector<std::pair<cuda::PrefillKernel, std::string>> rows;
     for (cuda::PrefillKernel kernel :
          {cuda::PrefillKernel::kMma, cuda::PrefillKernel::kWgmma, cuda::PrefillKernel::kWgmmaPipe,
-          cuda::PrefillKernel::kWgmmaWs}) {
+          cuda::PrefillKernel::kWgmmaWs, cuda::PrefillKernel::kWgmmaTma}) {
       std::string label = "prefill attention 2048 tok, 32 heads, d128";
       if (kv != DType::kBF16) label += std::string(" ") + std::string(KvCacheDTypeName(kv));
       if (kernel == cuda::PrefillKernel::kWgmma) label += " wgmma";
       if (kernel == cuda::PrefillKernel::kWgmmaPipe) label += " wgmma-pipe";
       if (kernel == cuda::PrefillKernel::kWgmmaWs) label += " wgmma-ws";
+      if (kernel == cuda::PrefillKernel::kWgmmaTma) label += " wgmma-tma";
       if (m1_only || !Wanted(label)) continue;
       // The wgmma kernels where they run (pipe and ws for bf16 caches only).
       if (kernel != cuda::PrefillKernel::kMma && !cuda::WgmmaPrefillFits(kv, d)) continue;
-      if ((kernel == cuda::PrefillKernel::kWgmmaPipe || kernel == cuda::PrefillKernel::kWgmmaWs) &&
+      if (kernel != cuda::PrefillKernel::kMma && kernel != cuda::PrefillKernel::kWgmma &&
           kv != DType::kBF16) {
         continue;
       }

@@ -1189,8 +1189,9 @@ TEST_F(CudaAttentionTest, PrefillQuantizedKvCache) {
   }
 }
 
-// The wgmma prefill kernels (sm_90a; TPSERVE_PREFILL_KERNEL=wgmma, and wgmma-pipe and wgmma-ws,
-// which run wgmma for the 8-bit caches) on the cases above and
+// The wgmma prefill kernels (sm_90a; TPSERVE_PREFILL_KERNEL=wgmma, and wgmma-pipe, wgmma-ws and
+// wgmma-tma, which run wgmma for the 8-bit caches; wgmma-tma's TMA pages at block sizes 16 and 32,
+// its cp.async producer at 24) on the cases above and
 // longer causal prompts (several 128-key tiles, a tile's two warpgroups at different diagonal
 // offsets), for bf16 and the 8-bit caches it reads; head_dim 32 and int4 go to the mma kernel
 // (checked too). Same tolerance as the mma kernel: the same roundings, sums in another order.
@@ -1210,7 +1211,8 @@ TEST_F(CudaAttentionTest, PrefillWgmmaKernel) {
   const std::pair<cuda::PrefillKernel, const char*> kernels[] = {
       {cuda::PrefillKernel::kWgmma, "wgmma"},
       {cuda::PrefillKernel::kWgmmaPipe, "wgmma-pipe"},
-      {cuda::PrefillKernel::kWgmmaWs, "wgmma-ws"}};
+      {cuda::PrefillKernel::kWgmmaWs, "wgmma-ws"},
+      {cuda::PrefillKernel::kWgmmaTma, "wgmma-tma"}};
   for (auto [kernel, name] : kernels) {
     cuda::SetPrefillKernel(kernel);
     for (DType kv : {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4}) {
