@@ -16,7 +16,9 @@
 //   flight together and the softmax of tile t runs while the tensor cores do the P V
 //   (FlashAttention-3's intra-warpgroup overlap); three K/V stages.
 // - TPSERVE_PREFILL_KERNEL=wgmma-ws (PrefillWgmmaWsKernel, bf16 caches): the pipelined consumers
-//   fed by a producer warp through an mbarrier ring of 64-key tiles (below).
+//   fed by a producer warp through an mbarrier ring of 64-key tiles (below); wgmma-tma: the same
+//   with the producer loading whole pages by TMA (block sizes that are multiples of 8 dividing
+//   64), so that one thread's few instructions a page feed the ring instead of a warp's cp.async.
 // - A quantized cache with one scale per key and head (fp8, int8): the codes and scales are
 //   staged with cp.async and decoded into the bf16 tiles (exact), the K scale multiplies each
 //   score and the V scale each softmax weight before its rounding, as in the mma.sync kernel.
