@@ -560,6 +560,17 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
     CpAsyncArriveNoinc(&q_full);
     const int kv_head = head / (num_heads / num_kv_heads);
     const int32_t* table = block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq;
+    // Chunk c of row r of the tile at stage s whose first key is key0, zeros past ctx.
+    auto copy_chunk = [&](int s, int key0, int r, int c) {
+      const int key = key0 + r;
+      const int64_t off =
+          key >= ctx
+              ? 0
+              : KvPoolRow(table, key, block_size, block_shift, num_kv_heads, kv_head) * kD + c * 8;
+      const int dst = s * kTileBytes + TileOffset<kWsKeys>(r, c);
+      CpAsync16(SmemAddr(k_s + dst), k_cache + off, key < ctx);
+      CpAsync16(SmemAddr(v_s + dst), v_cache + off, key < ctx);
+    };
     if constexpr (kTma) {
       // Pages of block_size keys (a multiple of 8 dividing kWsKeys): a page wholly before ctx is
       // one TMA box of block_size rows x 128 bytes per 64-column block of K and of V, which the
@@ -593,15 +604,7 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
           }
         }
         for (int i = ptid; i < (kWsKeys - whole * block_size) * kChunks; i += 32) {
-          const int r = whole * block_size + i / kChunks, c = i % kChunks, key = key0 + r;
-          const int64_t off =
-              key >= ctx
-                  ? 0
-                  : KvPoolRow(table, key, block_size, block_shift, num_kv_heads, kv_head) * kD +
-                        c * 8;
-          const int dst = s * kTileBytes + TileOffset<kWsKeys>(r, c);
-          CpAsync16(SmemAddr(k_s + dst), k_cache + off, key < ctx);
-          CpAsync16(SmemAddr(v_s + dst), v_cache + off, key < ctx);
+          copy_chunk(s, key0, whole * block_size + i / kChunks, i % kChunks);
         }
         CpAsyncArriveNoinc(&full[s]);
       }
@@ -616,15 +619,7 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
       const int key0 = t * kWsKeys;
 #pragma unroll 8
       for (int j = 0; j < kWsKeys / kRowsPerPass; ++j) {
-        const int r = my_row + j * kRowsPerPass, key = key0 + r;
-        const int64_t off =
-            key >= ctx
-                ? 0
-                : KvPoolRow(table, key, block_size, block_shift, num_kv_heads, kv_head) * kD +
-                      my_chunk * 8;
-        const int dst = s * kTileBytes + TileOffset<kWsKeys>(r, my_chunk);
-        CpAsync16(SmemAddr(k_s + dst), k_cache + off, key < ctx);
-        CpAsync16(SmemAddr(v_s + dst), v_cache + off, key < ctx);
+        copy_chunk(s, key0, my_row + j * kRowsPerPass, my_chunk);
       }
       CpAsyncArriveNoinc(&full[s]);
     }
