@@ -2,11 +2,12 @@
 // FlashAttention-2 algorithm of attention_prefill.cu with its two products on wgmma, as
 // FlashAttention-3 does, so that the tensor cores read Q, K and V straight from shared memory
 // instead of through ldmatrix into registers.
-// - One block per (tile of PrefillTileM() query rows, head); one consumer warpgroup per 64 rows
-//   (two for 128-row tiles). Every thread also copies: K and V tiles of kBN = 128 keys are
-//   gathered from the paged cache with cp.async (two stages: the next tile loads while this one
-//   is computed) into the 128-byte-swizzled layout wgmma reads (wgmma_util.cuh); the block-table
-//   entries of a thread's rows are read a tile ahead of its copies.
+// - One block per (tile of PrefillTileM() query rows, head), in PrefillHeadsFirst's order; one
+//   consumer warpgroup per 64 rows (two for 128-row tiles). Every thread also copies: K and V
+//   tiles of kBN = 128 keys are gathered from the paged cache with cp.async (two stages: the next
+//   tile loads while this one is computed) into the 128-byte-swizzled layout wgmma reads
+//   (wgmma_util.cuh); the block-table entries of a thread's rows are read a tile ahead of its
+//   copies.
 // - S = Q K^T: m64n128k16 with Q and K K-major in shared memory (head_dim / 16 steps).
 // - The online softmax runs on the S accumulators in fp32 (log2 domain), as in the mma.sync
 //   kernel; P is rounded to bf16 in registers, whose accumulator layout is wgmma's A-operand
@@ -86,10 +87,11 @@ struct PrefillItem {
   int seq, q0, row_begin, qlen, ctx, prefix, num_tiles;
 };
 template <int kBM, int kKeys>
-__device__ __forceinline__ PrefillItem ReadItem(const int2* work, const int32_t* query_start,
+__device__ __forceinline__ PrefillItem ReadItem(const int2* work, int item,
+                                                const int32_t* query_start,
                                                 const int32_t* context_lens) {
   PrefillItem it;
-  const int2 w = work[blockIdx.x];
+  const int2 w = work[item];
   it.seq = w.x;
   it.q0 = w.y;
   it.row_begin = query_start[it.seq];
@@ -366,7 +368,7 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup, 1)
                        const int32_t* __restrict__ context_lens,
                        const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
                        int block_size, int block_shift, int num_heads, int num_kv_heads,
-                       float scale_log2, __nv_bfloat16* __restrict__ out) {
+                       bool heads_first, float scale_log2, __nv_bfloat16* __restrict__ out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kThreads = kWgs * kWarpgroup;
   constexpr int kBM = kWgs * 64;   // query rows per block
@@ -391,9 +393,10 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup, 1)
   float* ksc_s = reinterpret_cast<float*>(vq_s + 2 * kCodeTile);  // scales [2][kBN]
   float* vsc_s = ksc_s + 2 * kBN;
 
-  const PrefillItem it = ReadItem<kBM, kBN>(work, query_start, context_lens);
+  const PrefillBlock blk = PrefillBlockOf(num_heads, heads_first);
+  const PrefillItem it = ReadItem<kBM, kBN>(work, blk.item, query_start, context_lens);
   const int num_tiles = it.num_tiles, ctx = it.ctx;
-  const int head = blockIdx.y;
+  const int head = blk.head;
   const int kv_head = head / (num_heads / num_kv_heads);
   const int32_t* table = block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq;
   const int tid = threadIdx.x;
@@ -520,7 +523,7 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
                          const int32_t* __restrict__ context_lens,
                          const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
                          int block_size, int block_shift, int num_heads, int num_kv_heads,
-                         float scale_log2, __nv_bfloat16* __restrict__ out) {
+                         bool heads_first, float scale_log2, __nv_bfloat16* __restrict__ out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kConsumers = kWgs * kWarpgroup;
   constexpr int kBM = kWgs * 64;
@@ -538,9 +541,10 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
   __shared__ __align__(8) uint64_t empty[kStages];
   __shared__ __align__(8) uint64_t q_full;
 
-  const PrefillItem it = ReadItem<kBM, kWsKeys>(work, query_start, context_lens);
+  const PrefillBlock blk = PrefillBlockOf(num_heads, heads_first);
+  const PrefillItem it = ReadItem<kBM, kWsKeys>(work, blk.item, query_start, context_lens);
   const int num_tiles = it.num_tiles, ctx = it.ctx;
-  const int head = blockIdx.y;
+  const int head = blk.head;
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -683,7 +687,8 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
                  cudaStream_t stream) {
   constexpr int kSmem = WgmmaPrefillSmemBytes<Kv, kD, kWgs, kPipe, kWs>();
   static_assert(kSmem <= 227 * 1024 - 64, "shared memory of an sm_90 block");
-  dim3 grid(b.num_prefill_work, num_heads);
+  const int grid = b.num_prefill_work * num_heads;  // PrefillBlockOf
+  const bool heads_first = PrefillHeadsFirst();
   if constexpr (kWs) {
     static_assert(!Kv::kQuantized, "the warp-specialized kernel reads bf16 caches");
     auto kernel = PrefillWgmmaWsKernel<kD, kWgs, kPipe, kTma>;
@@ -702,7 +707,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
         k_map, v_map, q.ptr<const __nv_bfloat16>(), k_cache.ptr<const __nv_bfloat16>(),
         v_cache.ptr<const __nv_bfloat16>(), b.prefill_work, b.query_start, b.context_lens,
         b.block_tables, b.max_blocks_per_seq, b.block_size, KvBlockShift(b.block_size), num_heads,
-        num_kv_heads, scale * kLog2e, out.ptr<__nv_bfloat16>());
+        num_kv_heads, heads_first, scale * kLog2e, out.ptr<__nv_bfloat16>());
   } else {
     auto kernel = PrefillWgmmaKernel<Kv, kD, kWgs, kPipe>;
     static bool configured = [&] {
@@ -716,7 +721,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
         static_cast<const uint8_t*>(v_cache.data), static_cast<const float*>(k_cache.scales),
         static_cast<const float*>(v_cache.scales), b.prefill_work, b.query_start, b.context_lens,
         b.block_tables, b.max_blocks_per_seq, b.block_size, KvBlockShift(b.block_size), num_heads,
-        num_kv_heads, scale * kLog2e, out.ptr<__nv_bfloat16>());
+        num_kv_heads, heads_first, scale * kLog2e, out.ptr<__nv_bfloat16>());
   }
   TP_CUDA_CHECK_LAUNCH();
 }

@@ -29,6 +29,14 @@ inline constexpr int kPrefillTileMinM = 64;
 enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe, kWgmmaWs, kWgmmaTma };
 void SetPrefillKernel(PrefillKernel kernel);
 PrefillKernel PrefillKernelChoice();
+// The prefill kernels' block order over a 1-D grid of (work item, head) blocks. Heads first (the
+// default, TPSERVE_PREFILL_ORDER=heads): a work item's heads are neighbours, so with SetBatch's
+// heaviest-first work list every head's heaviest tiles are dispatched before any lighter tile
+// and the grid's tail is light (a 2048-token prefill at one block an SM: 34 tile-times against
+// an ideal 33, where a head's tiles together, =work, take 43). SetPrefillHeadsFirst (benchmarks
+// and tests) sets it for every later launch of this process.
+void SetPrefillHeadsFirst(bool heads_first);
+bool PrefillHeadsFirst();
 // Whether the wgmma kernel runs a prefill over a cache of dtype `kv` at `head_dim` here.
 bool WgmmaPrefillFits(DType kv, int head_dim);
 
