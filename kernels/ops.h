@@ -183,6 +183,8 @@ class Ops {
   // reads `normed` (no norm kernel between the two projections; CUDA does at M <= 2): `normed`
   // then holds residual * gamma and the returned RowScale must be passed with it to the next
   // GemmScaledRows or QkvRopeKvWrite. The default runs the two ops and returns an empty one.
+  // y receives the projection where the backend computes it apart; a backend that adds it into
+  // the residual inside the GEMM (CUDA for prefills) may leave y unwritten.
   virtual RowScale GemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                                   Tensor residual, const Tensor& gamma, float eps, Tensor normed);
   virtual RowScale SiluMulGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, Tensor act,

@@ -620,10 +620,31 @@ void CudaOps::ApplyRowScale(const Tensor& x, const RowScale& x_scale) {
                             stream_);
 }
 
+bool CudaOps::ResidualGemmFits(int64_t m) const {
+  // Above the decode batches (skinny, stream and chain GEMMs), so the GEMM is cuBLASLt's.
+  return fused_norm_ && ablated_.empty() && !deterministic_ && m > kResidualGemmMinM &&
+         m > skinny_max_m_ && m > stream_max_m_;
+}
+
+void CudaOps::GemmIntoResidual(const Tensor& x, const Tensor& w, const Tensor* bias,
+                               Tensor residual) {
+  const int64_t k = x.dim(-1);
+  const int64_t m = k == 0 ? 0 : x.numel() / k;
+  OpScope scope(
+      this, "GemmAdd.cublasLt", [&] { return GemmShape(m, w.dim(0), k); },
+      double(w.bytes()) + double(x.bytes()) + 2.0 * double(residual.bytes()));
+  lt_->RunAccumulate(x, w, bias, residual, stream_);
+}
+
 RowScale CudaOps::GemmAddRmsNorm(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                                  Tensor residual, const Tensor& gamma, float eps, Tensor normed) {
   const int64_t k = x.dim(-1), n = w.dim(0);
   const int64_t m = k == 0 ? 0 : x.numel() / k;
+  if (ResidualGemmFits(m)) {
+    GemmIntoResidual(x, w, bias, residual);
+    RmsNorm(residual, gamma, eps, normed);
+    return RowScale();
+  }
   const bool skinny = SkinnyFusedFits(m, k, x.data, w.data);
   if (fused_norm_ && ablated_.empty() && (skinny || ChainFusedFits(m, k, x.data, w.data))) {
     if (unsigned long long* record = NextNormRecord()) {
@@ -644,6 +665,12 @@ RowScale CudaOps::SiluMulGemmAddRmsNorm(const Tensor& gate_up, const Tensor& w, 
                                         Tensor normed) {
   const int64_t k = w.dim(-1), n = w.dim(0);
   const int64_t m = k == 0 ? 0 : gate_up.numel() / (2 * k);
+  if (ResidualGemmFits(m)) {
+    SiluMul(gate_up, act);
+    GemmIntoResidual(act, w, nullptr, residual);
+    RmsNorm(residual, gamma, eps, normed);
+    return RowScale();
+  }
   const bool skinny = SkinnyFusedFits(m, k, gate_up.data, w.data);
   if (fused_norm_ && fused_skinny_ && ablated_.empty() &&
       (skinny || ChainFusedFits(m, k, gate_up.data, w.data))) {

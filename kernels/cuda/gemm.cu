@@ -224,8 +224,8 @@ LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int al
 }
 
 void LtGemm::Launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const Tensor& x,
-                    const Tensor& w, Tensor y, cudaStream_t stream) {
-  float alpha = 1.0f, beta = 0.0f;
+                    const Tensor& w, Tensor y, cudaStream_t stream, float beta) {
+  const float alpha = 1.0f;
   TP_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, w.data, plan.a, x.data, plan.b, &beta,
                                  y.data, plan.c, y.data, plan.c, &algo, workspace_,
                                  workspace_bytes_, stream));
@@ -287,6 +287,16 @@ std::string LtGemm::DescribePlan(int64_t m, int64_t n, int64_t k) const {
 
 void LtGemm::Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                  cudaStream_t stream) {
+  RunImpl(x, w, bias, y, stream, /*accumulate=*/false);
+}
+
+void LtGemm::RunAccumulate(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                           cudaStream_t stream) {
+  RunImpl(x, w, bias, y, stream, /*accumulate=*/true);
+}
+
+void LtGemm::RunImpl(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                     cudaStream_t stream, bool accumulate) {
   TP_CHECK_CUDA_TENSOR(x, DType::kBF16);
   TP_CHECK_CUDA_TENSOR(w, DType::kBF16);
   TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
@@ -307,8 +317,8 @@ void LtGemm::Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
     TP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                    &bp, sizeof(bp)));
   }
-  if (!plan.tuned) Tune(plan, x, w, y, stream);
-  Launch(plan, plan.algo, x, w, y, stream);
+  if (!plan.tuned && !accumulate) Tune(plan, x, w, y, stream);
+  Launch(plan, plan.algo, x, w, y, stream, accumulate ? 1.0f : 0.0f);
 }
 
 }  // namespace tpserve::cuda

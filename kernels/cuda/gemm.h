@@ -31,6 +31,11 @@ class LtGemm {
   LtGemm& operator=(const LtGemm&) = delete;
 
   void Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, cudaStream_t stream);
+  // y += x w^T (+ bias) in the GEMM's epilogue (beta = 1, y both C and D): the fp32 product is
+  // added to y and rounded once. Never autotuned (timing would add into y): the plan's
+  // algorithm as Run would take it untuned.
+  void RunAccumulate(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
+                     cudaStream_t stream);
   size_t num_plans() const { return plans_.size(); }
   // The configuration of the algorithm a plan of (m, n, k) runs (cuBLASLt's algorithm id, tile,
   // stages, split-K, ...), or "" when no such plan was made.
@@ -88,7 +93,9 @@ class LtGemm {
   // Times the candidates on these operands and keeps the fastest in plan.algo.
   void Tune(Plan& plan, const Tensor& x, const Tensor& w, Tensor y, cudaStream_t stream);
   void Launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const Tensor& x, const Tensor& w,
-              Tensor y, cudaStream_t stream);
+              Tensor y, cudaStream_t stream, float beta = 0.0f);
+  void RunImpl(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, cudaStream_t stream,
+               bool accumulate);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

@@ -674,6 +674,88 @@ TEST_F(CudaOpsTest, DeferredNormProducersAndConsumers) {
   }
 }
 
+// GemmAddRmsNorm / SiluMulGemmAddRmsNorm at prefill sizes (M > kResidualGemmMinM): cuBLASLt adds
+// the product into the residual in its epilogue (one rounding of residual + the fp32 product),
+// then RmsNorm. The residual and the norm against the CPU's separate ops (kBf16Tol), y left
+// unwritten (still the 0xFF fill: the path was taken); with the fused norm off, and in
+// deterministic mode, the separate GPU ops' bits (y written).
+TEST_F(CudaOpsTest, ResidualAddedInPrefillGemm) {
+  const float eps = 1e-5f;
+  const int hidden = 512, k = 384;
+  for (int m : {257, 600}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      const bool swiglu = variant & 1, with_bias = variant == 2;
+      const int in_cols = swiglu ? 2 * k : k;
+      SCOPED_TRACE(testing::Message() << "M=" << m << " variant " << variant);
+      auto x = RandomBf16(rng_, size_t{1} * m * in_cols, 2.0f);
+      auto w = RandomBf16(rng_, size_t{1} * hidden * k, 0.05f);
+      auto bias = RandomBf16(rng_, hidden, 0.5f);
+      auto gamma = RandomBf16(rng_, hidden, 0.5f);
+      auto res = RandomBf16(rng_, size_t{1} * m * hidden, 1.5f);
+      std::vector<float> y_want(size_t{1} * m * hidden), res_want = res;
+      std::vector<float> normed_want(size_t{1} * m * hidden), act(size_t{1} * m * k);
+      if (swiglu) {
+        cpu_->SiluMulGemm(Cpu(x, {m, in_cols}), Cpu(w, {hidden, k}), Cpu(act, {m, k}),
+                          Cpu(y_want, {m, hidden}));
+      } else {
+        Tensor cb = Cpu(bias, {hidden});
+        cpu_->Gemm(Cpu(x, {m, in_cols}), Cpu(w, {hidden, k}), with_bias ? &cb : nullptr,
+                   Cpu(y_want, {m, hidden}));
+      }
+      cpu_->AddRmsNorm(Cpu(res_want, {m, hidden}), Cpu(y_want, {m, hidden}), Cpu(gamma, {hidden}),
+                       eps, Cpu(normed_want, {m, hidden}));
+      Tensor gx = Gpu(x, {m, in_cols}), gw = Gpu(w, {hidden, k}), gb = Gpu(bias, {hidden});
+      Tensor gg = Gpu(gamma, {hidden});
+      auto run = [&](Tensor y, Tensor residual, Tensor normed) {
+        Tensor gact = GpuOut({m, k});
+        RowScale scale =
+            swiglu ? ops_->SiluMulGemmAddRmsNorm(gx, gw, gact, y, residual, gg, eps, normed)
+                   : ops_->GemmAddRmsNorm(gx, gw, with_bias ? &gb : nullptr, y, residual, gg, eps,
+                                          normed);
+        EXPECT_TRUE(scale.empty()) << "no deferred norm at M = " << m;
+      };
+      Tensor y = GpuOut({m, hidden}), r = Gpu(res, {m, hidden}), n = GpuOut({m, hidden});
+      run(y, r, n);
+      const std::vector<float> y_host = Host(y);
+      EXPECT_TRUE(std::all_of(y_host.begin(), y_host.end(), [](float v) { return std::isnan(v); }))
+          << "y was written: the residual path did not run";
+      EXPECT_LT(RelL2(Host(r), res_want), kBf16Tol);
+      EXPECT_LT(RelL2(Host(n), normed_want), kBf16Tol);
+      // The separate GPU ops, as the fused norm off and deterministic mode run them.
+      Tensor y1 = GpuOut({m, hidden}), r1 = Gpu(res, {m, hidden}), n1 = GpuOut({m, hidden});
+      Tensor act1 = GpuOut({m, k});
+      if (swiglu) {
+        ops_->SiluMulGemm(gx, gw, act1, y1);
+      } else {
+        ops_->Gemm(gx, gw, with_bias ? &gb : nullptr, y1);
+      }
+      ops_->AddRmsNorm(r1, y1, gg, eps, n1);
+      // One rounding instead of two: near the separate ops, not their bits.
+      EXPECT_LT(RelL2(Host(r), Host(r1)), 1e-2);
+      for (int mode = 0; mode < 2; ++mode) {
+        SCOPED_TRACE(mode == 0 ? "fused norm off" : "deterministic");
+        if (mode == 0) gpu_->set_fused_norm(false);
+        if (mode == 1) ops_->SetDeterministic(true);
+        Tensor y2 = GpuOut({m, hidden}), r2 = Gpu(res, {m, hidden}), n2 = GpuOut({m, hidden});
+        run(y2, r2, n2);
+        if (mode == 0) {
+          gpu_->set_fused_norm(true);
+          EXPECT_EQ(Host(y2), Host(y1));
+          EXPECT_EQ(Host(r2), Host(r1));
+          EXPECT_EQ(Host(n2), Host(n1));
+        } else {
+          ops_->SetDeterministic(false);
+          // Deterministic mode has its own GEMM algorithm and norm: the separate ops' roundings
+          // (y written, the residual near the reference).
+          EXPECT_LT(RelL2(Host(y2), y_want), kBf16Tol);
+          EXPECT_LT(RelL2(Host(r2), res_want), kBf16Tol);
+        }
+      }
+      bufs_.clear();
+    }
+  }
+}
+
 TEST_F(CudaOpsTest, KvWriteAndSiluMulAndAdd) {
   const int bs = 16, blocks = 20, hk = 4, d = 128;
   BatchMeta m = MakeBatch({{20, 35}, {1, 64}, {7, 7}}, bs, blocks, rng_);
