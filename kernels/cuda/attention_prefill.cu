@@ -39,6 +39,7 @@ std::atomic<int>& PrefillKernelOverride() {
                             : k == "wgmma-pipe" ? PrefillKernel::kWgmmaPipe
                             : k == "wgmma-ws"   ? PrefillKernel::kWgmmaWs
                             : k == "wgmma-tma"  ? PrefillKernel::kWgmmaTma
+                            : k == "wgmma-fa3"  ? PrefillKernel::kWgmmaFa3
                                                 : PrefillKernel::kMma);
   }()};
   return kernel;
