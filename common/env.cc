@@ -105,11 +105,12 @@ const EnvVar kPrefillKernel = {"TPSERVE_PREFILL_KERNEL",
                                "same fed by a producer warp), wgmma-tma (its producer loading "
                                "the pages with TMA), wgmma-fa3 (a TMA producer warpgroup giving "
                                "its registers to the consumers: 128-key tiles; block sizes "
-                               "8/16/32/64/128, else wgmma); pipe, ws, tma and fa3: bf16 caches, "
-                               "else wgmma; A/B runs",
+                               "8/16/32/64/128, else wgmma) or wgmma-fa3pp (wgmma-fa3 with the "
+                               "consumers' MMAs in ping-pong turns); pipe, ws, tma, fa3 and "
+                               "fa3pp: bf16 caches, else wgmma; A/B runs",
                                0,
                                0,
-                               "mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-tma|wgmma-fa3"};
+                               "mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-tma|wgmma-fa3|wgmma-fa3pp"};
 const EnvVar kPrefillOrder = {"TPSERVE_PREFILL_ORDER",
                               EnvType::kChoice,
                               "heads",

@@ -20,6 +20,10 @@
 //   fed by a producer warp through an mbarrier ring of 64-key tiles (below); wgmma-tma: the same
 //   with the producer loading whole pages by TMA (block sizes that are multiples of 8 dividing
 //   64), so that one thread's few instructions a page feed the ring instead of a warp's cp.async.
+// - TPSERVE_PREFILL_KERNEL=wgmma-fa3 (PrefillWgmmaFa3Kernel, bf16 caches): FlashAttention-3's
+//   structure, a producer warpgroup (TMA pages, block sizes that are multiples of 8 dividing 128)
+//   that gives its registers to two consumer warpgroups (setmaxnreg), which compute 128-key tiles
+//   from a 3-stage ring; wgmma-fa3pp: the same with the consumers' MMAs in ping-pong turns.
 // - A quantized cache with one scale per key and head (fp8, int8): the codes and scales are
 //   staged with cp.async and decoded into the bf16 tiles (exact), the K scale multiplies each
 //   score and the V scale each softmax weight before its rounding, as in the mma.sync kernel.
@@ -1037,9 +1041,15 @@ void LaunchAttentionPrefillWgmma(const Tensor& q, const Tensor& k_cache, const T
       << head_dim << " (needs bf16, fp8 or int8 at head_dim 64 or 128 on an sm_90 device)";
   switch (k_cache.dtype) {
     case DType::kBF16:
-      if (kernel == PrefillKernel::kWgmmaFa3 && Fa3Pages(b.block_size)) {
-        LaunchFa3For<false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b, out,
-                            stream);
+      if ((kernel == PrefillKernel::kWgmmaFa3 || kernel == PrefillKernel::kWgmmaFa3Pp) &&
+          Fa3Pages(b.block_size)) {
+        if (kernel == PrefillKernel::kWgmmaFa3Pp) {
+          LaunchFa3For<true>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b, out,
+                             stream);
+        } else {
+          LaunchFa3For<false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b, out,
+                              stream);
+        }
       } else if (kernel == PrefillKernel::kWgmmaTma && TmaPages(b.block_size)) {
         LaunchFor<KvBf16, true, true, true>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                                             scale, b, out, stream);
@@ -1049,7 +1059,7 @@ void LaunchAttentionPrefillWgmma(const Tensor& q, const Tensor& k_cache, const T
       } else if (kernel == PrefillKernel::kWgmmaPipe) {
         LaunchFor<KvBf16, true, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                                        scale, b, out, stream);
-      } else {  // wgmma, and wgmma-fa3 at block sizes Fa3Pages does not take
+      } else {  // wgmma, and wgmma-fa3 / -fa3pp at block sizes Fa3Pages does not take
         LaunchFor<KvBf16, false, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                                         scale, b, out, stream);
       }

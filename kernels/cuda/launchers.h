@@ -26,10 +26,11 @@ inline constexpr int kPrefillTileMinM = 64;
 // kWgmmaWs); kWgmmaFa3: FlashAttention-3's structure, a TMA producer warpgroup that gives its
 // registers to two consumer warpgroups (setmaxnreg) so that they compute 128-key tiles (bf16,
 // block sizes that are multiples of 8 dividing 128; other block sizes and 8-bit caches run
-// kWgmma). Starts from TPSERVE_PREFILL_KERNEL
+// kWgmma); kWgmmaFa3Pp: kWgmmaFa3 with FlashAttention-3's ping-pong of the two consumer
+// warpgroups' MMAs (named barriers). Starts from TPSERVE_PREFILL_KERNEL
 // (default wgmma: 1.51x the mma kernel on an H100); SetPrefillKernel (benchmarks and tests) sets
 // it for every later launch of this process.
-enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe, kWgmmaWs, kWgmmaTma, kWgmmaFa3 };
+enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe, kWgmmaWs, kWgmmaTma, kWgmmaFa3, kWgmmaFa3Pp };
 void SetPrefillKernel(PrefillKernel kernel);
 PrefillKernel PrefillKernelChoice();
 // The prefill kernels' block order over a 1-D grid of (work item, head) blocks. Heads first (the

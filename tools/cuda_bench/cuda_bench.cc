@@ -596,7 +596,7 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
     for (cuda::PrefillKernel kernel :
          {cuda::PrefillKernel::kMma, cuda::PrefillKernel::kWgmma, cuda::PrefillKernel::kWgmmaPipe,
           cuda::PrefillKernel::kWgmmaWs, cuda::PrefillKernel::kWgmmaTma,
-          cuda::PrefillKernel::kWgmmaFa3}) {
+          cuda::PrefillKernel::kWgmmaFa3, cuda::PrefillKernel::kWgmmaFa3Pp}) {
       for (bool heads_first : {true, false}) {
         if (!heads_first && kernel != cuda::PrefillKernel::kMma &&
             kernel != cuda::PrefillKernel::kWgmma) {
@@ -609,6 +609,7 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
         if (kernel == cuda::PrefillKernel::kWgmmaWs) label += " wgmma-ws";
         if (kernel == cuda::PrefillKernel::kWgmmaTma) label += " wgmma-tma";
         if (kernel == cuda::PrefillKernel::kWgmmaFa3) label += " wgmma-fa3";
+        if (kernel == cuda::PrefillKernel::kWgmmaFa3Pp) label += " wgmma-fa3pp";
         if (!heads_first) label += " work-first";
         if (m1_only || !Wanted(label)) continue;
         // The wgmma kernels where they run (pipe and ws for bf16 caches only).

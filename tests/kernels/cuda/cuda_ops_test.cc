@@ -1199,7 +1199,7 @@ TEST_F(CudaAttentionTest, PrefillQuantizedKvCache) {
 }
 
 // The wgmma prefill kernels (sm_90a; TPSERVE_PREFILL_KERNEL=wgmma, and wgmma-pipe, wgmma-ws,
-// wgmma-tma and wgmma-fa3, which run wgmma for the 8-bit caches; wgmma-tma's TMA
+// wgmma-tma, wgmma-fa3 and wgmma-fa3pp, which run wgmma for the 8-bit caches; wgmma-tma's TMA
 // pages at block sizes 8, 16, 32 and 64, wgmma-ws at 24 and 128; wgmma-fa3's TMA
 // pages at 8 (16 pages a 128-key tile), 16, 32, 64 and 128, the wgmma kernel at 24) on the cases
 // above and longer causal prompts (several 128-key tiles, a tile's two warpgroups at different
@@ -1229,7 +1229,8 @@ TEST_F(CudaAttentionTest, PrefillWgmmaKernel) {
       {cuda::PrefillKernel::kWgmmaPipe, "wgmma-pipe"},
       {cuda::PrefillKernel::kWgmmaWs, "wgmma-ws"},
       {cuda::PrefillKernel::kWgmmaTma, "wgmma-tma"},
-      {cuda::PrefillKernel::kWgmmaFa3, "wgmma-fa3"}};
+      {cuda::PrefillKernel::kWgmmaFa3, "wgmma-fa3"},
+      {cuda::PrefillKernel::kWgmmaFa3Pp, "wgmma-fa3pp"}};
   for (auto [kernel, name] : kernels) {
     cuda::SetPrefillKernel(kernel);
     for (DType kv : {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4}) {
