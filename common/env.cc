@@ -102,12 +102,15 @@ const EnvVar kPrefillKernel = {"TPSERVE_PREFILL_KERNEL",
                                "wgmma (Hopper warpgroup MMA: bf16, fp8 and int8 caches at "
                                "head_dim 64/128 on sm_90, else mma), wgmma-pipe (wgmma with a "
                                "tile's softmax beside the previous tile's P V), wgmma-ws (the "
-                               "same fed by a producer warp) or wgmma-tma (its producer loading "
-                               "the pages with TMA; pipe, ws and tma: bf16 caches, else wgmma); "
-                               "A/B runs",
+                               "same fed by a producer warp), wgmma-tma (its producer loading "
+                               "the pages with TMA), wgmma-fa3 (a TMA producer warpgroup giving "
+                               "its registers to the consumers: 128-key tiles; block sizes "
+                               "8/16/32/64/128, else wgmma) or wgmma-fa3pp (wgmma-fa3 with the "
+                               "consumers' MMAs in ping-pong turns); pipe, ws, tma, fa3 and "
+                               "fa3pp: bf16 caches, else wgmma; A/B runs",
                                0,
                                0,
-                               "mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-tma"};
+                               "mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-tma|wgmma-fa3|wgmma-fa3pp"};
 const EnvVar kPrefillOrder = {"TPSERVE_PREFILL_ORDER",
                               EnvType::kChoice,
                               "heads",

@@ -35,11 +35,13 @@ namespace {
 std::atomic<int>& PrefillKernelOverride() {
   static std::atomic<int> kernel{[] {
     const std::string k = EnvString(env::kPrefillKernel);
-    return static_cast<int>(k == "wgmma"        ? PrefillKernel::kWgmma
-                            : k == "wgmma-pipe" ? PrefillKernel::kWgmmaPipe
-                            : k == "wgmma-ws"   ? PrefillKernel::kWgmmaWs
-                            : k == "wgmma-tma"  ? PrefillKernel::kWgmmaTma
-                                                : PrefillKernel::kMma);
+    return static_cast<int>(k == "wgmma"         ? PrefillKernel::kWgmma
+                            : k == "wgmma-pipe"  ? PrefillKernel::kWgmmaPipe
+                            : k == "wgmma-ws"    ? PrefillKernel::kWgmmaWs
+                            : k == "wgmma-tma"   ? PrefillKernel::kWgmmaTma
+                            : k == "wgmma-fa3"   ? PrefillKernel::kWgmmaFa3
+                            : k == "wgmma-fa3pp" ? PrefillKernel::kWgmmaFa3Pp
+                                                 : PrefillKernel::kMma);
   }()};
   return kernel;
 }

@@ -20,6 +20,10 @@
 //   fed by a producer warp through an mbarrier ring of 64-key tiles (below); wgmma-tma: the same
 //   with the producer loading whole pages by TMA (block sizes that are multiples of 8 dividing
 //   64), so that one thread's few instructions a page feed the ring instead of a warp's cp.async.
+// - TPSERVE_PREFILL_KERNEL=wgmma-fa3 (PrefillWgmmaFa3Kernel, bf16 caches): FlashAttention-3's
+//   structure, a producer warpgroup (TMA pages, block sizes that are multiples of 8 dividing 128)
+//   that gives its registers to two consumer warpgroups (setmaxnreg), which compute 128-key tiles
+//   from a 3-stage ring; wgmma-fa3pp: the same with the consumers' MMAs in ping-pong turns.
 // - A quantized cache with one scale per key and head (fp8, int8): the codes and scales are
 //   staged with cp.async and decoded into the bf16 tiles (exact), the K scale multiplies each
 //   score and the V scale each softmax weight before its rounding, as in the mma.sync kernel.
@@ -259,9 +263,18 @@ struct WgConsumer {
   // The tile loop. acquire(t) runs first for every tile (the block's loads and barriers; a wait
   // for the tile where it is computed), release(t) once this warpgroup is done with tile t's
   // stage (also for the tiles it skips). kPipe: tile t's S and tile t - 1's P V are in flight
-  // together, and the softmax of tile t runs while the tensor cores do the P V.
+  // together, and the softmax of tile t runs while the tensor cores do the P V; its MMAs are
+  // issued in num_tiles + 1 turns (turn t: S(t) and P V(t - 1), the last one P V(num_tiles - 1);
+  // a turn whose tiles the warpgroup skips issues nothing), each between begin_turn() and
+  // end_turn(), which run for every turn of every warpgroup (the ping-pong schedule counts on it).
   template <bool kPipe, typename Acquire, typename Release>
   __device__ __forceinline__ void Run(int num_tiles, Acquire&& acquire, Release&& release) {
+    Run<kPipe>(
+        num_tiles, acquire, release, [] {}, [] {});
+  }
+  template <bool kPipe, typename Acquire, typename Release, typename BeginTurn, typename EndTurn>
+  __device__ __forceinline__ void Run(int num_tiles, Acquire&& acquire, Release&& release,
+                                      BeginTurn&& begin_turn, EndTurn&& end_turn) {
     if constexpr (!kPipe) {
       for (int t = 0; t < num_tiles; ++t) {
         acquire(t);
@@ -278,19 +291,24 @@ struct WgConsumer {
       }
     } else if (num_tiles > 0) {
       acquire(0);
+      begin_turn();
       if (wg_tiles > 0) {
         IssueS(0);
+        end_turn();
         WgmmaWait<0>();
         Softmax(0);
         RescaleAndPack(0);
       } else {
+        end_turn();
         release(0);
       }
       for (int t = 1; t < num_tiles; ++t) {
         acquire(t);
+        begin_turn();
         if (t < wg_tiles) {
           IssueS(t);
           IssuePv(t - 1);
+          end_turn();
           WgmmaWait<1>();  // S done, P V may still run
           Softmax(t);
           WgmmaWait<0>();
@@ -299,19 +317,25 @@ struct WgConsumer {
           RescaleAndPack(t);
         } else if (t == wg_tiles) {
           IssuePv(t - 1);
+          end_turn();
           WgmmaWait<0>();
           FenceO();
           release(t - 1);
           release(t);
         } else {
+          end_turn();
           release(t);
         }
       }
+      begin_turn();
       if (wg_tiles == num_tiles) {
         IssuePv(num_tiles - 1);
+        end_turn();
         WgmmaWait<0>();
         FenceO();
         release(num_tiles - 1);
+      } else {
+        end_turn();
       }
     }
   }
@@ -657,6 +681,201 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
 #endif
 }
 
+// FlashAttention-3's block structure (TPSERVE_PREFILL_KERNEL=wgmma-fa3 / wgmma-fa3pp, bf16
+// caches, block sizes that are multiples of 8 dividing kBN: Fa3Pages). A block of kWgs consumer
+// warpgroups (threads [0, 128 kWgs)) and one producer warpgroup (the last 128 threads):
+// - with two consumer warpgroups (384 threads, __launch_bounds__(384, 1): ptxas allocates 168
+//   registers a thread at launch) the producer warpgroup drops to kFa3ProducerRegs registers and
+//   the consumers rise to kFa3ConsumerRegs (setmaxnreg), so that they hold 128-key tiles: S is 64
+//   floats a thread, O 64 at d 128, P 32 registers (the pipelined consumer took 215 registers in
+//   wgmma-pipe). 56 / 224 rather than FlashAttention-3's 24 / 240: the producer's Q copy and
+//   cp.async tail rows spilled at 24 and 40 registers, the consumers fit 224. One consumer
+//   warpgroup (256 threads) has up to 255 registers a thread from the launch bounds and skips
+//   the reallocation;
+// - the producer warpgroup's 128 threads copy Q (cp.async, q_full counts their 128 noinc
+//   arrivals); then warps 1-3 exit and warp 0 feeds a ring of kFa3Stages stages of kBN-key K and
+//   V tiles as wgmma-tma's producer warp does: lane 0 posts a tile's TMA bytes on its `full`
+//   barrier and issues 2 x kD / 64 boxes a page wholly before ctx, the warp copies the rows of
+//   the tile from the first page reaching past ctx with cp.async (zeros past ctx) and every lane
+//   arrives on `full` when its copies land (33 arrivals a phase); lanes 0 .. pages - 1 (pages =
+//   kBN / block_size <= 16) read the next tile's block-table entries while this one is issued;
+// - the consumers are the pipelined WgConsumer (kPipe) over kBN-key tiles; every consumer thread
+//   waits for every tile's `full` phase and arrives on its `empty` barrier (count 128 kWgs), also
+//   for the tiles its warpgroup skips (see the wgmma-ws kernel for why).
+// kPingPong (wgmma-fa3pp, two consumer warpgroups): FlashAttention-3's inter-warpgroup schedule.
+// The warpgroups issue their MMAs in alternating turns (WgConsumer::Run's num_tiles + 1 turns
+// each, skipped tiles included, so the counts match): warpgroup w syncs on named barrier 1 + w
+// (256 threads) before a turn's MMAs and arrives on the other's barrier after issuing them, so one
+// warpgroup's softmax runs while the other's MMAs have the tensor cores. Warpgroup 1 arrives on
+// barrier 1 once at the start (warpgroup 0 goes first) and not after its last turn, so both
+// barriers end with every phase complete.
+constexpr int kFa3ProducerRegs = 56;
+constexpr int kFa3ConsumerRegs = 224;
+static_assert(kWarpgroup * kFa3ProducerRegs + 2 * kWarpgroup * kFa3ConsumerRegs <= 65536,
+              "setmaxnreg: the three warpgroups' registers fit the register file");
+static_assert(kFa3ProducerRegs <= 168 && kFa3ConsumerRegs >= 168 &&
+                  kWarpgroup * (168 - kFa3ProducerRegs) >=
+                      2 * kWarpgroup * (kFa3ConsumerRegs - 168),
+              "setmaxnreg: what the producer frees at 168 registers a thread covers the increases");
+
+// Shared memory of the FA3 kernel: Q, kStages K and V tiles of kBN keys, 1 KB for the alignment.
+template <int kD, int kWgs, int kStages>
+constexpr int Fa3SmemBytes() {
+  return 1024 + kWgs * 64 * kD * 2 + 2 * kStages * kBN * kD * 2;
+}
+// Three stages where they fit with 1 KB to spare under the 227 KB of a block (d 128 with two
+// consumer warpgroups: 225 KB, as wgmma-pipe), else two.
+template <int kD, int kWgs>
+inline constexpr int kFa3Stages = Fa3SmemBytes<kD, kWgs, 3>() <= 226 * 1024 ? 3 : 2;
+
+template <int kD, int kWgs, bool kPingPong>
+__global__ void __launch_bounds__((kWgs + 1) * kWarpgroup, 1)
+    PrefillWgmmaFa3Kernel(const __grid_constant__ CUtensorMap k_map,
+                          const __grid_constant__ CUtensorMap v_map,
+                          const __nv_bfloat16* __restrict__ q,
+                          const __nv_bfloat16* __restrict__ k_cache,
+                          const __nv_bfloat16* __restrict__ v_cache, const int2* __restrict__ work,
+                          const int32_t* __restrict__ query_start,
+                          const int32_t* __restrict__ context_lens,
+                          const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
+                          int block_size, int block_shift, int num_heads, int num_kv_heads,
+                          bool heads_first, float scale_log2, __nv_bfloat16* __restrict__ out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kConsumers = kWgs * kWarpgroup;
+  constexpr int kBM = kWgs * 64;
+  constexpr int kChunks = kD / 8;
+  constexpr int kStages = kFa3Stages<kD, kWgs>;
+  constexpr int kTileBytes = kBN * kD * 2;
+  constexpr bool kRealloc = kWgs == 2;
+  static_assert(kD == 64 || kD == 128, "head_dim 64 or 128");
+  static_assert(kWgs == 1 || kWgs == 2, "one or two consumer warpgroups");
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~static_cast<uintptr_t>(1023));
+  uint8_t* q_s = smem;                        // [kD / 64][kBM][128 B]
+  uint8_t* k_s = q_s + kBM * kD * 2;          // [kStages][kD / 64][kBN][128 B]
+  uint8_t* v_s = k_s + kStages * kTileBytes;  // [kStages][kD / 64][kBN][128 B]
+  __shared__ __align__(8) uint64_t full[kStages];
+  __shared__ __align__(8) uint64_t empty[kStages];
+  __shared__ __align__(8) uint64_t q_full;
+
+  const PrefillBlock blk = PrefillBlockOf(num_heads, heads_first);
+  const PrefillItem it = ReadItem<kBM, kBN>(work, blk.item, query_start, context_lens);
+  const int num_tiles = it.num_tiles, ctx = it.ctx;
+  const int head = blk.head;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&full[s], 33);  // the producer warp's 32 cp.async arrivals and lane 0's expect_tx
+      MbarInit(&empty[s], kConsumers);
+    }
+    MbarInit(&q_full, kWarpgroup);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // the last block-wide barrier: the producer's warps 1-3 exit below
+
+  if (tid >= kConsumers) {
+    if constexpr (kRealloc) WarpgroupRegDealloc<kFa3ProducerRegs>();
+    const int ptid = tid - kConsumers;
+    if (ptid == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&k_map)) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&v_map)) : "memory");
+    }
+    CopyQ<kD, kBM, kWarpgroup>(q, it, head, num_heads, q_s, ptid);
+    CpAsyncArriveNoinc(&q_full);
+    if (ptid >= 32) {  // warps 1-3: Q only
+      asm volatile("cp.async.wait_all;" ::: "memory");
+      return;
+    }
+    const int kv_head = head / (num_heads / num_kv_heads);
+    const int32_t* table = block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq;
+    // Pages of block_size keys (a multiple of 8 dividing kBN): a page wholly before ctx is one
+    // TMA box of block_size rows x 128 bytes per 64-column block of K and of V, laid out as
+    // TileOffset<kBN> (a page starts at a multiple of 8 rows of a 1024-byte-aligned tile); the
+    // rows from the first page reaching past ctx on are copied by the warp with cp.async, zeros
+    // past ctx (a box would bring a page's stale rows, and 0 x NaN is NaN in P V).
+    const int pages = kBN / block_size;  // <= 16
+    auto table_entry = [&](int tile) {
+      const int key = tile * kBN + ptid * block_size;
+      return ptid < pages && key < ctx ? table[tile * pages + ptid] : 0;
+    };
+    int next = num_tiles > 0 ? table_entry(0) : 0;
+    for (int t = 0; t < num_tiles; ++t) {
+      const int s = t % kStages;
+      const int entry = next;
+      if (t + 1 < num_tiles) next = table_entry(t + 1);
+      if (t >= kStages) MbarWait(&empty[s], ((t / kStages) & 1) ^ 1);
+      const int key0 = t * kBN;
+      const int whole = min(max((ctx - key0) / block_size, 0), pages);  // pages before ctx
+      if (ptid == 0) MbarExpectTx(&full[s], whole * 2 * block_size * kD * 2);
+      for (int p = 0; p < whole; ++p) {
+        const int row = __shfl_sync(0xffffffffu, entry, p) * block_size;
+        if (ptid == 0) {
+#pragma unroll
+          for (int cb = 0; cb < kD / 64; ++cb) {
+            const int dst = s * kTileBytes + cb * (kBN * 128) + p * block_size * 128;
+            TmaLoad3d(k_s + dst, &k_map, &full[s], cb * 64, kv_head, row);
+            TmaLoad3d(v_s + dst, &v_map, &full[s], cb * 64, kv_head, row);
+          }
+        }
+      }
+      for (int i = ptid; i < (kBN - whole * block_size) * kChunks; i += 32) {
+        const int r = whole * block_size + i / kChunks, c = i % kChunks, key = key0 + r;
+        const int64_t off =
+            key >= ctx
+                ? 0
+                : KvPoolRow(table, key, block_size, block_shift, num_kv_heads, kv_head) * kD +
+                      c * 8;
+        const int dst = s * kTileBytes + TileOffset<kBN>(r, c);
+        CpAsync16(SmemAddr(k_s + dst), k_cache + off, key < ctx);
+        CpAsync16(SmemAddr(v_s + dst), v_cache + off, key < ctx);
+      }
+      CpAsyncArriveNoinc(&full[s]);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");  // the consumers wait for the TMA loads
+    return;
+  }
+
+  if constexpr (kRealloc) WarpgroupRegAlloc<kFa3ConsumerRegs>();
+  const int wg = tid / kWarpgroup;
+  WgConsumer<KvBf16, kD, kBM, kBN, kStages> c;
+  c.k_s = k_s;
+  c.v_s = v_s;
+  c.ksc_s = nullptr;
+  c.vsc_s = nullptr;
+  c.scale_log2 = scale_log2;
+  c.Init(it, wg, q_s);
+  // The consumers' waits end in a fault, not a trap, past their deadline (MbarWaitNoTrap says
+  // why); a producer stuck on an `empty` barrier still traps.
+  MbarWaitNoTrap(&q_full, 0);
+  FenceProxyAsync();
+  // Every tile is waited for, also one the warpgroup skips (the wgmma-ws kernel says why).
+  auto acquire = [&](int t) {
+    MbarWaitNoTrap(&full[t % kStages], (t / kStages) & 1);
+    FenceProxyAsync();  // the tail rows came by cp.async, through the generic proxy
+  };
+  auto release = [&](int t) { MbarArrive(&empty[t % kStages]); };
+  if constexpr (kPingPong && kWgs == 2) {
+    // Named barriers 1 (warpgroup 0's turns) and 2 (warpgroup 1's). Both warpgroups take
+    // num_tiles + 1 turns (Run issues none when num_tiles is 0, and neither arrives then).
+    const int turns = num_tiles > 0 ? num_tiles + 1 : 0;
+    int turn = 0;
+    if (wg == 1 && turns > 0) NamedBarrierArrive(1, 2 * kWarpgroup);  // warpgroup 0 goes first
+    c.template Run<true>(
+        num_tiles, acquire, release, [&] { NamedBarrierSync(1 + wg, 2 * kWarpgroup); },
+        [&] {
+          ++turn;
+          if (wg == 0 || turn < turns) NamedBarrierArrive(2 - wg, 2 * kWarpgroup);
+        });
+  } else {
+    c.template Run<true>(num_tiles, acquire, release);
+  }
+  c.Store(it, head, num_heads, out);
+#else
+  __trap();  // built for sm_90a only (WgmmaPrefillFits checks the device)
+#endif
+}
+
 // The TMA descriptor of a bf16 cache [blocks, block_size, num_kv_heads, d] read a page of one
 // head at a time: boxes of 64 elements x 1 head x block_size rows, 128-byte swizzled.
 CUtensorMap KvPageMap(const Tensor& cache, int block_size, int num_kv_heads, int d) {
@@ -680,6 +899,62 @@ CUtensorMap KvPageMap(const Tensor& cache, int block_size, int num_kv_heads, int
 
 // Whether the TMA producer reads pages of this size (a multiple of 8 rows dividing the tile).
 bool TmaPages(int block_size) { return block_size % 8 == 0 && kWsKeys % block_size == 0; }
+
+// Whether the FA3 kernel's producer reads pages of this size (a multiple of 8 rows dividing kBN).
+bool Fa3Pages(int block_size) { return block_size % 8 == 0 && kBN % block_size == 0; }
+
+template <int kD, int kWgs, bool kPingPong>
+void LaunchFa3Typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
+                    int num_kv_heads, float scale, const DeviceBatch& b, Tensor out,
+                    cudaStream_t stream) {
+  constexpr int kSmem = Fa3SmemBytes<kD, kWgs, kFa3Stages<kD, kWgs>>();
+  static_assert(kSmem <= 227 * 1024 - 64, "shared memory of an sm_90 block");
+  auto kernel = PrefillWgmmaFa3Kernel<kD, kWgs, kPingPong>;
+  static bool configured = [&] {
+    TP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    if constexpr (kWgs == 2) {
+      // setmaxnreg.inc waits for registers the decrease freed: the arithmetic above assumes 168
+      // a thread at launch (what ptxas allocates under __launch_bounds__(384, 1)).
+      cudaFuncAttributes attr{};
+      TP_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+      TP_CHECK(attr.numRegs == 168) << "wgmma-fa3: " << attr.numRegs
+                                    << " registers a thread at launch, setmaxnreg assumes 168";
+    }
+    return true;
+  }();
+  (void)configured;
+  const CUtensorMap k_map = KvPageMap(k_cache, b.block_size, num_kv_heads, kD);
+  const CUtensorMap v_map = KvPageMap(v_cache, b.block_size, num_kv_heads, kD);
+  kernel<<<b.num_prefill_work * num_heads, (kWgs + 1) * kWarpgroup, kSmem, stream>>>(
+      k_map, v_map, q.ptr<const __nv_bfloat16>(), k_cache.ptr<const __nv_bfloat16>(),
+      v_cache.ptr<const __nv_bfloat16>(), b.prefill_work, b.query_start, b.context_lens,
+      b.block_tables, b.max_blocks_per_seq, b.block_size, KvBlockShift(b.block_size), num_heads,
+      num_kv_heads, PrefillHeadsFirst(), scale * kLog2e, out.ptr<__nv_bfloat16>());
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+// SetBatch cut the work list into tiles of PrefillTileM() rows: one consumer warpgroup per 64.
+template <bool kPingPong>
+void LaunchFa3For(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
+                  int num_kv_heads, int head_dim, float scale, const DeviceBatch& b, Tensor out,
+                  cudaStream_t stream) {
+  const bool tile64 = PrefillTileM() == 64;
+  if (head_dim == 64) {
+    if (tile64) {
+      LaunchFa3Typed<64, 1, kPingPong>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
+                                       stream);
+    } else {
+      LaunchFa3Typed<64, 2, kPingPong>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
+                                       stream);
+    }
+  } else if (tile64) {
+    LaunchFa3Typed<128, 1, kPingPong>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
+                                      stream);
+  } else {
+    LaunchFa3Typed<128, 2, kPingPong>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
+                                      stream);
+  }
+}
 
 template <typename Kv, int kD, int kWgs, bool kPipe, bool kWs, bool kTma = false>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
@@ -766,7 +1041,16 @@ void LaunchAttentionPrefillWgmma(const Tensor& q, const Tensor& k_cache, const T
       << head_dim << " (needs bf16, fp8 or int8 at head_dim 64 or 128 on an sm_90 device)";
   switch (k_cache.dtype) {
     case DType::kBF16:
-      if (kernel == PrefillKernel::kWgmmaTma && TmaPages(b.block_size)) {
+      if ((kernel == PrefillKernel::kWgmmaFa3 || kernel == PrefillKernel::kWgmmaFa3Pp) &&
+          Fa3Pages(b.block_size)) {
+        if (kernel == PrefillKernel::kWgmmaFa3Pp) {
+          LaunchFa3For<true>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b, out,
+                             stream);
+        } else {
+          LaunchFa3For<false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b, out,
+                              stream);
+        }
+      } else if (kernel == PrefillKernel::kWgmmaTma && TmaPages(b.block_size)) {
         LaunchFor<KvBf16, true, true, true>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                                             scale, b, out, stream);
       } else if (kernel == PrefillKernel::kWgmmaWs || kernel == PrefillKernel::kWgmmaTma) {
@@ -775,7 +1059,7 @@ void LaunchAttentionPrefillWgmma(const Tensor& q, const Tensor& k_cache, const T
       } else if (kernel == PrefillKernel::kWgmmaPipe) {
         LaunchFor<KvBf16, true, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                                        scale, b, out, stream);
-      } else {
+      } else {  // wgmma, and wgmma-fa3 / -fa3pp at block sizes Fa3Pages does not take
         LaunchFor<KvBf16, false, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                                         scale, b, out, stream);
       }

@@ -23,10 +23,14 @@ inline constexpr int kPrefillTileMinM = 64;
 // ones run kWgmma); kWgmmaWs: the same with a producer warp feeding an mbarrier ring, so the
 // warpgroups run apart (bf16; 8-bit caches run kWgmma); kWgmmaTma: kWgmmaWs whose producer
 // loads the pages with TMA (block sizes that are multiples of 8 dividing 64; others run
-// kWgmmaWs). Starts from TPSERVE_PREFILL_KERNEL
+// kWgmmaWs); kWgmmaFa3: FlashAttention-3's structure, a TMA producer warpgroup that gives its
+// registers to two consumer warpgroups (setmaxnreg) so that they compute 128-key tiles (bf16,
+// block sizes that are multiples of 8 dividing 128; other block sizes and 8-bit caches run
+// kWgmma); kWgmmaFa3Pp: kWgmmaFa3 with FlashAttention-3's ping-pong of the two consumer
+// warpgroups' MMAs (named barriers). Starts from TPSERVE_PREFILL_KERNEL
 // (default wgmma: 1.51x the mma kernel on an H100); SetPrefillKernel (benchmarks and tests) sets
 // it for every later launch of this process.
-enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe, kWgmmaWs, kWgmmaTma };
+enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe, kWgmmaWs, kWgmmaTma, kWgmmaFa3, kWgmmaFa3Pp };
 void SetPrefillKernel(PrefillKernel kernel);
 PrefillKernel PrefillKernelChoice();
 // The prefill kernels' block order over a 1-D grid of (work item, head) blocks. Heads first (the

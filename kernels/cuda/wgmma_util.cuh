@@ -123,11 +123,57 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
   } while (!done);
 }
 
+// MbarWait for code that runs after setmaxnreg.inc (WarpgroupRegAlloc): its deadline faults on a
+// store to address 0 (an illegal-address error) instead of trapping. ptxas allocates code that
+// can reach a trap within the launch's register count: with __trap() (or PTX trap) in such a
+// wait, the FA3 prefill kernel's consumers were held to 168 registers (330 bytes of spills,
+// wgmma serialized: C7512) despite the increase to 224; with this store, none.
+__device__ __forceinline__ void MbarWaitNoTrap(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0, polls = 0;
+  do {
+    if (++polls == (1u << 26)) {
+      asm volatile("st.global.u32 [%0], %1;" ::"l"(uint64_t{0}), "r"(0u) : "memory");
+    }
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(SmemAddrOf(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
 // One arrival on `bar` when all of this thread's earlier cp.async copies have completed, counted
 // in the barrier's expected count (.noinc).
 __device__ __forceinline__ void CpAsyncArriveNoinc(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SmemAddrOf(bar))
                : "memory");
+}
+
+// Warpgroup register reallocation (setmaxnreg): every thread of the warpgroup runs it together
+// (.sync.aligned) and its per-thread register count becomes kRegs (a multiple of 8 in [24, 256]).
+// dec gives registers back to the block's pool, inc waits until the pool holds enough, so the
+// increases of a block must not exceed what its decreases free: with a launch allocation of R a
+// thread, sum over warpgroups of 128 * (kRegs - R) <= 0. ptxas then allocates the code after an
+// inc up to kRegs (and that after a dec within kRegs).
+template <int kRegs>
+__device__ __forceinline__ void WarpgroupRegDealloc() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg count");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void WarpgroupRegAlloc() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg count");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// Named barriers (ids 1-15; 0 is __syncthreads'): `count` threads (a multiple of 32) in all,
+// whole warps. Sync waits for the barrier to complete, arrive only counts this warp in.
+__device__ __forceinline__ void NamedBarrierSync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
 // D[64 x kN] += A[64 x 16] B[16 x kN], A and B K-major bf16 in shared memory, D fp32 in registers

@@ -595,7 +595,8 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
     std::vector<PrefillRow> rows;
     for (cuda::PrefillKernel kernel :
          {cuda::PrefillKernel::kMma, cuda::PrefillKernel::kWgmma, cuda::PrefillKernel::kWgmmaPipe,
-          cuda::PrefillKernel::kWgmmaWs, cuda::PrefillKernel::kWgmmaTma}) {
+          cuda::PrefillKernel::kWgmmaWs, cuda::PrefillKernel::kWgmmaTma,
+          cuda::PrefillKernel::kWgmmaFa3, cuda::PrefillKernel::kWgmmaFa3Pp}) {
       for (bool heads_first : {true, false}) {
         if (!heads_first && kernel != cuda::PrefillKernel::kMma &&
             kernel != cuda::PrefillKernel::kWgmma) {
@@ -607,6 +608,8 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
         if (kernel == cuda::PrefillKernel::kWgmmaPipe) label += " wgmma-pipe";
         if (kernel == cuda::PrefillKernel::kWgmmaWs) label += " wgmma-ws";
         if (kernel == cuda::PrefillKernel::kWgmmaTma) label += " wgmma-tma";
+        if (kernel == cuda::PrefillKernel::kWgmmaFa3) label += " wgmma-fa3";
+        if (kernel == cuda::PrefillKernel::kWgmmaFa3Pp) label += " wgmma-fa3pp";
         if (!heads_first) label += " work-first";
         if (m1_only || !Wanted(label)) continue;
         // The wgmma kernels where they run (pipe and ws for bf16 caches only).

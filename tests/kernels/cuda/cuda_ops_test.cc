@@ -1280,12 +1280,16 @@ TEST_F(CudaAttentionTest, PrefillQuantizedKvCache) {
   }
 }
 
-// The wgmma prefill kernels (sm_90a; TPSERVE_PREFILL_KERNEL=wgmma, and wgmma-pipe, wgmma-ws and
-// wgmma-tma, which run wgmma for the 8-bit caches; wgmma-tma's TMA pages at block sizes 16 and 32,
-// its cp.async producer at 24) on the cases above and
-// longer causal prompts (several 128-key tiles, a tile's two warpgroups at different diagonal
-// offsets), for bf16 and the 8-bit caches it reads; head_dim 32 and int4 go to the mma kernel
-// (checked too). Same tolerance as the mma kernel: the same roundings, sums in another order.
+// The wgmma prefill kernels (sm_90a; TPSERVE_PREFILL_KERNEL=wgmma, and wgmma-pipe, wgmma-ws,
+// wgmma-tma, wgmma-fa3 and wgmma-fa3pp, which run wgmma for the 8-bit caches; wgmma-tma's TMA
+// pages at block sizes 8, 16, 32 and 64, wgmma-ws at 24 and 128; wgmma-fa3's TMA
+// pages at 8 (16 pages a 128-key tile), 16, 32, 64 and 128, the wgmma kernel at 24) on the cases
+// above and longer causal prompts (several 128-key tiles, a tile's two warpgroups at different
+// diagonal offsets), for bf16 and the 8-bit caches it reads; head_dim 32 and int4 go to the mma
+// kernel (checked too). Same tolerance as the mma kernel: the same roundings, sums in another
+// order. With 128-key tiles a warpgroup skips the tile past its last query where the prefix mod
+// 128 is in [1, 64] (prefixes 170, 64, 40, 33 and 14 below), and warpgroup 1 has no rows at all
+// in tiles of <= 64 queries (3, 1, 64, 7).
 TEST_F(CudaAttentionTest, PrefillWgmmaKernel) {
   if (!cuda::WgmmaPrefillFits(DType::kBF16, 128)) GTEST_SKIP() << "needs an sm_90 device";
   ScopedPrefillKernel restore(cuda::PrefillKernelChoice());
@@ -1298,12 +1302,17 @@ TEST_F(CudaAttentionTest, PrefillWgmmaKernel) {
       {{{300, 4096}, {257, 257}}, 4, 2, 64, 16},                         // long prefix, d 64
       {{{150, 400}, {1, 30}}, 4, 2, 128, 24},          // block size 24 (page math by division)
       {{{119, 119}, {7, 40}, {1, 33}}, 8, 2, 32, 16},  // head_dim 32: mma
+      {{{200, 240}, {70, 70}}, 4, 2, 128, 8},          // block size 8: 16 pages a 128-key tile
+      {{{150, 200}, {1, 90}}, 4, 1, 128, 64},          // block size 64
+      {{{260, 293}}, 4, 4, 64, 128},                   // block size 128: a page a tile, d 64
   };
   const std::pair<cuda::PrefillKernel, const char*> kernels[] = {
       {cuda::PrefillKernel::kWgmma, "wgmma"},
       {cuda::PrefillKernel::kWgmmaPipe, "wgmma-pipe"},
       {cuda::PrefillKernel::kWgmmaWs, "wgmma-ws"},
-      {cuda::PrefillKernel::kWgmmaTma, "wgmma-tma"}};
+      {cuda::PrefillKernel::kWgmmaTma, "wgmma-tma"},
+      {cuda::PrefillKernel::kWgmmaFa3, "wgmma-fa3"},
+      {cuda::PrefillKernel::kWgmmaFa3Pp, "wgmma-fa3pp"}};
   for (auto [kernel, name] : kernels) {
     cuda::SetPrefillKernel(kernel);
     for (DType kv : {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4}) {
