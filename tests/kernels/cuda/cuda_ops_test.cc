@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <iostream>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -176,6 +177,8 @@ class CudaOpsTest : public ::testing::Test {
     cpu_->SetBatch(m);
     ops_->SetBatch(m);
   }
+  // DecodeStepReplaysAsCudaGraph over a cache of dtype kv.
+  void DecodeStepReplay(DType kv);
 
   std::mt19937 rng_;
   std::unique_ptr<Ops> ops_;
@@ -1154,7 +1157,40 @@ struct AttnCase {
 // bf16, as the bf16 path rounds P), so the values and roundings are those of the bf16 case.
 class CudaAttentionTest : public CudaOpsTest {
  protected:
-  void Run(const AttnCase& c, bool decode, DType kv = DType::kBF16) {
+  // Overwrites every row of the device caches that no sequence's context reaches (the rows of a
+  // last page past its context and the unused blocks) with codes no kernel may use: NaN for
+  // fp8 (e4m3 0x7f) and bf16 (0xffff), -128 for int8 (outside the quantizer's range), 0xff for
+  // int4, and NaN scales. A kernel that reads them (a TMA page brings the whole last page) must
+  // leave them out of every product: the output stays finite and equal to the reference.
+  void PoisonUnreachedRows(const BatchMeta& m, const AttnCase& c, DType kv, int total_blocks,
+                           Tensor& gk, Tensor& gv) {
+    std::vector<bool> reached(size_t{1} * total_blocks * c.bs, false);
+    for (int i = 0; i < m.num_seqs; ++i) {
+      const int32_t* table = m.block_tables.data() + size_t{1} * i * m.max_blocks_per_seq;
+      for (int pos = 0; pos < m.context_lens[i]; ++pos) {
+        reached[size_t{1} * table[pos / c.bs] * c.bs + pos % c.bs] = true;
+      }
+    }
+    const size_t row_bytes = size_t{1} * c.hk * c.d * DTypeBits(kv) / 8;
+    const uint8_t code = kv == DType::kF8E4M3 ? 0x7f : kv == DType::kI8 ? 0x80 : 0xff;
+    const std::vector<uint8_t> bad_codes(row_bytes, code);
+    const size_t row_scales = kv == DType::kBF16 ? 0 : size_t{1} * c.hk * KvScaleGroups(kv, c.d);
+    const std::vector<float> bad_scales(row_scales, std::numeric_limits<float>::quiet_NaN());
+    for (size_t row = 0; row < reached.size(); ++row) {
+      if (reached[row]) continue;
+      for (Tensor* t : {&gk, &gv}) {
+        ops_->CopyToDevice(static_cast<uint8_t*>(t->data) + row * row_bytes, bad_codes.data(),
+                           row_bytes);
+        if (row_scales > 0) {
+          ops_->CopyToDevice(static_cast<float*>(t->scales) + row * row_scales, bad_scales.data(),
+                             row_scales * sizeof(float));
+        }
+      }
+    }
+  }
+
+  // poison: PoisonUnreachedRows before the kernels run (decode).
+  void Run(const AttnCase& c, bool decode, DType kv = DType::kBF16, bool poison = false) {
     int total_blocks = 0;
     for (auto [q, ctx] : c.seqs) total_blocks += (ctx + c.bs - 1) / c.bs;
     total_blocks += 3;  // unused blocks hold garbage the kernels must not read
@@ -1166,6 +1202,7 @@ class CudaAttentionTest : public CudaOpsTest {
     std::vector<float> kc, vc;  // what the device caches hold
     Tensor gk = GpuKv(k_in, {total_blocks, c.bs, c.hk, c.d}, kv, &kc),
            gv = GpuKv(v_in, {total_blocks, c.bs, c.hk, c.d}, kv, &vc);
+    if (poison) PoisonUnreachedRows(m, c, kv, total_blocks, gk, gv);
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
     std::vector<float> want(size_t{1} * T * qw);
     SetBatch(m);
@@ -1353,12 +1390,15 @@ TEST_F(CudaAttentionTest, DecodeQuantizedKvCache) {
 }
 
 // Every decode kernel (sub-tile, two-phase, mma; the mma kernel also with L2 prefetches, which
-// must not change a result) at forced partitions, for each cache dtype (the
+// must not change a result; mma-tma, the TMA-fed mma kernel, at its default 256-key splits and
+// forced ones) at forced partitions, for each cache dtype (the
 // two-phase kernel reads 16 elements a lane from a quantized cache at G <= 2, 8 at G = 8; the
 // mma kernel runs for fp8, int8 and int4 at head_dim 64 and 128, G = 1, 2 and 8, and falls back
-// to the two-phase kernel for the other cases):
+// to the two-phase kernel for the other cases; mma-tma runs for fp8 and int8 at head_dim 64 and
+// 128, as mma for int4, as two-phase for bf16 and head_dim 32):
 // contexts of one key, of part of a partition and of many, padding, a block size that is not
-// a power of two (page math by division instead of shifts).
+// a power of two (page math by division instead of shifts; mma-tma: 24-row pages, so that
+// splits of 64..512 keys start inside a page).
 TEST_F(CudaAttentionTest, DecodeEveryKernelAndPartition) {
   const std::vector<AttnCase> cases = {
       {{{1, 1}, {1, 63}, {1, 0}, {1, 129}, {1, 700}, {1, 1500}}, 32, 32, 128, 16},  // G=1
@@ -1378,6 +1418,9 @@ TEST_F(CudaAttentionTest, DecodeEveryKernelAndPartition) {
       {cuda::DecodeKernel::kTwoPhase, 512}, {cuda::DecodeKernel::kMma, 64},
       {cuda::DecodeKernel::kMma, 512},      {cuda::DecodeKernel::kMma, 1024},
       {cuda::DecodeKernel::kMma, 64, 1},    {cuda::DecodeKernel::kMma, 512, 4},
+      {cuda::DecodeKernel::kMmaTma, 0},     {cuda::DecodeKernel::kMmaTma, 64},
+      {cuda::DecodeKernel::kMmaTma, 128},   {cuda::DecodeKernel::kMmaTma, 512},
+      {cuda::DecodeKernel::kMmaTma, 1024},  // capped at 512
   };
   const int env_prefetch = cuda::DecodePrefetch();
   for (DType kv : {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4}) {
@@ -1397,15 +1440,72 @@ TEST_F(CudaAttentionTest, DecodeEveryKernelAndPartition) {
   cuda::SetDecodePrefetch(env_prefetch);
 }
 
-// A decode step captured once replays correctly for new contexts and tokens (same sizes).
+// The 8-bit caches with every row that no context reaches poisoned (PoisonUnreachedRows: NaN
+// fp8 codes, NaN scales) through the kernels that read them: mma-tma (TMA brings whole pages,
+// the stale rows of a last page included; default, 64- and 512-key splits; block sizes 16, 24
+// and 32, and 12, which TMA does not load: it falls back to the mma kernel), and the mma kernel.
+// G = 1, 2 and 8, head_dim 64 and 128, contexts of 1 key, inside a page, a page's end, several
+// splits, and padding.
+TEST_F(CudaAttentionTest, DecodeStaleRowsPoisoned) {
+  const std::vector<AttnCase> cases = {
+      {{{1, 1}, {1, 5}, {1, 0}, {1, 16}, {1, 300}, {1, 1027}}, 32, 32, 128, 16},  // G=1
+      {{{1, 17}, {1, 513}, {1, 250}}, 16, 2, 64, 16},                             // G=8, d 64
+      {{{1, 100}, {1, 0}, {1, 777}, {1, 32}}, 8, 4, 128, 32},                     // G=2, bs 32
+      {{{1, 23}, {1, 25}, {1, 1100}}, 8, 8, 64, 24},  // G=1, bs 24: splits start inside pages
+      {{{1, 11}, {1, 400}}, 8, 4, 128, 12},           // bs 12: mma-tma runs as mma
+  };
+  struct Variant {
+    cuda::DecodeKernel kernel;
+    int partition;
+  };
+  const Variant variants[] = {{cuda::DecodeKernel::kMmaTma, 0},
+                              {cuda::DecodeKernel::kMmaTma, 64},
+                              {cuda::DecodeKernel::kMmaTma, 512},
+                              {cuda::DecodeKernel::kMma, 512}};
+  for (DType kv : {DType::kF8E4M3, DType::kI8}) {
+    for (const Variant& v : variants) {
+      cuda::SetDecodeOverride(v.kernel, v.partition);
+      for (size_t i = 0; i < cases.size(); ++i) {
+        SCOPED_TRACE(std::string(KvCacheDTypeName(kv)) + " kernel " +
+                     std::to_string(static_cast<int>(v.kernel)) + " partition " +
+                     std::to_string(v.partition) + " case " + std::to_string(i));
+        Run(cases[i], /*decode=*/true, kv, /*poison=*/true);
+      }
+    }
+  }
+  cuda::SetDecodeOverride(cuda::DecodeKernel::kAuto, 0);
+}
+
+// A decode step captured once replays correctly for new contexts and tokens (same sizes): a
+// bf16 cache through the kernel the batch picks, and 8-bit caches through mma-tma (G = 4; its
+// TMA descriptors are kernel parameters captured with the graph).
 TEST_F(CudaOpsTest, DecodeStepReplaysAsCudaGraph) {
+  struct Variant {
+    DType kv;
+    cuda::DecodeKernel kernel;
+    int partition;
+  };
+  for (const Variant& v : {Variant{DType::kBF16, cuda::DecodeKernel::kAuto, 0},
+                           Variant{DType::kF8E4M3, cuda::DecodeKernel::kMmaTma, 0},
+                           Variant{DType::kI8, cuda::DecodeKernel::kMmaTma, 64}}) {
+    SCOPED_TRACE(std::string(KvCacheDTypeName(v.kv)) + " kernel " +
+                 std::to_string(static_cast<int>(v.kernel)));
+    cuda::SetDecodeOverride(v.kernel, v.partition);
+    DecodeStepReplay(v.kv);
+    cuda::SetDecodeOverride(cuda::DecodeKernel::kAuto, 0);
+    bufs_.clear();
+  }
+}
+
+void CudaOpsTest::DecodeStepReplay(DType kv) {
   const int hq = 8, hk = 2, d = 128, bs = 16, hidden = hq * d, blocks = 200, B = 4;
   const int max_blocks = 64;
   auto wq = RandomBf16(rng_, hidden * hidden, 0.05f);
   Tensor gwq = Gpu(wq, {hidden, hidden});
-  auto kc = RandomBf16(rng_, blocks * bs * hk * d), vc = RandomBf16(rng_, blocks * bs * hk * d);
-  Tensor gk = Gpu(kc, {blocks, bs, hk, d}), gv = Gpu(vc, {blocks, bs, hk, d});
-  Tensor x = GpuOut({B, hidden}), qo = GpuOut({B, hidden}), out = GpuOut({B, hidden});
+  std::vector<float> kc, vc;  // what the device caches hold
+  Tensor gk = GpuKv(RandomBf16(rng_, blocks * bs * hk * d), {blocks, bs, hk, d}, kv, &kc),
+         gv = GpuKv(RandomBf16(rng_, blocks * bs * hk * d), {blocks, bs, hk, d}, kv, &vc);
+  Tensor qo = GpuOut({B, hidden}), out = GpuOut({B, hidden});
   const float scale = 0.088f;
   // Build metas directly: contexts change, capacity fixed.
   auto meta = [&](const std::vector<int>& ctxs) {
