@@ -111,16 +111,6 @@ const EnvVar kPrefillKernel = {"TPSERVE_PREFILL_KERNEL",
                                0,
                                0,
                                "mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-tma|wgmma-fa3|wgmma-fa3pp"};
-const EnvVar kPrefillOrder = {"TPSERVE_PREFILL_ORDER",
-                              EnvType::kChoice,
-                              "heads",
-                              "prefill attention: block order, heads (the heads of a query tile "
-                              "run together, so every head's heaviest tiles start first) or "
-                              "work (a head's tiles together, the order before 2026-12-05; A/B "
-                              "runs)",
-                              0,
-                              0,
-                              "heads|work"};
 const EnvVar kDecodeKernel = {
     "TPSERVE_DECODE_KERNEL",
     EnvType::kChoice,
@@ -380,7 +370,6 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kLaunchAhead,
       &env::kPrefillTile,
       &env::kPrefillKernel,
-      &env::kPrefillOrder,
       &env::kDecodeKernel,
       &env::kDecodePartition,
       &env::kDecodeOrder,

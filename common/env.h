@@ -45,7 +45,6 @@ extern const EnvVar kPdl;
 extern const EnvVar kLaunchAhead;
 extern const EnvVar kPrefillTile;
 extern const EnvVar kPrefillKernel;
-extern const EnvVar kPrefillOrder;
 extern const EnvVar kDecodeKernel;
 extern const EnvVar kDecodePartition;
 extern const EnvVar kDecodeOrder;

@@ -52,15 +52,12 @@ PrefillKernel PrefillKernelChoice() {
   return static_cast<PrefillKernel>(PrefillKernelOverride().load());
 }
 
-namespace {
-std::atomic<bool>& PrefillHeadsFirstFlag() {
-  static std::atomic<bool> heads_first{EnvString(env::kPrefillOrder) != "work"};
-  return heads_first;
+dim3 PrefillGrid(const DeviceBatch& b, int num_heads) {
+  TP_CHECK(b.num_prefill_work <= 65535 && num_heads <= 65535)
+      << "prefill attention: " << b.num_prefill_work << " query tiles x " << num_heads
+      << " heads exceed the grid (65,535 a dimension)";
+  return dim3(num_heads, b.num_prefill_work);
 }
-}  // namespace
-
-void SetPrefillHeadsFirst(bool heads_first) { PrefillHeadsFirstFlag() = heads_first; }
-bool PrefillHeadsFirst() { return PrefillHeadsFirstFlag().load(); }
 
 namespace {
 
@@ -95,7 +92,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                            const int32_t* __restrict__ context_lens,
                            const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
                            int block_size, int block_shift, int num_heads, int num_kv_heads,
-                           bool heads_first, float scale_log2, __nv_bfloat16* __restrict__ out) {
+                           float scale_log2, __nv_bfloat16* __restrict__ out) {
   constexpr int kThreads = kWarps * 32;
   constexpr int kBM = kWarps * 16;  // query rows per block
   constexpr int kChunks = kD / 8;
@@ -118,7 +115,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   float* ksc_s = reinterpret_cast<float*>(vq_s + 2 * kCodeTile);
   float* vsc_s = ksc_s + 2 * kBN * kGroups;
 
-  const PrefillBlock blk = PrefillBlockOf(num_heads, heads_first);
+  const PrefillBlock blk = PrefillBlockOf();
   const int2 item = work[blk.item];
   const int seq = item.x, q0 = item.y;
   const int head = blk.head;
@@ -391,13 +388,12 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   }();
   (void)configured;
   const int block_shift = KvBlockShift(b.block_size);
-  PrefillAttentionKernel<Kv, kD, kWarps>
-      <<<b.num_prefill_work * num_heads, kWarps * 32, kSmem, stream>>>(
-          q.ptr<const __nv_bfloat16>(), static_cast<const uint8_t*>(k_cache.data),
-          static_cast<const uint8_t*>(v_cache.data), static_cast<const float*>(k_cache.scales),
-          static_cast<const float*>(v_cache.scales), b.prefill_work, b.query_start, b.context_lens,
-          b.block_tables, b.max_blocks_per_seq, b.block_size, block_shift, num_heads, num_kv_heads,
-          PrefillHeadsFirst(), scale * kLog2e, out.ptr<__nv_bfloat16>());
+  PrefillAttentionKernel<Kv, kD, kWarps><<<PrefillGrid(b, num_heads), kWarps * 32, kSmem, stream>>>(
+      q.ptr<const __nv_bfloat16>(), static_cast<const uint8_t*>(k_cache.data),
+      static_cast<const uint8_t*>(v_cache.data), static_cast<const float*>(k_cache.scales),
+      static_cast<const float*>(v_cache.scales), b.prefill_work, b.query_start, b.context_lens,
+      b.block_tables, b.max_blocks_per_seq, b.block_size, block_shift, num_heads, num_kv_heads,
+      scale * kLog2e, out.ptr<__nv_bfloat16>());
   TP_CUDA_CHECK_LAUNCH();
 }
 

@@ -2,7 +2,7 @@
 // FlashAttention-2 algorithm of attention_prefill.cu with its two products on wgmma, as
 // FlashAttention-3 does, so that the tensor cores read Q, K and V straight from shared memory
 // instead of through ldmatrix into registers.
-// - One block per (tile of PrefillTileM() query rows, head), in PrefillHeadsFirst's order; one
+// - One block per (tile of PrefillTileM() query rows, head), heads first (PrefillGrid); one
 //   consumer warpgroup per 64 rows (two for 128-row tiles). Every thread also copies: K and V
 //   tiles of kBN = 128 keys are gathered from the paged cache with cp.async (two stages: the next
 //   tile loads while this one is computed) into the 128-byte-swizzled layout wgmma reads
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup, 1)
                        const int32_t* __restrict__ context_lens,
                        const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
                        int block_size, int block_shift, int num_heads, int num_kv_heads,
-                       bool heads_first, float scale_log2, __nv_bfloat16* __restrict__ out) {
+                       float scale_log2, __nv_bfloat16* __restrict__ out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kThreads = kWgs * kWarpgroup;
   constexpr int kBM = kWgs * 64;   // query rows per block
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup, 1)
   float* ksc_s = reinterpret_cast<float*>(vq_s + 2 * kCodeTile);  // scales [2][kBN]
   float* vsc_s = ksc_s + 2 * kBN;
 
-  const PrefillBlock blk = PrefillBlockOf(num_heads, heads_first);
+  const PrefillBlock blk = PrefillBlockOf();
   const PrefillItem it = ReadItem<kBM, kBN>(work, blk.item, query_start, context_lens);
   const int num_tiles = it.num_tiles, ctx = it.ctx;
   const int head = blk.head;
@@ -547,7 +547,7 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
                          const int32_t* __restrict__ context_lens,
                          const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
                          int block_size, int block_shift, int num_heads, int num_kv_heads,
-                         bool heads_first, float scale_log2, __nv_bfloat16* __restrict__ out) {
+                         float scale_log2, __nv_bfloat16* __restrict__ out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kConsumers = kWgs * kWarpgroup;
   constexpr int kBM = kWgs * 64;
@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
   __shared__ __align__(8) uint64_t empty[kStages];
   __shared__ __align__(8) uint64_t q_full;
 
-  const PrefillBlock blk = PrefillBlockOf(num_heads, heads_first);
+  const PrefillBlock blk = PrefillBlockOf();
   const PrefillItem it = ReadItem<kBM, kWsKeys>(work, blk.item, query_start, context_lens);
   const int num_tiles = it.num_tiles, ctx = it.ctx;
   const int head = blk.head;
@@ -739,7 +739,7 @@ __global__ void __launch_bounds__((kWgs + 1) * kWarpgroup, 1)
                           const int32_t* __restrict__ context_lens,
                           const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
                           int block_size, int block_shift, int num_heads, int num_kv_heads,
-                          bool heads_first, float scale_log2, __nv_bfloat16* __restrict__ out) {
+                          float scale_log2, __nv_bfloat16* __restrict__ out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kConsumers = kWgs * kWarpgroup;
   constexpr int kBM = kWgs * 64;
@@ -759,7 +759,7 @@ __global__ void __launch_bounds__((kWgs + 1) * kWarpgroup, 1)
   __shared__ __align__(8) uint64_t empty[kStages];
   __shared__ __align__(8) uint64_t q_full;
 
-  const PrefillBlock blk = PrefillBlockOf(num_heads, heads_first);
+  const PrefillBlock blk = PrefillBlockOf();
   const PrefillItem it = ReadItem<kBM, kBN>(work, blk.item, query_start, context_lens);
   const int num_tiles = it.num_tiles, ctx = it.ctx;
   const int head = blk.head;
@@ -925,11 +925,11 @@ void LaunchFa3Typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cach
   (void)configured;
   const CUtensorMap k_map = KvPageMap(k_cache, b.block_size, num_kv_heads, kD);
   const CUtensorMap v_map = KvPageMap(v_cache, b.block_size, num_kv_heads, kD);
-  kernel<<<b.num_prefill_work * num_heads, (kWgs + 1) * kWarpgroup, kSmem, stream>>>(
+  kernel<<<PrefillGrid(b, num_heads), (kWgs + 1) * kWarpgroup, kSmem, stream>>>(
       k_map, v_map, q.ptr<const __nv_bfloat16>(), k_cache.ptr<const __nv_bfloat16>(),
       v_cache.ptr<const __nv_bfloat16>(), b.prefill_work, b.query_start, b.context_lens,
       b.block_tables, b.max_blocks_per_seq, b.block_size, KvBlockShift(b.block_size), num_heads,
-      num_kv_heads, PrefillHeadsFirst(), scale * kLog2e, out.ptr<__nv_bfloat16>());
+      num_kv_heads, scale * kLog2e, out.ptr<__nv_bfloat16>());
   TP_CUDA_CHECK_LAUNCH();
 }
 
@@ -962,8 +962,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
                  cudaStream_t stream) {
   constexpr int kSmem = WgmmaPrefillSmemBytes<Kv, kD, kWgs, kPipe, kWs>();
   static_assert(kSmem <= 227 * 1024 - 64, "shared memory of an sm_90 block");
-  const int grid = b.num_prefill_work * num_heads;  // PrefillBlockOf
-  const bool heads_first = PrefillHeadsFirst();
+  const dim3 grid = PrefillGrid(b, num_heads);
   if constexpr (kWs) {
     static_assert(!Kv::kQuantized, "the warp-specialized kernel reads bf16 caches");
     auto kernel = PrefillWgmmaWsKernel<kD, kWgs, kPipe, kTma>;
@@ -982,7 +981,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
         k_map, v_map, q.ptr<const __nv_bfloat16>(), k_cache.ptr<const __nv_bfloat16>(),
         v_cache.ptr<const __nv_bfloat16>(), b.prefill_work, b.query_start, b.context_lens,
         b.block_tables, b.max_blocks_per_seq, b.block_size, KvBlockShift(b.block_size), num_heads,
-        num_kv_heads, heads_first, scale * kLog2e, out.ptr<__nv_bfloat16>());
+        num_kv_heads, scale * kLog2e, out.ptr<__nv_bfloat16>());
   } else {
     auto kernel = PrefillWgmmaKernel<Kv, kD, kWgs, kPipe>;
     static bool configured = [&] {
@@ -996,7 +995,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
         static_cast<const uint8_t*>(v_cache.data), static_cast<const float*>(k_cache.scales),
         static_cast<const float*>(v_cache.scales), b.prefill_work, b.query_start, b.context_lens,
         b.block_tables, b.max_blocks_per_seq, b.block_size, KvBlockShift(b.block_size), num_heads,
-        num_kv_heads, heads_first, scale * kLog2e, out.ptr<__nv_bfloat16>());
+        num_kv_heads, scale * kLog2e, out.ptr<__nv_bfloat16>());
   }
   TP_CUDA_CHECK_LAUNCH();
 }

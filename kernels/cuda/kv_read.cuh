@@ -184,17 +184,14 @@ __device__ __forceinline__ int64_t KvPoolRow(const int32_t* __restrict__ table, 
   return (static_cast<int64_t>(table[page]) * block_size + in_page) * num_kv_heads + kv_head;
 }
 
-// A prefill-attention block's work item (SetBatch's list) and head in the 1-D grid of
-// num_work x num_heads blocks (launchers.h, PrefillHeadsFirst): heads_first puts a work item's
-// heads next to each other.
+// A prefill-attention block's work item (SetBatch's list) and head in PrefillGrid's (heads, work
+// items) grid, read from the block index registers (which the compiler reads again where needed
+// instead of holding them: a 1-D grid's quotient and remainder made three mma kernels spill).
 struct PrefillBlock {
   int item, head;
 };
-__device__ __forceinline__ PrefillBlock PrefillBlockOf(int num_heads, bool heads_first) {
-  const int b = blockIdx.x;
-  if (heads_first) return {b / num_heads, b % num_heads};
-  const int num_work = gridDim.x / num_heads;
-  return {b % num_work, b / num_work};
+__device__ __forceinline__ PrefillBlock PrefillBlockOf() {
+  return {static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x)};
 }
 
 // Byte offset of element `e` (a multiple of 8) in a pool of Kv.

@@ -33,14 +33,14 @@ inline constexpr int kPrefillTileMinM = 64;
 enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe, kWgmmaWs, kWgmmaTma, kWgmmaFa3, kWgmmaFa3Pp };
 void SetPrefillKernel(PrefillKernel kernel);
 PrefillKernel PrefillKernelChoice();
-// The prefill kernels' block order over a 1-D grid of (work item, head) blocks. Heads first (the
-// default, TPSERVE_PREFILL_ORDER=heads): a work item's heads are neighbours, so with SetBatch's
-// heaviest-first work list every head's heaviest tiles are dispatched before any lighter tile
-// and the grid's tail is light (a 2048-token prefill at one block an SM: 34 tile-times against
-// an ideal 33, where a head's tiles together, =work, take 43). SetPrefillHeadsFirst (benchmarks
-// and tests) sets it for every later launch of this process.
-void SetPrefillHeadsFirst(bool heads_first);
-bool PrefillHeadsFirst();
+// The prefill kernels' grid: (heads, work items), so that a work item's heads are neighbours in
+// dispatch order and, with SetBatch's heaviest-first work list, every head's heaviest query tiles
+// start before any lighter one (PrefillBlockOf reads it). The order before 2026-12-05, a head's
+// tiles together, left head 31's heaviest tile among the last blocks: a 2048-token prefill at
+// one block an SM modeled at 43 tile-times against 34 (ideal 33), measured on an H200 241 against
+// 295 TFLOP/s (wgmma) and 156 against 193 (mma). Checks the work items fit a grid dimension.
+struct DeviceBatch;
+dim3 PrefillGrid(const DeviceBatch& b, int num_heads);
 // Whether the wgmma kernel runs a prefill over a cache of dtype `kv` at `head_dim` here.
 bool WgmmaPrefillFits(DType kv, int head_dim);
 

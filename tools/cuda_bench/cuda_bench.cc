@@ -581,45 +581,30 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
   auto batch = [&](int seqs, int qlen, int ctx) { return PagedBatch(seqs, qlen, ctx, bs); };
   // Prefill attention: the mma.sync kernel (the unsuffixed rows) and the wgmma kernels, over a
   // bf16 and an fp8 cache (one cache and q per dtype, for every kernel's row).
-  // The "work-first" rows run the mma and wgmma kernels in the block order before 2026-12-05
-  // (TPSERVE_PREFILL_ORDER=work: a head's query tiles together) for an A/B against the default.
   const cuda::PrefillKernel env_prefill = cuda::PrefillKernelChoice();
-  const bool env_heads_first = cuda::PrefillHeadsFirst();
   const int T = 2048;
-  struct PrefillRow {
-    cuda::PrefillKernel kernel;
-    bool heads_first;
-    std::string label;
-  };
   for (DType kv : {DType::kBF16, DType::kF8E4M3}) {
-    std::vector<PrefillRow> rows;
+    std::vector<std::pair<cuda::PrefillKernel, std::string>> rows;
     for (cuda::PrefillKernel kernel :
          {cuda::PrefillKernel::kMma, cuda::PrefillKernel::kWgmma, cuda::PrefillKernel::kWgmmaPipe,
           cuda::PrefillKernel::kWgmmaWs, cuda::PrefillKernel::kWgmmaTma,
           cuda::PrefillKernel::kWgmmaFa3, cuda::PrefillKernel::kWgmmaFa3Pp}) {
-      for (bool heads_first : {true, false}) {
-        if (!heads_first && kernel != cuda::PrefillKernel::kMma &&
-            kernel != cuda::PrefillKernel::kWgmma) {
-          continue;
-        }
-        std::string label = "prefill attention 2048 tok, 32 heads, d128";
-        if (kv != DType::kBF16) label += std::string(" ") + std::string(KvCacheDTypeName(kv));
-        if (kernel == cuda::PrefillKernel::kWgmma) label += " wgmma";
-        if (kernel == cuda::PrefillKernel::kWgmmaPipe) label += " wgmma-pipe";
-        if (kernel == cuda::PrefillKernel::kWgmmaWs) label += " wgmma-ws";
-        if (kernel == cuda::PrefillKernel::kWgmmaTma) label += " wgmma-tma";
-        if (kernel == cuda::PrefillKernel::kWgmmaFa3) label += " wgmma-fa3";
-        if (kernel == cuda::PrefillKernel::kWgmmaFa3Pp) label += " wgmma-fa3pp";
-        if (!heads_first) label += " work-first";
-        if (m1_only || !Wanted(label)) continue;
-        // The wgmma kernels where they run (pipe and ws for bf16 caches only).
-        if (kernel != cuda::PrefillKernel::kMma && !cuda::WgmmaPrefillFits(kv, d)) continue;
-        if (kernel != cuda::PrefillKernel::kMma && kernel != cuda::PrefillKernel::kWgmma &&
-            kv != DType::kBF16) {
-          continue;
-        }
-        rows.push_back({kernel, heads_first, label});
+      std::string label = "prefill attention 2048 tok, 32 heads, d128";
+      if (kv != DType::kBF16) label += std::string(" ") + std::string(KvCacheDTypeName(kv));
+      if (kernel == cuda::PrefillKernel::kWgmma) label += " wgmma";
+      if (kernel == cuda::PrefillKernel::kWgmmaPipe) label += " wgmma-pipe";
+      if (kernel == cuda::PrefillKernel::kWgmmaWs) label += " wgmma-ws";
+      if (kernel == cuda::PrefillKernel::kWgmmaTma) label += " wgmma-tma";
+      if (kernel == cuda::PrefillKernel::kWgmmaFa3) label += " wgmma-fa3";
+      if (kernel == cuda::PrefillKernel::kWgmmaFa3Pp) label += " wgmma-fa3pp";
+      if (m1_only || !Wanted(label)) continue;
+      // The wgmma kernels where they run (pipe, ws, tma and fa3 for bf16 caches only).
+      if (kernel != cuda::PrefillKernel::kMma && !cuda::WgmmaPrefillFits(kv, d)) continue;
+      if (kernel != cuda::PrefillKernel::kMma && kernel != cuda::PrefillKernel::kWgmma &&
+          kv != DType::kBF16) {
+        continue;
       }
+      rows.emplace_back(kernel, label);
     }
     if (rows.empty()) continue;
     BatchMeta m = batch(1, T, T);
@@ -630,15 +615,13 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
     Tensor tq(q, {T, hq * d}, DType::kBF16, Device::kCuda),
         to(o, {T, hq * d}, DType::kBF16, Device::kCuda);
     const double flops = 4.0 * d * hq * (double(T) * (T + 1) / 2);
-    for (const auto& [kernel, heads_first, label] : rows) {
+    for (const auto& [kernel, label] : rows) {
       cuda::SetPrefillKernel(kernel);
-      cuda::SetPrefillHeadsFirst(heads_first);
       const double ms = MedianMs(
           s, 20, [&](int) { ops.AttentionPrefill(tq, cache.k, cache.v, hq, hk, d, 0.0884f, to); });
       Add(label, ms, Fmt("%.0f TFLOP/s (causal FLOPs)", flops / ms / 1e9));
     }
     cuda::SetPrefillKernel(env_prefill);
-    cuda::SetPrefillHeadsFirst(env_heads_first);
     for (void* p : {q, o}) ops.Free(p);
   }
   // Decode attention: each KV-cache dtype through the kernel and partition the batch picks
