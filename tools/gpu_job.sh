@@ -28,6 +28,7 @@
 #   tpserve-cuda-bench (e.g. --decode: every decode-attention kernel for each KV dtype).
 #   REUSE_DS67=1 keeps a /tmp/ds67 that an earlier job on the same machine made (the same
 #   `tpserve random-model` command) instead of making it again.
+#   DS67_PROMPT_LEN sets the 6.7B comparison's prompt length (64).
 #   BENCH_AB="VAR=value ...[;VAR=value ...]" runs the engine benchmark again with each of those
 #   environments (baselines of an A/B comparison in the same job), with BENCH_AB_ARGS.
 set -uo pipefail
@@ -103,7 +104,9 @@ fi
 if has ds67 || has refs; then
   # transformers on the same prompt: fp32 greedy (the truth), then bf16 teacher-forced over the
   # fp32 ids, and how far bf16 lands from fp32 (the bar gpu_model_test holds us to).
-  prompt=$(python3 -c 'import random; r=random.Random(5); print(",".join(str(r.randrange(32256)) for _ in range(64)))')
+  # DS67_PROMPT_LEN (64): above 256 tokens the prefill takes the GEMMs that add into the
+  # residual (CudaOps::GemmAddRmsNorm), which a 64-token prompt does not.
+  prompt=$(python3 -c 'import random,sys; r=random.Random(5); print(",".join(str(r.randrange(32256)) for _ in range(int(sys.argv[1]))))' "${DS67_PROMPT_LEN:-64}")
   log "transformers fp32 reference for the 6.7B shape (greedy, 32 steps)"
   python3 tools/hf_reference.py --model $ds --prompt-ids "$prompt" --steps 32 --dtype fp32 \
     --device cuda --out /tmp/ds67_ref32.safetensors >"$out/hf_ref32.log" 2>&1

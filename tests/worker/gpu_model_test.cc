@@ -226,6 +226,10 @@ TEST(GpuModelTest, DeepSeek67BShapeMatchesTransformers) {
   EngineOptions options;
   options.device = "cuda";
   options.num_kv_blocks = 256;
+  // PromptLogits returns a row of logits for every position: room for prompts of up to 480
+  // tokens beside the 32 scored steps (the GPU job's DS67_PROMPT_LEN; above 256 tokens the
+  // prefill adds the o and down projections into the residual inside cuBLASLt).
+  options.model.max_batch_seqs = 512;
   auto engine = Engine::Create(dir, options);
   ASSERT_TRUE(engine.ok()) << engine.status();
   const size_t vocab = (*engine)->config().vocab_size;
