@@ -115,13 +115,12 @@ const EnvVar kDecodeKernel = {
     "TPSERVE_DECODE_KERNEL",
     EnvType::kChoice,
     "auto",
-    "decode-attention kernel: auto (by the batch), subtile, twophase, mma or mma-tma "
-    "(A/B runs; mma: fp8, int8, int4 caches at head_dim 64/128, else twophase; mma-tma: "
-    "mma with K/V codes loaded by TMA, fp8 and int8 at head_dim 64/128 on sm_90, 256-key "
-    "splits unless TPSERVE_DECODE_PARTITION, else as mma; --deterministic keeps its own)",
+    "decode-attention kernel: auto (by the batch), subtile, twophase or mma "
+    "(A/B runs; mma: fp8, int8, int4 caches at head_dim 64/128, else twophase; "
+    "--deterministic keeps its own)",
     0,
     0,
-    "auto|subtile|twophase|mma|mma-tma"};
+    "auto|subtile|twophase|mma"};
 const EnvVar kDecodePartition = {"TPSERVE_DECODE_PARTITION",
                                  EnvType::kChoice,
                                  "0",

@@ -20,7 +20,6 @@
 #include "kernels/cuda/kv_read.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/mma_util.cuh"
-#include "kernels/cuda/wgmma_util.cuh"  // mbarriers, EncodeTiled, Sm90aSupported
 #include "kernels/head_dims.h"
 
 namespace tpserve::cuda {
@@ -824,430 +823,6 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
   }
 }
 
-// TPSERVE_DECODE_KERNEL=mma-tma (sm_90, 8-bit caches at head_dim 64 and 128): DecodeMmaKernel's
-// arithmetic (the same MMAs, f16 operands, P' = p * vscale / max vscale, merge of the splits),
-// with the K and V codes of the block's split brought into shared memory by TMA, all issued at
-// the start of the block: every byte of the split is in flight at once and none of it holds a
-// register, where DecodeMmaKernel's phases are chains of load round trips into registers between
-// which the bytes in flight dip (NOTES, issue 17, session 14).
-// - Warp 0 issues, lane p for page p of the split (and p + 32, ...), one TMA box of K and one of
-//   V per page: a page of one KV head, block_size rows x kRowBytes (DecodeCodePageMap). Page p of
-//   the split lands at shared row p * block_size, so key `tok` of the split (position start +
-//   tok) is at row off0 + tok, off0 = start % block_size (0 unless the split size is not a
-//   multiple of the block size). One mbarrier per page of K and one per page of V (arrival
-//   count 1: the issuing lane's expect_tx of the page's bytes): a warp waits only for the pages
-//   of the 16-key tiles it computes, so the scores of the first pages start while later ones
-//   arrive, and phase 3 waits for V pages that have long landed.
-// - The per-key scales (4 bytes a key and head) are ordinary loads into shared memory, issued
-//   right after the TMA boxes (each thread's keys unrolled, so their round trips overlap).
-// - Shared layout, bank-conflict free for the lanes' 16-byte reads (checked by enumerating the
-//   addresses of every phase of the reads at every row offset): d 128 rows (128 bytes) use TMA's
-//   128-byte swizzle (16-byte piece j of row R at piece j ^ R % 8), d 64 rows (64 bytes) the
-//   64-byte swizzle (piece j ^ (R / 2) % 4). For that: (1) in the scores a lane's 16-byte pieces
-//   of a K row are pieces kChunks c + ch (dims 16 (kChunks c + ch) + [0, 16); DecodeMmaKernel:
-//   64 ch + 16 c), so the two rows of a read phase take pieces of opposite parity; q puts the
-//   same dims in the same columns; (2) in the output the k columns (2c, 2c + 1, 2c + 8, 2c + 9)
-//   of lane c hold keys TmaVKey(c, e), e = 0..3 (DecodeMmaKernel: 4c + e): d 128 the columns'
-//   own keys, d 64 the columns with bits 0 and 1 of their index swapped; P' uses the same keys.
-// - Keys past the context. TMA brings whole pages, so the rows of the last page past the
-//   context (and, with off0 > 0, the rows of the first page before the split) hold stale codes
-//   of whatever was written there: for fp8 possibly NaN (e4m3 0x7f / 0xff), and rows of the last
-//   16-key tile past the last page are never written by this block at all. They are neutralized
-//   where they are read: a score of a key >= n (keys in the split) is never stored (its MMA row
-//   is its own: a NaN there stays in that row), its softmax weight P' is exactly 0 (phase 2), and
-//   the V codes of keys >= n are not read from shared memory but set to 0 in the A fragment
-//   (0 * NaN would be NaN); the scales of keys >= n are not loaded and not read.
-// - Shared memory per block (dynamic, TmaDecodeLayout): the codes, 2 x rows x kRowBytes (rows =
-//   the split's keys rounded up to pages, + a page when the split size is not a multiple of the
-//   block size), + the scores/P' (also the warps' partial outputs), the scales, the mbarriers,
-//   and 1 KB to align the codes to the swizzle's repeat. fp8 at d 128: 64 KB of codes for a
-//   256-key split (3 blocks an SM at G <= 2), 128 KB for 512 (1 block an SM).
-//   The default split is 256 keys (kTmaDefaultPartition): with one 512-key block an SM, all of
-//   an SM's loads are issued at a block's start and none are in flight while it computes; three
-//   256-key blocks keep ~190 KB in flight an SM on average across their staggered phases (the
-//   latency-bandwidth product is ~36 KB an SM) and overlap one block's compute with the others'
-//   loads. TPSERVE_DECODE_PARTITION=64/128/512 select the others (the GPU run decides).
-// Deterministic mode's token queries keep DecodeMmaKernel; block sizes that are not a multiple
-// of 8 (a page then breaks the swizzle's 512/1024-byte alignment) or over 256 (TMA's box) run it
-// too (TmaDecodePages).
-constexpr int kMaxTmaPartition = 512;
-constexpr int kTmaDefaultPartition = 256;
-template <typename Kv, int kD>
-inline constexpr bool kMmaTmaDecodeSupported = Kv::kQuantized&& Kv::kBits == 8 &&
-                                               (kD == 64 || kD == 128);
-
-// Whether pages of this block size can be TMA'd into the swizzled layout.
-bool TmaDecodePages(int block_size) { return block_size % 8 == 0 && block_size <= 256; }
-
-// The dynamic shared memory of DecodeMmaTmaKernel for a split of `partition` keys, in the order
-// of the buffers (after the 1 KB alignment slack): K codes, V codes [rows][kRowBytes], scores /
-// P' [kG][pstride] (pfloats floats, which also hold the warps' kWarps x kG x kD partial outputs),
-// K and V scales [pstride], mbarriers [2][pages].
-struct TmaDecodeLayout {
-  int pstride, rows, pages, pfloats;
-  size_t bytes;
-};
-__host__ __device__ __forceinline__ TmaDecodeLayout MakeTmaDecodeLayout(int partition,
-                                                                        int block_size,
-                                                                        int row_bytes, int g,
-                                                                        int d) {
-  TmaDecodeLayout l;
-  l.pstride = (partition + 15) / 16 * 16;
-  // A split starts at row off0 <= block_size - 1 of its first page when partition is not a
-  // multiple of the block size; the last 16-key tile reaches row off0 + pstride - 1.
-  const int max_off0 = partition % block_size == 0 ? 0 : block_size - 1;
-  l.rows = (max_off0 + l.pstride + block_size - 1) / block_size * block_size;
-  l.pages = l.rows / block_size;
-  l.pfloats = g * l.pstride > 4 * g * d ? g * l.pstride : 4 * g * d;
-  l.bytes = 1024 + size_t{2} * l.rows * row_bytes +
-            sizeof(float) * (size_t{1} * l.pfloats + 2 * l.pstride) +
-            sizeof(uint64_t) * 2 * l.pages;
-  return l;
-}
-
-// Lane c's key (of a 16-key tile) in the k column (2c, 2c + 1, 2c + 8, 2c + 9)[e] of the output
-// MMAs: d 128, the column's own; d 64, the column with bits 0 and 1 swapped (keys (c % 2) +
-// 2 (e % 2) + 4 (c / 2) + 8 (e / 2)), so that the lanes of a 64-byte-swizzled read phase take
-// the rows' 8-byte pieces in 16 distinct bank pairs.
-template <int kD>
-__device__ __forceinline__ int TmaVKey(int c, int e) {
-  if constexpr (kD == 128) return 2 * c + (e & 1) + 8 * (e >> 1);
-  return (c & 1) + 2 * (e & 1) + 4 * (c >> 1) + 8 * (e >> 1);
-}
-// Byte offset of 16-byte piece j of shared row `row` in the swizzled code buffers.
-template <int kD>
-__device__ __forceinline__ int TmaCodeOffset(int row, int j) {
-  if constexpr (kD == 128) return row * 128 + ((j ^ (row & 7)) << 4);
-  return row * 64 + ((j ^ ((row >> 1) & 3)) << 4);
-}
-
-// One TMA box (a page of one KV head: box {kRowBytes, 1, block_size} at bytes 0, head
-// `kv_head`, pool row `row`) into shared memory at dst, completing on `bar`.
-__device__ __forceinline__ void TmaLoadPage(void* dst, const CUtensorMap* map, uint64_t* bar,
-                                            int kv_head, int row) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(SmemAddrOf(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddrOf(bar)), "r"(0), "r"(kv_head), "r"(row)
-      : "memory");
-}
-
-// Resident blocks an SM the TMA kernel is compiled for (<= 128 registers a thread): shared
-// memory allows 3 at 256-key splits (fp8/int8, d 128, G <= 4), more at 64 and 128. Without a
-// minimum, ptxas chose 72-96 registers and spilled for some instantiations.
-constexpr int kMmaTmaBlocksPerSm = 4;
-template <typename Kv, int kD, int kG>
-__global__ void __launch_bounds__(kThreads, kMmaTmaBlocksPerSm)
-    DecodeMmaTmaKernel(const __grid_constant__ CUtensorMap k_map,
-                       const __grid_constant__ CUtensorMap v_map,
-                       const __nv_bfloat16* __restrict__ q, const float* __restrict__ k_scales,
-                       const float* __restrict__ v_scales, const int32_t* __restrict__ query_start,
-                       const int32_t* __restrict__ context_lens,
-                       const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
-                       int block_size, int num_heads, int num_kv_heads, int partition,
-                       float scale_log2, unsigned* __restrict__ counters,
-                       float* __restrict__ records, __nv_bfloat16* __restrict__ out,
-                       int block_shift, int order) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (kMmaTmaDecodeSupported<Kv, kD> && kG <= 8) {
-    constexpr int kSteps = kD / 16;   // k steps of a score tile = dim blocks of an output tile
-    constexpr int kChunks = kD / 64;  // 16-byte pieces of a K row per lane
-    constexpr int kRowBytes = kD;     // 8-bit codes
-    constexpr int kVBytes = kD / 8;   // bytes of a V row per lane
-    constexpr int kWarps = kThreads / 32;
-    // Tiles a warp reads from shared memory before computing them: scores, output.
-    constexpr int kUnrollK = 2, kUnrollV = 2;
-    constexpr int kMaxKeysPerThread = kMaxTmaPartition / kThreads;  // scale loads
-    __shared__ float o_s[kG][kD];
-    __shared__ float m_s[kG], l_s[kG];
-    __shared__ float vmax_s;
-    extern __shared__ uint8_t tma_smem_raw[];
-
-    PdlLaunchDependents();
-    const DecodeBlock blk = DecodeBlockIndex(order);
-    const int split = blk.split, group = blk.group, seq = blk.seq, num_splits = blk.num_splits;
-    const int ctx = context_lens[seq];
-    const int start = split * partition;
-    const int head0 = group * kG;
-    const int64_t q_row = query_start[seq];
-    if (start >= ctx) {  // no arrival: `used` below counts only the splits before ctx
-      if (ctx == 0 && split == 0) {
-        PdlWait();
-        WriteZeroRows<kD, kG>(q_row, num_heads, head0, out);
-      }
-      return;
-    }
-    const int n = min(partition, ctx - start);
-    const int used = (ctx + partition - 1) / partition;
-    const int num_tiles = (n + 15) / 16;
-    const int kv_head = head0 / (num_heads / num_kv_heads);
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = lane / 4, c = lane % 4;
-    const int32_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks_per_seq;
-    // The split's pages: page0 of the sequence's table at shared row 0, key 0 at row off0.
-    const int page0 = block_shift >= 0 ? start >> block_shift : start / block_size;
-    const int off0 = start - page0 * block_size;
-    const int num_pages = (off0 + n + block_size - 1) / block_size;
-    auto page_of_row = [&](int row) {
-      return block_shift >= 0 ? row >> block_shift : row / block_size;
-    };
-
-    const TmaDecodeLayout lay = MakeTmaDecodeLayout(partition, block_size, kRowBytes, kG, kD);
-    uint8_t* k_s = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(tma_smem_raw) + 1023) &
-                                              ~static_cast<uintptr_t>(1023));
-    uint8_t* v_s = k_s + lay.rows * kRowBytes;
-    float* p_s = reinterpret_cast<float*>(v_s + lay.rows * kRowBytes);  // [kG][pstride]
-    float* ks_s = p_s + lay.pfloats;
-    float* vs_s = ks_s + lay.pstride;
-    uint64_t* k_bar = reinterpret_cast<uint64_t*>(vs_s + lay.pstride);
-    uint64_t* v_bar = k_bar + lay.pages;
-    const int ps = lay.pstride;
-
-    if (warp == 0) {
-      for (int p = lane; p < num_pages; p += 32) {
-        MbarInit(&k_bar[p], 1);
-        MbarInit(&v_bar[p], 1);
-      }
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();  // the barriers are initialized before anyone waits on them
-
-    PdlWait();  // q and this step's K/V rows and scales come from the previous kernels
-    if (warp == 0) {
-      const uint32_t page_bytes = static_cast<uint32_t>(kRowBytes * block_size);
-      for (int p = lane; p < num_pages; p += 32) {
-        const int row = __ldg(table + page0 + p) * block_size;
-        MbarExpectTx(&k_bar[p], page_bytes);
-        TmaLoadPage(k_s + p * block_size * kRowBytes, &k_map, &k_bar[p], kv_head, row);
-      }
-      for (int p = lane; p < num_pages; p += 32) {
-        const int row = __ldg(table + page0 + p) * block_size;
-        MbarExpectTx(&v_bar[p], page_bytes);
-        TmaLoadPage(v_s + p * block_size * kRowBytes, &v_map, &v_bar[p], kv_head, row);
-      }
-    }
-    // The scales of the split's keys (those past n are never read), kMaxKeysPerThread loads a
-    // thread in flight together (LaunchTyped keeps partition <= kMaxTmaPartition).
-    {
-      int64_t rows[kMaxKeysPerThread];
-#pragma unroll
-      for (int u = 0; u < kMaxKeysPerThread; ++u) {
-        const int i = tid + u * kThreads;
-        rows[u] =
-            i < n ? KvPoolRow(table, start + i, block_size, block_shift, num_kv_heads, kv_head) : 0;
-      }
-      float ksc[kMaxKeysPerThread], vsc[kMaxKeysPerThread];
-#pragma unroll
-      for (int u = 0; u < kMaxKeysPerThread; ++u) {
-        const int i = tid + u * kThreads;
-        ksc[u] = i < n ? __ldg(k_scales + rows[u]) : 0.0f;
-        vsc[u] = i < n ? __ldg(v_scales + rows[u]) : 0.0f;
-      }
-#pragma unroll
-      for (int u = 0; u < kMaxKeysPerThread; ++u) {
-        const int i = tid + u * kThreads;
-        if (i < n) {
-          ks_s[i] = ksc[u];
-          vs_s[i] = vsc[u];
-        }
-      }
-    }
-    // q of head r as the score MMAs' B operand: step 4 ch + i takes dims 16 (kChunks c + ch) +
-    // 4i + [0, 4) in order, as lane c's K fragment does (its 16-byte piece kChunks c + ch).
-    uint32_t qb[kSteps][2];
-    {
-      const __nv_bfloat16* qrow = q + (q_row * num_heads + head0 + min(r, kG - 1)) * kD;
-#pragma unroll
-      for (int ch = 0; ch < kChunks; ++ch) {
-        float f[16];
-        const int d0 = 16 * (kChunks * c + ch);
-        const uint4 lo = __ldg(reinterpret_cast<const uint4*>(qrow + d0));
-        const uint4 hi = __ldg(reinterpret_cast<const uint4*>(qrow + d0 + 8));
-        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&lo), f);
-        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&hi), f + 8);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          qb[4 * ch + i][0] = r < kG ? Float2ToHalf2(f[4 * i], f[4 * i + 1]) : 0u;
-          qb[4 * ch + i][1] = r < kG ? Float2ToHalf2(f[4 * i + 2], f[4 * i + 3]) : 0u;
-        }
-      }
-    }
-    __syncthreads();  // ks_s, vs_s
-
-    // Waits for the pages holding the shared rows of tile `tile` (those of loaded pages).
-    auto wait_tile = [&](uint64_t* bars, int tile) {
-      const int row0 = off0 + tile * 16;
-      const int last = min(page_of_row(row0 + 15), num_pages - 1);
-      for (int p = page_of_row(row0); p <= last; ++p) MbarWait(&bars[p], 0);
-    };
-
-    // Phase 1: scores (log2 domain). Lane (r, c) reads keys r and r + 8 of the tile.
-    for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnrollK) {
-      uint4 kw[kUnrollK][2][kChunks];
-#pragma unroll
-      for (int u = 0; u < kUnrollK; ++u) {
-        const int tile = t0 + u * kWarps;
-        if (tile < num_tiles) wait_tile(k_bar, tile);  // warp-uniform
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = off0 + tile * 16 + r + 8 * h;
-#pragma unroll
-          for (int ch = 0; ch < kChunks; ++ch) {
-            // Rows past the split's pages (tile >= num_tiles too) hold garbage; their scores are
-            // never stored, and a row's garbage stays in its own MMA row.
-            kw[u][h][ch] = tile < num_tiles ? *reinterpret_cast<const uint4*>(
-                                                  k_s + TmaCodeOffset<kD>(row, kChunks * c + ch))
-                                            : make_uint4(0, 0, 0, 0);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnrollK; ++u) {
-        const int tile = t0 + u * kWarps;
-        if (tile >= num_tiles) continue;  // warp-uniform
-        float acc[4] = {};
-#pragma unroll
-        for (int ch = 0; ch < kChunks; ++ch) {
-          const uint32_t w0[4] = {kw[u][0][ch].x, kw[u][0][ch].y, kw[u][0][ch].z, kw[u][0][ch].w};
-          const uint32_t w1[4] = {kw[u][1][ch].x, kw[u][1][ch].y, kw[u][1][ch].z, kw[u][1][ch].w};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            Mma16816F16(acc, CodePairToHalf2<Kv, false>(w0[i]), CodePairToHalf2<Kv, false>(w1[i]),
-                        CodePairToHalf2<Kv, true>(w0[i]), CodePairToHalf2<Kv, true>(w1[i]),
-                        qb[4 * ch + i][0], qb[4 * ch + i][1]);
-          }
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tok = tile * 16 + r + 8 * (e / 2), g = 2 * c + e % 2;
-          if (g < kG && tok < n) p_s[g * ps + tok] = acc[e] * ks_s[tok] * scale_log2;
-        }
-      }
-    }
-    __syncthreads();
-
-    // Phase 2: softmax numerators per head (one warp per head); p_s becomes P' = p * vscale /
-    // vmax, exactly 0 for the keys of the last tile past the context.
-    float vmax = 0.0f;
-    for (int i = lane; i < n; i += 32) vmax = fmaxf(vmax, fabsf(vs_s[i]));
-    vmax = WarpMax(vmax);
-    const float inv_vmax = vmax > 0.0f ? 1.0f / vmax : 0.0f;
-    for (int g = warp; g < kG; g += kWarps) {
-      float* pg = p_s + g * ps;
-      float m = -INFINITY;
-      for (int i = lane; i < n; i += 32) m = fmaxf(m, pg[i]);
-      m = WarpMax(m);
-      float l = 0.0f;
-      for (int i = lane; i < num_tiles * 16; i += 32) {
-        float pv = 0.0f;
-        if (i < n) {
-          const float p = exp2f(pg[i] - m);
-          l += p;
-          pv = p * (vs_s[i] * inv_vmax);
-        }
-        pg[i] = pv;
-      }
-      l = WarpSum(l);
-      if (lane == 0) {
-        m_s[g] = m;
-        l_s[g] = l;
-      }
-    }
-    if (tid == 0) vmax_s = vmax;
-    __syncthreads();
-
-    // Phase 3: O^T += V^T P'^T per tile; lane c's keys TmaVKey(c, e), V codes of keys >= n zero.
-    float acc[kSteps][4];
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
-    }
-    for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnrollV) {
-      uint32_t vw[kUnrollV][4][kVBytes / 4];
-#pragma unroll
-      for (int u = 0; u < kUnrollV; ++u) {
-        const int tile = t0 + u * kWarps;
-        if (tile < num_tiles) wait_tile(v_bar, tile);  // warp-uniform
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = TmaVKey<kD>(c, e);
-          const int tok = tile * 16 + key, row = off0 + tok;
-          if (tile < num_tiles && tok < n) {
-            if constexpr (kVBytes == 16) {
-              const uint4 x = *reinterpret_cast<const uint4*>(v_s + TmaCodeOffset<kD>(row, r));
-              vw[u][e][0] = x.x;
-              vw[u][e][1] = x.y;
-              vw[u][e][2] = x.z;
-              vw[u][e][3] = x.w;
-            } else {
-              const uint2 x = *reinterpret_cast<const uint2*>(v_s + TmaCodeOffset<kD>(row, r >> 1) +
-                                                              8 * (r & 1));
-              vw[u][e][0] = x.x;
-              vw[u][e][1] = x.y;
-            }
-          } else {
-#pragma unroll
-            for (int w = 0; w < kVBytes / 4; ++w) vw[u][e][w] = 0u;  // stale: maybe NaN codes
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnrollV; ++u) {
-        const int tile = t0 + u * kWarps;
-        if (tile >= num_tiles) continue;  // warp-uniform
-        // P' of head r at the keys of lane c's k columns (2c, 2c + 1) and (2c + 8, 2c + 9).
-        uint32_t b0 = 0u, b1 = 0u;
-        if (r < kG) {
-          const float* pr = p_s + r * ps + tile * 16;
-          b0 = Float2ToHalf2(pr[TmaVKey<kD>(c, 0)], pr[TmaVKey<kD>(c, 1)]);
-          b1 = Float2ToHalf2(pr[TmaVKey<kD>(c, 2)], pr[TmaVKey<kD>(c, 3)]);
-        }
-#pragma unroll
-        for (int w = 0; w < kVBytes / 4; ++w) {
-          const uint32_t v0 = vw[u][0][w], v1 = vw[u][1][w], v2 = vw[u][2][w], v3 = vw[u][3][w];
-          // Bytes (b of key 0, b of key 1, b + 1 of key 0, b + 1 of key 1), b = 0 and 2.
-          const uint32_t k01_lo = __byte_perm(v0, v1, 0x5140);
-          const uint32_t k01_hi = __byte_perm(v0, v1, 0x7362);
-          const uint32_t k23_lo = __byte_perm(v2, v3, 0x5140);
-          const uint32_t k23_hi = __byte_perm(v2, v3, 0x7362);
-          Mma16816F16(acc[2 * w], CodePairToHalf2<Kv, false>(k01_lo),
-                      CodePairToHalf2<Kv, true>(k01_lo), CodePairToHalf2<Kv, false>(k23_lo),
-                      CodePairToHalf2<Kv, true>(k23_lo), b0, b1);
-          Mma16816F16(acc[2 * w + 1], CodePairToHalf2<Kv, false>(k01_hi),
-                      CodePairToHalf2<Kv, true>(k01_hi), CodePairToHalf2<Kv, false>(k23_hi),
-                      CodePairToHalf2<Kv, true>(k23_hi), b0, b1);
-        }
-      }
-    }
-    // The warps' partial outputs (in p_s, now dead: pfloats >= kWarps x kG x kD), summed in warp
-    // order and scaled by vmax.
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-      const int d0 = kVBytes * r + 2 * j;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int g = 2 * c + e % 2;
-        if (g < kG) p_s[(warp * kG + g) * kD + d0 + e / 2] = acc[j][e];
-      }
-    }
-    __syncthreads();
-    for (int i = tid; i < kG * kD; i += kThreads) {
-      const int g = i / kD, d = i % kD;
-      float s = p_s[g * kD + d];
-#pragma unroll
-      for (int w = 1; w < kWarps; ++w) s += p_s[(w * kG + g) * kD + d];
-      o_s[g][d] = s * vmax_s;
-    }
-    __syncthreads();
-    FinishSplit<kD, kG>(o_s, m_s, l_s, used, split, num_splits, seq, group, num_heads, q_row,
-                        counters, records, out);
-  }
-#else
-  __trap();  // TMA: sm_90 (LaunchTyped checks the device)
-#endif
-}
-
 // Small batches: one block per split of `partition` keys, kG query heads of one KV head, one
 // sequence. Keys are processed 64 at a time: every thread issues all its K and V loads of the
 // sub-tile before using any (32 KB in flight per block at head_dim 128), scores go to shared
@@ -1464,14 +1039,10 @@ DecodePlan PlanDecode(const DeviceBatch& b, int num_heads, int num_kv_heads) {
   if (kernel == DecodeKernel::kAuto) {
     kernel = auto_p == kSub ? DecodeKernel::kSubTile : DecodeKernel::kTwoPhase;
   }
-  // The tensor-core kernel where it applies, unless the two-phase kernel was asked for by name;
-  // the TMA-fed one (mma-tma) only by name, for 8-bit caches (else as mma).
-  if (kernel == DecodeKernel::kMma || kernel == DecodeKernel::kMmaTma ||
+  // The tensor-core kernel where it applies, unless the two-phase kernel was asked for by name.
+  if (kernel == DecodeKernel::kMma ||
       (kernel == DecodeKernel::kTwoPhase && named == DecodeKernel::kAuto)) {
-    kernel = !kMmaDecodeSupported<Kv, kD> ? DecodeKernel::kTwoPhase
-             : kernel == DecodeKernel::kMmaTma && kMmaTmaDecodeSupported<Kv, kD>
-                 ? DecodeKernel::kMmaTma
-                 : DecodeKernel::kMma;
+    kernel = kMmaDecodeSupported<Kv, kD> ? DecodeKernel::kMma : DecodeKernel::kTwoPhase;
   }
   int p = DecodePartitionOverride();
   if (p == 0) {
@@ -1479,18 +1050,12 @@ DecodePlan PlanDecode(const DeviceBatch& b, int num_heads, int num_kv_heads) {
     // largest partition so that the per-block costs (q, softmax, the merge) spread over more
     // keys (H200, d 128, G = 1, batches 8-128 at context 1024 and batch 8 at 4096: 512-key
     // splits beat 256 by 5-10% and 128 by 15-25% for fp8, int8 and int4; bf16 is flat).
-    // The TMA kernel: 256 (kTmaDefaultPartition, see DecodeMmaTmaKernel).
-    p = kernel == DecodeKernel::kMmaTma                      ? kTmaDefaultPartition
-        : Kv::kQuantized && kernel != DecodeKernel::kSubTile ? kMaxTwoPhasePartition
-                                                             : auto_p;
+    p = Kv::kQuantized && kernel != DecodeKernel::kSubTile ? kMaxTwoPhasePartition : auto_p;
   }
   if (kernel != DecodeKernel::kSubTile) {
-    // 1024-key splits only for the mma kernel asked for by name (A/B runs); the TMA kernel's
-    // shared memory holds at most 512 keys of K and V.
+    // 1024-key splits only for the mma kernel asked for by name (A/B runs).
     const bool long_splits = kernel == DecodeKernel::kMma && named == DecodeKernel::kMma;
-    p = std::min(p, kernel == DecodeKernel::kMmaTma ? kMaxTmaPartition
-                    : long_splits                   ? kMaxMmaPartition
-                                                    : kMaxTwoPhasePartition);
+    p = std::min(p, long_splits ? kMaxMmaPartition : kMaxTwoPhasePartition);
   }
   return {kernel, p};
 }
@@ -1516,94 +1081,25 @@ dim3 DecodeGrid(int splits, int groups, int seqs) {
   }
 }
 
-// The TMA descriptor of an 8-bit cache [blocks, block_size, num_kv_heads, d] as bytes, read a
-// page of one head at a time: dims {row_bytes, num_kv_heads, pool rows}, boxes {row_bytes, 1,
-// block_size}, swizzled as DecodeMmaTmaKernel reads it (128-byte rows: 128-byte swizzle;
-// 64-byte rows: 64-byte swizzle). L2 promotion: 128 bytes for 128-byte rows; none for 64-byte
-// rows, whose 128-byte neighbourhood is the next head's row, read by another block much later.
-CUtensorMap DecodeCodePageMap(const Tensor& cache, int block_size, int num_kv_heads,
-                              int row_bytes) {
-  CUtensorMap map;
-  const int64_t rows = static_cast<int64_t>(cache.numel() / (int64_t{num_kv_heads} * row_bytes));
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row_bytes),
-                              static_cast<cuuint64_t>(num_kv_heads), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(row_bytes),
-                                 static_cast<cuuint64_t>(num_kv_heads) * row_bytes};
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(row_bytes), 1,
-                             static_cast<cuuint32_t>(block_size)};
-  const cuuint32_t elem[3] = {1, 1, 1};
-  const bool wide = row_bytes == 128;
-  const CUresult r = EncodeTiled()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, cache.data, dims, strides, box, elem,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, wide ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-      wide ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_NONE,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TP_CHECK(r == CUDA_SUCCESS) << "cuTensorMapEncodeTiled failed (" << static_cast<int>(r)
-                              << ") for an 8-bit KV cache of " << rows << " rows x " << num_kv_heads
-                              << " heads x " << row_bytes << " bytes";
-  return map;
-}
-
-// The dynamic shared memory DecodeMmaTmaKernel<Kv, kD, kG> may take: the device's opt-in maximum
-// less its static shared memory (set as the kernel's limit on first use).
-template <typename Kv, int kD, int kG>
-size_t TmaDecodeMaxSmem() {
-  static const size_t max_bytes = [] {
-    auto kernel = DecodeMmaTmaKernel<Kv, kD, kG>;
-    cudaFuncAttributes attr{};
-    TP_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-    int device = 0, optin = 0;
-    TP_CUDA_CHECK(cudaGetDevice(&device));
-    TP_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    const size_t m = static_cast<size_t>(optin) - attr.sharedSizeBytes;
-    TP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(m)));
-    return m;
-  }();
-  return max_bytes;
-}
-
 template <typename Kv, int kD, int kG>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                  int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
                  unsigned* counters, Tensor out, cudaStream_t stream) {
   const DecodePlan plan = PlanDecode<Kv, kD>(b, num_heads, num_kv_heads);
+  // The mma kernel's shared memory holds MmaMaxPartition(kG) keys (1024 up to 4 heads a block).
+  const int partition = plan.kernel == DecodeKernel::kMma
+                            ? std::min(plan.partition, MmaMaxPartition(kG))
+                            : plan.partition;
+  auto kernel = plan.kernel == DecodeKernel::kSubTile ? DecodePartitionKernel<Kv, kD, kG>
+                : plan.kernel == DecodeKernel::kMma
+                    ? (DecodePrefetchOf() > 0 ? DecodeMmaKernel<Kv, kD, kG, true>
+                                              : DecodeMmaKernel<Kv, kD, kG, false>)
+                    : DecodeTwoPhaseKernel<Kv, kD, kG>;
   const int block_shift = KvBlockShift(b.block_size);
   const auto* kc = static_cast<const uint8_t*>(k_cache.data);
   const auto* vc = static_cast<const uint8_t*>(v_cache.data);
   const auto* k_scales = static_cast<const float*>(k_cache.scales);
   const auto* v_scales = static_cast<const float*>(v_cache.scales);
-  // The TMA kernel: one query per sequence, on an sm_90 device, pages TmaDecodePages can load,
-  // its shared memory within the device's limit; else the mma kernel at the same partition
-  // (<= 512, so that the splits and the workspace are the same).
-  DecodeKernel kind = plan.kernel;
-  if constexpr (kMmaTmaDecodeSupported<Kv, kD>) {
-    if (kind == DecodeKernel::kMmaTma) {
-      const TmaDecodeLayout lay = MakeTmaDecodeLayout(plan.partition, b.block_size, kD, kG, kD);
-      if (b.num_tokens == b.num_seqs && Sm90aSupported() && TmaDecodePages(b.block_size) &&
-          plan.partition <= kMaxTmaPartition && lay.bytes <= TmaDecodeMaxSmem<Kv, kD, kG>()) {
-        const dim3 grid = DecodeGrid(DecodeSplits(b, plan.partition), num_heads / kG, b.num_seqs);
-        const CUtensorMap k_map = DecodeCodePageMap(k_cache, b.block_size, num_kv_heads, kD);
-        const CUtensorMap v_map = DecodeCodePageMap(v_cache, b.block_size, num_kv_heads, kD);
-        LaunchPdl(DecodeMmaTmaKernel<Kv, kD, kG>, grid, dim3(kThreads), lay.bytes, stream, k_map,
-                  v_map, q.ptr<const __nv_bfloat16>(), k_scales, v_scales, b.query_start,
-                  b.context_lens, b.block_tables, b.max_blocks_per_seq, b.block_size, num_heads,
-                  num_kv_heads, plan.partition, scale * kLog2e, counters, workspace,
-                  out.ptr<__nv_bfloat16>(), block_shift, DecodeOrderOf());
-        TP_CUDA_CHECK_LAUNCH();
-        return;
-      }
-    }
-  }
-  if (kind == DecodeKernel::kMmaTma) kind = DecodeKernel::kMma;
-  // The mma kernel's shared memory holds MmaMaxPartition(kG) keys (1024 up to 4 heads a block).
-  const int partition =
-      kind == DecodeKernel::kMma ? std::min(plan.partition, MmaMaxPartition(kG)) : plan.partition;
-  auto kernel = kind == DecodeKernel::kSubTile ? DecodePartitionKernel<Kv, kD, kG>
-                : kind == DecodeKernel::kMma
-                    ? (DecodePrefetchOf() > 0 ? DecodeMmaKernel<Kv, kD, kG, true>
-                                              : DecodeMmaKernel<Kv, kD, kG, false>)
-                    : DecodeTwoPhaseKernel<Kv, kD, kG>;
   if (b.num_tokens == b.num_seqs) {
     const dim3 grid = DecodeGrid(DecodeSplits(b, partition), num_heads / kG, b.num_seqs);
     LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
@@ -1648,7 +1144,6 @@ DecodeKernel ParseDecodeKernel(const std::string& name) {
   return name == "subtile"    ? DecodeKernel::kSubTile
          : name == "twophase" ? DecodeKernel::kTwoPhase
          : name == "mma"      ? DecodeKernel::kMma
-         : name == "mma-tma"  ? DecodeKernel::kMmaTma
                               : DecodeKernel::kAuto;
 }
 

@@ -92,16 +92,13 @@ inline int DecodePartition(int num_seqs, int num_heads, int num_kv_heads) {
 // The decode-attention kernels (attention_decode.cu). kAuto: by the batch. kMma: the two-phase
 // kernel's phases on the tensor cores, for quantized caches (fp8, int8, int4) at head_dim 64
 // and 128; elsewhere it runs the two-phase kernel. Auto picks it wherever it would pick the
-// two-phase kernel for such a cache. kMmaTma (only by name; not yet measured on a GPU): the mma
-// kernel's arithmetic with a split's K and V codes brought into shared memory by TMA, for fp8
-// and int8 caches at head_dim 64 and 128 on sm_90 (256-key splits unless forced, at most 512);
-// elsewhere it runs as kMma.
-enum class DecodeKernel { kAuto, kSubTile, kTwoPhase, kMma, kMmaTma };
+// two-phase kernel for such a cache.
+enum class DecodeKernel { kAuto, kSubTile, kTwoPhase, kMma };
 // Benchmarks and tests: every later decode launch of this process uses `kernel` (kAuto: by the
 // batch) and `partition` keys per split (0: by the batch; else 64, 128, 256, 512 or 1024; the
-// two-phase and mma-tma kernels take at most 512, the mma kernel 1024 when asked for by name, else
-// 512). Starts from TPSERVE_DECODE_KERNEL and TPSERVE_DECODE_PARTITION. Deterministic mode's fixed
-// partition is not overridden.
+// two-phase kernel takes at most 512, the mma kernel 1024 when asked for by name, else 512). Starts
+// from TPSERVE_DECODE_KERNEL and TPSERVE_DECODE_PARTITION. Deterministic mode's fixed partition is
+// not overridden.
 void SetDecodeOverride(DecodeKernel kernel, int partition);
 // Benchmarks: the mma decode kernel's L2 prefetch distance in loop iterations for every later
 // launch (0 = none; starts from TPSERVE_DECODE_PREFETCH).

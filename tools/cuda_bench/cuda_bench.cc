@@ -645,10 +645,6 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
     variants.push_back({"mma p512 prefetch 1", cuda::DecodeKernel::kMma, 512, 1});
     variants.push_back({"mma p512 prefetch 2", cuda::DecodeKernel::kMma, 512, 2});
     variants.push_back({"mma p512 prefetch 4", cuda::DecodeKernel::kMma, 512, 4});
-    // The TMA-fed mma kernel (8-bit caches only; its default split is 256 keys).
-    variants.push_back({"mma-tma p128", cuda::DecodeKernel::kMmaTma, 128});
-    variants.push_back({"mma-tma p256", cuda::DecodeKernel::kMmaTma, 256});
-    variants.push_back({"mma-tma p512", cuda::DecodeKernel::kMmaTma, 512});
   }
   const DType kv_dtypes[] = {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4};
   for (auto [B, ctx] :
@@ -668,9 +664,6 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
       const Tensor &tk = cache.k, &tv = cache.v;
       const double bytes = cache.Bytes();
       for (const Variant& v : variants) {
-        if (v.kernel == cuda::DecodeKernel::kMmaTma && kv != DType::kF8E4M3 && kv != DType::kI8) {
-          continue;  // it would run the mma or two-phase kernel, measured in their own rows
-        }
         const std::string label = "decode attention B=" + std::to_string(B) + " ctx " +
                                   std::to_string(ctx) + " " + std::string(KvCacheDTypeName(kv)) +
                                   " " + v.name;
