@@ -73,6 +73,101 @@ inline constexpr int kTileStages = Kv::kQuantized ? 1 : (kPipe ? 3 : 2);
 constexpr int kWsKeys = 64;
 constexpr int kWsStages = 4;
 
+// The producer warp of the warp-specialized kernels (wgmma-ws, -tma, -fa3). Its view of one
+// block: the sequence's block-table row, the context, the KV head, the K/V tile ring of kStages
+// tiles of kKeys keys (TileOffset<kKeys> layout) and its full / empty mbarriers.
+template <int kD, int kKeys, int kStages>
+struct KvTileProducer {
+  static constexpr int kChunks = kD / 8;
+  static constexpr int kTileBytes = kKeys * kD * 2;
+  const __nv_bfloat16* k_cache;
+  const __nv_bfloat16* v_cache;
+  const int32_t* table;  // the sequence's block-table row
+  int ctx, block_size, block_shift, num_kv_heads, kv_head;
+  uint8_t* k_s;
+  uint8_t* v_s;
+  uint64_t* full;
+  uint64_t* empty;
+
+  __device__ __forceinline__ KvTileProducer(const __nv_bfloat16* k_cache,
+                                            const __nv_bfloat16* v_cache, const int32_t* table,
+                                            int ctx, int block_size, int block_shift,
+                                            int num_kv_heads, int kv_head, uint8_t* k_s,
+                                            uint8_t* v_s, uint64_t* full, uint64_t* empty)
+      : k_cache(k_cache),
+        v_cache(v_cache),
+        table(table),
+        ctx(ctx),
+        block_size(block_size),
+        block_shift(block_shift),
+        num_kv_heads(num_kv_heads),
+        kv_head(kv_head),
+        k_s(k_s),
+        v_s(v_s),
+        full(full),
+        empty(empty) {}
+
+  // Chunk c of row r of the tile at stage s whose first key is key0 by cp.async, zeros past ctx.
+  __device__ __forceinline__ void CopyChunk(int s, int key0, int r, int c) const {
+    const int key = key0 + r;
+    const int64_t off =
+        key >= ctx
+            ? 0
+            : KvPoolRow(table, key, block_size, block_shift, num_kv_heads, kv_head) * kD + c * 8;
+    const int dst = s * kTileBytes + TileOffset<kKeys>(r, c);
+    CpAsync16(SmemAddr(k_s + dst), k_cache + off, key < ctx);
+    CpAsync16(SmemAddr(v_s + dst), v_cache + off, key < ctx);
+  }
+  // Waits until the consumers released stage t % kStages (from the second round of the ring).
+  __device__ __forceinline__ void AwaitStage(int t) const {
+    if (t >= kStages) MbarWait(&empty[t % kStages], ((t / kStages) & 1) ^ 1);
+  }
+
+  // The TMA feed (lane = the warp's lane). Pages of block_size keys (a multiple of 8 dividing
+  // kKeys): a page wholly before ctx is one TMA box of block_size rows x 128 bytes per 64-column
+  // block of K and of V, which the 128-byte swizzle writes as TileOffset lays rows out (a page
+  // starts at a multiple of 8 rows of a 1024-byte-aligned tile); lane 0 posts the tile's bytes
+  // on `full` and issues the boxes. The rows from the first page reaching past ctx on are copied
+  // by the warp with cp.async, zeros past ctx (a box would bring a page's stale rows, and 0 x NaN
+  // is NaN in P V), so every `full` phase takes 33 arrivals: the warp's 32 cp.async arrivals and
+  // lane 0's. Lane j < kKeys / block_size reads the block-table entry of page j of the next tile
+  // while this one is issued.
+  __device__ __forceinline__ void RunTma(const CUtensorMap* k_map, const CUtensorMap* v_map,
+                                         int num_tiles, int lane) const {
+    const int pages = kKeys / block_size;  // <= 16
+    auto table_entry = [&](int tile) {
+      const int key = tile * kKeys + lane * block_size;
+      return lane < pages && key < ctx ? table[tile * pages + lane] : 0;
+    };
+    int next = num_tiles > 0 ? table_entry(0) : 0;
+    for (int t = 0; t < num_tiles; ++t) {
+      const int s = t % kStages;
+      const int entry = next;
+      if (t + 1 < num_tiles) next = table_entry(t + 1);
+      AwaitStage(t);
+      const int key0 = t * kKeys;
+      const int whole = min(max((ctx - key0) / block_size, 0), pages);  // pages before ctx
+      if (lane == 0) MbarExpectTx(&full[s], whole * 2 * block_size * kD * 2);
+      for (int p = 0; p < whole; ++p) {
+        const int row = __shfl_sync(0xffffffffu, entry, p) * block_size;
+        if (lane == 0) {
+#pragma unroll
+          for (int cb = 0; cb < kD / 64; ++cb) {
+            const int dst = s * kTileBytes + cb * (kKeys * 128) + p * block_size * 128;
+            TmaLoad3d(k_s + dst, k_map, &full[s], cb * 64, kv_head, row);
+            TmaLoad3d(v_s + dst, v_map, &full[s], cb * 64, kv_head, row);
+          }
+        }
+      }
+      for (int i = lane; i < (kKeys - whole * block_size) * kChunks; i += 32) {
+        CopyChunk(s, key0, whole * block_size + i / kChunks, i % kChunks);
+      }
+      CpAsyncArriveNoinc(&full[s]);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");  // the consumers wait for the TMA loads
+  }
+};
+
 // Shared memory: Q (kBM rows), the bf16 K and V tile stages, a quantized cache's staged codes and
 // scales, and 1 KB to align the start to the swizzle's 1024 bytes.
 template <typename Kv, int kD, int kWgs, bool kPipe, bool kWs>
@@ -586,70 +681,23 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
     const int ptid = tid - kConsumers;
     CopyQ<kD, kBM, 32>(q, it, head, num_heads, q_s, ptid);
     CpAsyncArriveNoinc(&q_full);
-    const int kv_head = head / (num_heads / num_kv_heads);
-    const int32_t* table = block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq;
-    // Chunk c of row r of the tile at stage s whose first key is key0, zeros past ctx.
-    auto copy_chunk = [&](int s, int key0, int r, int c) {
-      const int key = key0 + r;
-      const int64_t off =
-          key >= ctx
-              ? 0
-              : KvPoolRow(table, key, block_size, block_shift, num_kv_heads, kv_head) * kD + c * 8;
-      const int dst = s * kTileBytes + TileOffset<kWsKeys>(r, c);
-      CpAsync16(SmemAddr(k_s + dst), k_cache + off, key < ctx);
-      CpAsync16(SmemAddr(v_s + dst), v_cache + off, key < ctx);
-    };
+    const KvTileProducer<kD, kWsKeys, kStages> producer(
+        k_cache, v_cache, block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq, ctx,
+        block_size, block_shift, num_kv_heads, head / (num_heads / num_kv_heads), k_s, v_s, full,
+        empty);
     if constexpr (kTma) {
-      // Pages of block_size keys (a multiple of 8 dividing kWsKeys): a page wholly before ctx is
-      // one TMA box of block_size rows x 128 bytes per 64-column block of K and of V, which the
-      // 128-byte swizzle writes as TileOffset lays rows out (a page starts at a multiple of 8
-      // rows, 1024 bytes); lane 0 issues them all. The rows of a page that reaches past ctx
-      // (the last tile's) are copied by the warp with cp.async, zeros past ctx, as below. Lane
-      // j reads the block-table entry of page j of the next tile while this one is issued.
-      const int pages = kWsKeys / block_size;  // <= 8
-      auto table_entry = [&](int tile) {
-        const int key = tile * kWsKeys + ptid * block_size;
-        return ptid < pages && key < ctx ? table[tile * pages + ptid] : 0;
-      };
-      int next = num_tiles > 0 ? table_entry(0) : 0;
-      for (int t = 0; t < num_tiles; ++t) {
-        const int s = t % kStages;
-        const int entry = next;
-        if (t + 1 < num_tiles) next = table_entry(t + 1);
-        if (t >= kStages) MbarWait(&empty[s], ((t / kStages) & 1) ^ 1);
-        const int key0 = t * kWsKeys;
-        const int whole = min(max((ctx - key0) / block_size, 0), pages);  // pages before ctx
-        if (ptid == 0) MbarExpectTx(&full[s], whole * 2 * block_size * kD * 2);
-        for (int p = 0; p < whole; ++p) {
-          const int row = __shfl_sync(0xffffffffu, entry, p) * block_size;
-          if (ptid == 0) {
-#pragma unroll
-            for (int cb = 0; cb < kD / 64; ++cb) {
-              const int dst = s * kTileBytes + cb * (kWsKeys * 128) + p * block_size * 128;
-              TmaLoad3d(k_s + dst, &k_map, &full[s], cb * 64, kv_head, row);
-              TmaLoad3d(v_s + dst, &v_map, &full[s], cb * 64, kv_head, row);
-            }
-          }
-        }
-        for (int i = ptid; i < (kWsKeys - whole * block_size) * kChunks; i += 32) {
-          copy_chunk(s, key0, whole * block_size + i / kChunks, i % kChunks);
-        }
-        CpAsyncArriveNoinc(&full[s]);
-      }
-      asm volatile("cp.async.wait_all;" ::: "memory");  // the consumers wait for the TMA loads
+      producer.RunTma(&k_map, &v_map, num_tiles, ptid);
       return;
     }
     constexpr int kRowsPerPass = 32 / kChunks;
     const int my_chunk = ptid % kChunks, my_row = ptid / kChunks;
     for (int t = 0; t < num_tiles; ++t) {
-      const int s = t % kStages;
-      if (t >= kStages) MbarWait(&empty[s], ((t / kStages) & 1) ^ 1);
-      const int key0 = t * kWsKeys;
+      producer.AwaitStage(t);
 #pragma unroll 8
       for (int j = 0; j < kWsKeys / kRowsPerPass; ++j) {
-        copy_chunk(s, key0, my_row + j * kRowsPerPass, my_chunk);
+        producer.CopyChunk(t % kStages, t * kWsKeys, my_row + j * kRowsPerPass, my_chunk);
       }
-      CpAsyncArriveNoinc(&full[s]);
+      CpAsyncArriveNoinc(&full[t % kStages]);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the block
     return;
@@ -743,7 +791,6 @@ __global__ void __launch_bounds__((kWgs + 1) * kWarpgroup, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kConsumers = kWgs * kWarpgroup;
   constexpr int kBM = kWgs * 64;
-  constexpr int kChunks = kD / 8;
   constexpr int kStages = kFa3Stages<kD, kWgs>;
   constexpr int kTileBytes = kBN * kD * 2;
   constexpr bool kRealloc = kWgs == 2;
@@ -787,52 +834,13 @@ __global__ void __launch_bounds__((kWgs + 1) * kWarpgroup, 1)
       asm volatile("cp.async.wait_all;" ::: "memory");
       return;
     }
-    const int kv_head = head / (num_heads / num_kv_heads);
-    const int32_t* table = block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq;
-    // Pages of block_size keys (a multiple of 8 dividing kBN): a page wholly before ctx is one
-    // TMA box of block_size rows x 128 bytes per 64-column block of K and of V, laid out as
-    // TileOffset<kBN> (a page starts at a multiple of 8 rows of a 1024-byte-aligned tile); the
-    // rows from the first page reaching past ctx on are copied by the warp with cp.async, zeros
-    // past ctx (a box would bring a page's stale rows, and 0 x NaN is NaN in P V).
-    const int pages = kBN / block_size;  // <= 16
-    auto table_entry = [&](int tile) {
-      const int key = tile * kBN + ptid * block_size;
-      return ptid < pages && key < ctx ? table[tile * pages + ptid] : 0;
-    };
-    int next = num_tiles > 0 ? table_entry(0) : 0;
-    for (int t = 0; t < num_tiles; ++t) {
-      const int s = t % kStages;
-      const int entry = next;
-      if (t + 1 < num_tiles) next = table_entry(t + 1);
-      if (t >= kStages) MbarWait(&empty[s], ((t / kStages) & 1) ^ 1);
-      const int key0 = t * kBN;
-      const int whole = min(max((ctx - key0) / block_size, 0), pages);  // pages before ctx
-      if (ptid == 0) MbarExpectTx(&full[s], whole * 2 * block_size * kD * 2);
-      for (int p = 0; p < whole; ++p) {
-        const int row = __shfl_sync(0xffffffffu, entry, p) * block_size;
-        if (ptid == 0) {
-#pragma unroll
-          for (int cb = 0; cb < kD / 64; ++cb) {
-            const int dst = s * kTileBytes + cb * (kBN * 128) + p * block_size * 128;
-            TmaLoad3d(k_s + dst, &k_map, &full[s], cb * 64, kv_head, row);
-            TmaLoad3d(v_s + dst, &v_map, &full[s], cb * 64, kv_head, row);
-          }
-        }
-      }
-      for (int i = ptid; i < (kBN - whole * block_size) * kChunks; i += 32) {
-        const int r = whole * block_size + i / kChunks, c = i % kChunks, key = key0 + r;
-        const int64_t off =
-            key >= ctx
-                ? 0
-                : KvPoolRow(table, key, block_size, block_shift, num_kv_heads, kv_head) * kD +
-                      c * 8;
-        const int dst = s * kTileBytes + TileOffset<kBN>(r, c);
-        CpAsync16(SmemAddr(k_s + dst), k_cache + off, key < ctx);
-        CpAsync16(SmemAddr(v_s + dst), v_cache + off, key < ctx);
-      }
-      CpAsyncArriveNoinc(&full[s]);
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");  // the consumers wait for the TMA loads
+    // Warp 0: the TMA feed over kBN-key tiles (page sizes that are multiples of 8 dividing kBN:
+    // up to 16 pages a tile).
+    const KvTileProducer<kD, kBN, kStages> producer(
+        k_cache, v_cache, block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq, ctx,
+        block_size, block_shift, num_kv_heads, head / (num_heads / num_kv_heads), k_s, v_s, full,
+        empty);
+    producer.RunTma(&k_map, &v_map, num_tiles, ptid);
     return;
   }
 

@@ -107,20 +107,25 @@ __device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
 __device__ __forceinline__ void MbarArrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddrOf(bar)) : "memory");
 }
+// One poll of the phase of `bar` with this parity (try_wait suspends the thread for a while).
+__device__ __forceinline__ bool MbarTryWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(SmemAddrOf(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
 // Every wait has a deadline: a stage that never completes (a TMA fault, a bug in the ring)
 // traps after ~2^26 polls (seconds: try_wait suspends the thread for a while each time) instead
 // of hanging the stream.
 __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0, polls = 0;
+  uint32_t polls = 0;
   do {
     if (++polls == (1u << 26)) __trap();
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(SmemAddrOf(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
+  } while (!MbarTryWait(bar, parity));
 }
 
 // MbarWait for code that runs after setmaxnreg.inc (WarpgroupRegAlloc): its deadline faults on a
@@ -129,18 +134,12 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
 // wait, the FA3 prefill kernel's consumers were held to 168 registers (330 bytes of spills,
 // wgmma serialized: C7512) despite the increase to 224; with this store, none.
 __device__ __forceinline__ void MbarWaitNoTrap(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0, polls = 0;
+  uint32_t polls = 0;
   do {
     if (++polls == (1u << 26)) {
       asm volatile("st.global.u32 [%0], %1;" ::"l"(uint64_t{0}), "r"(0u) : "memory");
     }
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(SmemAddrOf(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
+  } while (!MbarTryWait(bar, parity));
 }
 
 // One arrival on `bar` when all of this thread's earlier cp.async copies have completed, counted
