@@ -35,13 +35,10 @@ namespace {
 std::atomic<int>& PrefillKernelOverride() {
   static std::atomic<int> kernel{[] {
     const std::string k = EnvString(env::kPrefillKernel);
-    return static_cast<int>(k == "wgmma"         ? PrefillKernel::kWgmma
-                            : k == "wgmma-pipe"  ? PrefillKernel::kWgmmaPipe
-                            : k == "wgmma-ws"    ? PrefillKernel::kWgmmaWs
-                            : k == "wgmma-tma"   ? PrefillKernel::kWgmmaTma
-                            : k == "wgmma-fa3"   ? PrefillKernel::kWgmmaFa3
-                            : k == "wgmma-fa3pp" ? PrefillKernel::kWgmmaFa3Pp
-                                                 : PrefillKernel::kMma);
+    for (const auto& [kernel, name] : kPrefillKernels) {
+      if (k == name) return static_cast<int>(kernel);
+    }
+    return static_cast<int>(PrefillKernel::kMma);
   }()};
   return kernel;
 }

@@ -31,6 +31,19 @@ inline constexpr int kPrefillTileMinM = 64;
 // (default wgmma: 1.51x the mma kernel on an H100); SetPrefillKernel (benchmarks and tests) sets
 // it for every later launch of this process.
 enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe, kWgmmaWs, kWgmmaTma, kWgmmaFa3, kWgmmaFa3Pp };
+// Every prefill kernel with its TPSERVE_PREFILL_KERNEL name.
+struct PrefillKernelName {
+  PrefillKernel kernel;
+  const char* name;
+};
+inline constexpr PrefillKernelName kPrefillKernels[] = {
+    {PrefillKernel::kMma, "mma"},
+    {PrefillKernel::kWgmma, "wgmma"},
+    {PrefillKernel::kWgmmaPipe, "wgmma-pipe"},
+    {PrefillKernel::kWgmmaWs, "wgmma-ws"},
+    {PrefillKernel::kWgmmaTma, "wgmma-tma"},
+    {PrefillKernel::kWgmmaFa3, "wgmma-fa3"},
+    {PrefillKernel::kWgmmaFa3Pp, "wgmma-fa3pp"}};
 void SetPrefillKernel(PrefillKernel kernel);
 PrefillKernel PrefillKernelChoice();
 // The prefill kernels' grid: (heads, work items), so that a work item's heads are neighbours in

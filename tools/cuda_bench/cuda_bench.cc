@@ -585,18 +585,11 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
   const int T = 2048;
   for (DType kv : {DType::kBF16, DType::kF8E4M3}) {
     std::vector<std::pair<cuda::PrefillKernel, std::string>> rows;
-    for (cuda::PrefillKernel kernel :
-         {cuda::PrefillKernel::kMma, cuda::PrefillKernel::kWgmma, cuda::PrefillKernel::kWgmmaPipe,
-          cuda::PrefillKernel::kWgmmaWs, cuda::PrefillKernel::kWgmmaTma,
-          cuda::PrefillKernel::kWgmmaFa3, cuda::PrefillKernel::kWgmmaFa3Pp}) {
+    for (const auto& [kernel, name] : cuda::kPrefillKernels) {
       std::string label = "prefill attention 2048 tok, 32 heads, d128";
       if (kv != DType::kBF16) label += std::string(" ") + std::string(KvCacheDTypeName(kv));
-      if (kernel == cuda::PrefillKernel::kWgmma) label += " wgmma";
-      if (kernel == cuda::PrefillKernel::kWgmmaPipe) label += " wgmma-pipe";
-      if (kernel == cuda::PrefillKernel::kWgmmaWs) label += " wgmma-ws";
-      if (kernel == cuda::PrefillKernel::kWgmmaTma) label += " wgmma-tma";
-      if (kernel == cuda::PrefillKernel::kWgmmaFa3) label += " wgmma-fa3";
-      if (kernel == cuda::PrefillKernel::kWgmmaFa3Pp) label += " wgmma-fa3pp";
+      // The mma kernel's rows are the unsuffixed ones.
+      if (kernel != cuda::PrefillKernel::kMma) label += std::string(" ") + name;
       if (m1_only || !Wanted(label)) continue;
       // The wgmma kernels where they run (pipe, ws, tma and fa3 for bf16 caches only).
       if (kernel != cuda::PrefillKernel::kMma && !cuda::WgmmaPrefillFits(kv, d)) continue;

@@ -1334,14 +1334,8 @@ TEST_F(CudaAttentionTest, PrefillWgmmaKernel) {
       {{{150, 200}, {1, 90}}, 4, 1, 128, 64},          // block size 64
       {{{260, 293}}, 4, 4, 64, 128},                   // block size 128: a page a tile, d 64
   };
-  const std::pair<cuda::PrefillKernel, const char*> kernels[] = {
-      {cuda::PrefillKernel::kWgmma, "wgmma"},
-      {cuda::PrefillKernel::kWgmmaPipe, "wgmma-pipe"},
-      {cuda::PrefillKernel::kWgmmaWs, "wgmma-ws"},
-      {cuda::PrefillKernel::kWgmmaTma, "wgmma-tma"},
-      {cuda::PrefillKernel::kWgmmaFa3, "wgmma-fa3"},
-      {cuda::PrefillKernel::kWgmmaFa3Pp, "wgmma-fa3pp"}};
-  for (auto [kernel, name] : kernels) {
+  for (const auto& [kernel, name] : cuda::kPrefillKernels) {
+    if (kernel == cuda::PrefillKernel::kMma) continue;  // PrefillVarlenCachedPrefixGqa's
     cuda::SetPrefillKernel(kernel);
     for (DType kv : {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4}) {
       for (size_t i = 0; i < cases.size(); ++i) {
