@@ -150,6 +150,11 @@ const EnvVar kCublasLtAutotune = {"TPSERVE_CUBLASLT_AUTOTUNE", EnvType::kBool, "
                                   "time cuBLASLt's candidate algorithms for M <= 256 instead of "
                                   "taking its heuristic (faster, not bitwise reproducible across "
                                   "processes)"};
+const EnvVar kCublasLtTable = {
+    "TPSERVE_CUBLASLT_TABLE", EnvType::kString, "builtin",
+    "cuBLASLt algorithms measured faster than its heuristic's first on this GPU "
+    "(kernels/cuda/cublaslt_table.json): builtin, off, or the path of a table written by "
+    "`tpserve-cuda-bench --lt-sweep`"};
 const EnvVar kStreamGemmMaxM = {
     "TPSERVE_STREAM_GEMM_MAX_M",
     EnvType::kInt,
@@ -374,6 +379,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kDecodeOrder,
       &env::kDecodePrefetch,
       &env::kCublasLtAutotune,
+      &env::kCublasLtTable,
       &env::kStreamGemmMaxM,
       &env::kDeterministicGemm,
       &env::kDeterministicGemmM,

@@ -50,6 +50,7 @@ extern const EnvVar kDecodePartition;
 extern const EnvVar kDecodeOrder;
 extern const EnvVar kDecodePrefetch;
 extern const EnvVar kCublasLtAutotune;
+extern const EnvVar kCublasLtTable;
 extern const EnvVar kStreamGemmMaxM;
 extern const EnvVar kDeterministicGemm;
 extern const EnvVar kDeterministicGemmM;

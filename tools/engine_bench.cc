@@ -311,6 +311,15 @@ absl::Status Main(const std::vector<std::string>& args) {
   std::fprintf(stderr, "launch ahead: %s, %lld steps launched ahead\n",
                engine->runner().launch_ahead() ? "on" : "off",
                static_cast<long long>(engine->runner().steps_launched_ahead()));
+#ifdef TPSERVE_HAVE_CUDA
+  // How many cuBLASLt plans took the cuBLASLt table's choice (TPSERVE_CUBLASLT_TABLE).
+  if (auto* cuda = dynamic_cast<CudaOps*>(engine->ops())) {
+    const auto [plans, from_table] = cuda->CublasLtPlans();
+    out["cublaslt_plans"] = plans;
+    out["cublaslt_plans_from_table"] = from_table;
+    std::fprintf(stderr, "cuBLASLt plans: %d, %d of them from the table\n", plans, from_table);
+  }
+#endif
   const std::string json_path = a.GetOr("json", "");
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
   std::cout << out.dump() << std::endl;

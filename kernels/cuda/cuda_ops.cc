@@ -563,6 +563,10 @@ void CudaOps::GemmCublasLt(const Tensor& x, const Tensor& w, const Tensor* bias,
   lt_->Run(x, w, bias, y, stream_);
 }
 
+std::pair<int, int> CudaOps::CublasLtPlans() const {
+  return {static_cast<int>(lt_->num_plans()), lt_->num_table_plans()};
+}
+
 void CudaOps::GemmSkinny(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                          int config) {
   cuda::LaunchSkinnyGemm(x, w, bias, y, stream_, config);

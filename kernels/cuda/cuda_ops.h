@@ -17,6 +17,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/gemm_stream.h"
@@ -152,6 +153,8 @@ class CudaOps final : public Ops {
   // Deterministic mode's stream GEMM (LaunchStreamGemmFixed), any M.
   void GemmStreamFixed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y);
   void GemmCublasLt(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y);
+  // The cuBLASLt GEMM plans made so far, and how many of them took the cuBLASLt table's choice.
+  std::pair<int, int> CublasLtPlans() const;
   void GemmSkinny(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, int config);
   void SiluMulGemmSkinny(const Tensor& gate_up, const Tensor& w, Tensor y, int config);
 

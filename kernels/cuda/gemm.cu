@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/env.h"
+#include "common/logging.h"
 #include "kernels/cuda/cuda_util.cuh"
 
 namespace tpserve::cuda {
@@ -28,6 +29,23 @@ LtGemm::LtGemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   TP_CUBLAS_CHECK(cublasLtCreate(&handle_));
   TP_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
   autotune_ = EnvBool(env::kCublasLtAutotune);
+  int device = 0;
+  TP_CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  TP_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  device_name_ = prop.name;
+  device_sms_ = prop.multiProcessorCount;
+  cublaslt_version_ = static_cast<int>(cublasLtGetVersion());
+  table_ = &LtTable::Process();
+  // Once a process: how many of the table's choices apply here (none on another GPU or cuBLASLt).
+  static const bool logged = [&] {
+    TP_LOG(INFO) << "cuBLASLt " << cublaslt_version_ << " on " << device_name_ << " ("
+                 << device_sms_
+                 << " SMs): " << table_->CountFor(device_name_, device_sms_, cublaslt_version_)
+                 << " algorithm choices of the table " << table_->source() << " apply";
+    return true;
+  }();
+  (void)logged;
 }
 
 LtGemm::~LtGemm() {
@@ -55,6 +73,13 @@ void LtGemm::set_candidate_override(int index) {
   for (auto& [key, plan] : plans_) DestroyDescriptors(plan);
   plans_.clear();
   candidate_override_ = index;
+}
+
+void LtGemm::set_table(const LtTable* table) {
+  if (table == table_) return;
+  for (auto& [key, plan] : plans_) DestroyDescriptors(plan);
+  plans_.clear();
+  table_ = table;
 }
 
 void LtGemm::MakeDescriptors(Plan& plan, int64_t m, int64_t n, int64_t k, bool bias) const {
@@ -191,6 +216,11 @@ LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int al
   }
   int wanted = m <= 256 ? 8 : 1;  // the autotuner's candidates
   if (candidate_override_ >= 0) wanted = 32;
+  const LtTableEntry* entry =
+      table_ == nullptr || candidate_override_ >= 0 || split_override_ > 0
+          ? nullptr
+          : table_->Find(device_name_, device_sms_, cublaslt_version_, m, n, k, bias, alignment);
+  if (entry != nullptr) wanted = std::max(wanted, entry->candidate + 1);
   std::vector<cublasLtMatmulHeuristicResult_t> results = Heuristic(plan, alignment, wanted);
   TP_CHECK(!results.empty()) << "cuBLASLt has no algorithm for GEMM M=" << m << " N=" << n
                              << " K=" << k << (bias ? " with bias" : "") << " alignment "
@@ -200,6 +230,23 @@ LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int al
     if (r.state == CUBLAS_STATUS_SUCCESS) plan.candidates.push_back(r.algo);
   }
   plan.tuned = !autotune_ || plan.candidates.size() <= 1;
+  if (entry != nullptr) {
+    const int c = entry->candidate;
+    if (c < static_cast<int>(results.size()) && results[c].state == CUBLAS_STATUS_SUCCESS &&
+        DescribeAlgo(results[c].algo) == entry->config) {
+      plan.algo = results[c].algo;
+      plan.tuned = true;
+      plan.from_table = true;
+    } else {
+      TP_LOG(WARNING) << "cuBLASLt table " << table_->source() << ": the entry for M=" << m
+                      << " N=" << n << " K=" << k << " names candidate " << c << " ("
+                      << entry->config << "), but the heuristic's candidate " << c << " is "
+                      << (c < static_cast<int>(results.size())
+                              ? "'" + DescribeAlgo(results[c].algo) + "'"
+                              : std::string("missing"))
+                      << "; taking the heuristic's first";
+    }
+  }
   if (candidate_override_ >= 0 && candidate_override_ < static_cast<int>(results.size()) &&
       results[candidate_override_].state == CUBLAS_STATUS_SUCCESS) {
     plan.algo = results[candidate_override_].algo;
@@ -258,29 +305,34 @@ void LtGemm::Tune(Plan& plan, const Tensor& x, const Tensor& w, Tensor y, cudaSt
   plan.tuned = true;
 }
 
+std::string LtGemm::DescribeAlgo(const cublasLtMatmulAlgo_t& algo) {
+  std::string out;
+  const std::pair<const char*, cublasLtMatmulAlgoConfigAttributes_t> attrs[] = {
+      {"id", CUBLASLT_ALGO_CONFIG_ID},
+      {"tile", CUBLASLT_ALGO_CONFIG_TILE_ID},
+      {"stages", CUBLASLT_ALGO_CONFIG_STAGES_ID},
+      {"splitk", CUBLASLT_ALGO_CONFIG_SPLITK_NUM},
+      {"reduction", CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME},
+      {"swizzle", CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING},
+      {"custom", CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION},
+      {"inner", CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID},
+      {"cluster", CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID}};
+  for (const auto& [name, attr] : attrs) {
+    int32_t v = 0;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) ==
+        CUBLAS_STATUS_SUCCESS) {
+      out += std::string(out.empty() ? "" : " ") + name + "=" + std::to_string(v);
+    }
+  }
+  return out;
+}
+
 std::string LtGemm::DescribePlan(int64_t m, int64_t n, int64_t k) const {
   for (const auto& [key, plan] : plans_) {
-    if (std::get<0>(key) != m || std::get<1>(key) != n || std::get<2>(key) != k) continue;
-    std::string out;
-    const std::pair<const char*, cublasLtMatmulAlgoConfigAttributes_t> attrs[] = {
-        {"id", CUBLASLT_ALGO_CONFIG_ID},
-        {"tile", CUBLASLT_ALGO_CONFIG_TILE_ID},
-        {"stages", CUBLASLT_ALGO_CONFIG_STAGES_ID},
-        {"splitk", CUBLASLT_ALGO_CONFIG_SPLITK_NUM},
-        {"reduction", CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME},
-        {"swizzle", CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING},
-        {"custom", CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION},
-        {"inner", CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID},
-        {"cluster", CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID}};
-    for (const auto& [name, attr] : attrs) {
-      int32_t v = 0;
-      size_t written = 0;
-      if (cublasLtMatmulAlgoConfigGetAttribute(&plan.algo, attr, &v, sizeof(v), &written) ==
-          CUBLAS_STATUS_SUCCESS) {
-        out += std::string(out.empty() ? "" : " ") + name + "=" + std::to_string(v);
-      }
+    if (std::get<0>(key) == m && std::get<1>(key) == n && std::get<2>(key) == k) {
+      return DescribeAlgo(plan.algo);
     }
-    return out;
   }
   return "";
 }

@@ -5,6 +5,9 @@
 // where the first choice is often not the fastest) the heuristic's best 8 are timed on the
 // first call made outside stream capture instead; two processes may then pick differently
 // (measured gain on the 6.7B shape: batch-64 decode 14.37 -> 14.29 ms/step, batch 1 none).
+// Where the process's cuBLASLt table (gemm_table.h, TPSERVE_CUBLASLT_TABLE) has an entry for the
+// problem on this GPU and cuBLASLt version, the plan takes that candidate of the heuristic
+// instead of its first (still the same in every process), and is not autotuned.
 // Fixed-algorithm mode (deterministic serving): one algorithm per (N, K, bias), the heuristic's
 // choice at M = TPSERVE_DETERMINISTIC_GEMM_M without split-K, for every M, so that a row's
 // result does not depend on how many rows are beside it (one kernel, one tile, one K order).
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cuda/gemm_table.h"
 
 namespace tpserve::cuda {
 
@@ -37,9 +41,32 @@ class LtGemm {
   void RunAccumulate(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                      cudaStream_t stream);
   size_t num_plans() const { return plans_.size(); }
+  int num_table_plans() const {
+    int count = 0;
+    for (const auto& [key, plan] : plans_) count += plan.from_table;
+    return count;
+  }
   // The configuration of the algorithm a plan of (m, n, k) runs (cuBLASLt's algorithm id, tile,
   // stages, split-K, ...), or "" when no such plan was made.
   std::string DescribePlan(int64_t m, int64_t n, int64_t k) const;
+  // The configuration of an algorithm, as DescribePlan writes it (the cuBLASLt table's "config").
+  static std::string DescribeAlgo(const cublasLtMatmulAlgo_t& algo);
+  // Whether the plan of (m, n, k) took its algorithm from the cuBLASLt table.
+  bool PlanFromTable(int64_t m, int64_t n, int64_t k) const {
+    for (const auto& [key, plan] : plans_) {
+      if (std::get<0>(key) == m && std::get<1>(key) == n && std::get<2>(key) == k) {
+        return plan.from_table;
+      }
+    }
+    return false;
+  }
+  // Tests and benchmarks: the table new plans consult instead of the process's (nullptr: none).
+  // Plans made before are dropped. `table` must outlive its use.
+  void set_table(const LtTable* table);
+  // This GPU and cuBLASLt, as the table keys them.
+  const std::string& device_name() const { return device_name_; }
+  int device_sms() const { return device_sms_; }
+  int cublaslt_version() const { return cublaslt_version_; }
   // The split-K override the plan of this problem took (0: none, or no such plan).
   int PlanSplitK(int64_t m, int64_t n, int64_t k) const {
     for (const auto& [key, plan] : plans_) {
@@ -79,6 +106,7 @@ class LtGemm {
     bool tuned = false;
     int split_k = 0;     // set_split_k_override's value when taken
     int candidate = -1;  // set_candidate_override's index when taken
+    bool from_table = false;
   };
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, int>;
   Plan& GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int alignment);
@@ -105,6 +133,10 @@ class LtGemm {
   bool fixed_ = false;
   int split_override_ = 0;
   int candidate_override_ = -1;
+  const LtTable* table_ = nullptr;
+  std::string device_name_;
+  int device_sms_ = 0;
+  int cublaslt_version_ = 0;
   std::map<std::tuple<int64_t, int64_t, bool, int>, cublasLtMatmulAlgo_t> fixed_algos_;
 };
 

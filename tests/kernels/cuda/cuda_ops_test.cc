@@ -18,10 +18,13 @@
 #include "common/bf16.h"
 #include "kernels/cuda/bench_knobs.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_table.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/kv_quant.h"
 #include "kernels/ops.h"
 #include "kernels/philox.h"
+#include "nlohmann/json.hpp"
 
 namespace tpserve {
 namespace {
@@ -338,6 +341,96 @@ TEST_F(CudaOpsTest, GemmSkinnyAllConfigsAndCublasLt) {
       bufs_.clear();
     }
   }
+}
+
+// The cuBLASLt table (kernels/cuda/gemm_table.h): an entry whose candidate still describes as
+// recorded makes the plan take that candidate (checked against the CPU reference); one whose
+// configuration does not match is ignored (the heuristic's first, and a warning); other GPUs'
+// and problems' entries are not taken; and every entry of the built-in table that names this GPU
+// and cuBLASLt is taken by the plan of its problem.
+TEST_F(CudaOpsTest, CublasLtTableChoosesTheCandidate) {
+  const int m = 64, n = 1536, k = 1024;
+  auto x = RandomBf16(rng_, size_t{1} * m * k), w = RandomBf16(rng_, size_t{1} * n * k, 0.05f);
+  std::vector<float> want(size_t{1} * m * n);
+  cpu_->Gemm(Cpu(x, {m, k}), Cpu(w, {n, k}), nullptr, Cpu(want, {m, n}));
+  Tensor gx = Gpu(x, {m, k}), gw = Gpu(w, {n, k});
+  cudaStream_t s = gpu_->stream();
+  cuda::LtGemm probe;
+  probe.set_table(nullptr);
+  std::vector<std::string> configs;
+  for (int c = 0; c < 4; ++c) {
+    probe.set_candidate_override(c);
+    Tensor out = GpuOut({m, n});
+    probe.Run(gx, gw, nullptr, out, s);
+    if (probe.PlanCandidate(m, n, k) != c) break;
+    configs.push_back(probe.DescribePlan(m, n, k));
+  }
+  ASSERT_GE(configs.size(), 2u) << "cuBLASLt offers one algorithm here: nothing to choose";
+  const int c = static_cast<int>(configs.size()) - 1;
+  auto table_json = [&](int candidate, const std::string& config, const std::string& device,
+                        int64_t mm) {
+    nlohmann::json entry = {{"device", device},
+                            {"sms", probe.device_sms()},
+                            {"cublaslt", probe.cublaslt_version()},
+                            {"m", mm},
+                            {"n", n},
+                            {"k", k},
+                            {"bias", false},
+                            {"alignment", 256},
+                            {"candidate", candidate},
+                            {"config", config}};
+    nlohmann::json doc;
+    doc["entries"] = nlohmann::json::array({entry});
+    return doc.dump();
+  };
+  struct Case {
+    const char* what;
+    std::string json;
+    bool taken;
+  };
+  const Case cases[] = {
+      {"matching entry", table_json(c, configs[c], probe.device_name(), m), true},
+      {"stale configuration", table_json(c, configs[c] + " changed", probe.device_name(), m),
+       false},
+      {"another GPU", table_json(c, configs[c], "another GPU", m), false},
+      {"another M", table_json(c, configs[c], probe.device_name(), m + 1), false},
+  };
+  for (const Case& tc : cases) {
+    SCOPED_TRACE(tc.what);
+    absl::StatusOr<cuda::LtTable> table = cuda::LtTable::Parse(tc.json, tc.what);
+    ASSERT_TRUE(table.ok()) << table.status();
+    cuda::LtGemm lt;
+    lt.set_table(&*table);
+    Tensor out = GpuOut({m, n});
+    lt.Run(gx, gw, nullptr, out, s);
+    EXPECT_LT(RelL2(Host(out), want), kBf16Tol);
+    EXPECT_EQ(lt.PlanFromTable(m, n, k), tc.taken);
+    EXPECT_EQ(lt.num_table_plans(), tc.taken ? 1 : 0);
+    EXPECT_EQ(lt.DescribePlan(m, n, k), tc.taken ? configs[c] : configs[0]);
+  }
+  // The built-in table's entries for this GPU, each run at its problem's size.
+  const cuda::LtTable& builtin = cuda::LtTable::Process();
+  int applied = 0;
+  for (const cuda::LtTableEntry& e : builtin.entries()) {
+    if (e.device != probe.device_name() || e.sms != probe.device_sms() ||
+        e.cublaslt != probe.cublaslt_version() || e.bias || e.alignment != 256) {
+      continue;
+    }
+    SCOPED_TRACE(testing::Message() << "built-in entry M=" << e.m << " N=" << e.n << " K=" << e.k);
+    cuda::LtGemm lt;
+    lt.set_table(&builtin);
+    bufs_.clear();
+    Tensor ex = GpuOut({e.m, e.k}), ew = GpuOut({e.n, e.k}), ey = GpuOut({e.m, e.n});
+    ASSERT_EQ(cudaMemset(ex.data, 0, ex.bytes()), cudaSuccess);
+    ASSERT_EQ(cudaMemset(ew.data, 0, ew.bytes()), cudaSuccess);
+    lt.Run(ex, ew, nullptr, ey, s);
+    ops_->Synchronize();
+    EXPECT_TRUE(lt.PlanFromTable(e.m, e.n, e.k)) << e.config;
+    EXPECT_EQ(lt.DescribePlan(e.m, e.n, e.k), e.config);
+    ++applied;
+  }
+  std::cout << applied << " built-in cuBLASLt table entries apply to " << probe.device_name()
+            << " (cuBLASLt " << probe.cublaslt_version() << ")" << std::endl;
 }
 
 // The weight-streaming wgmma GEMM (gemm_stream.cu) in every configuration against the CPU
