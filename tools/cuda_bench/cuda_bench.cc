@@ -13,7 +13,9 @@
 //   wgmma GEMM, gemm_stream.cu, in each configuration against cuBLASLt at M = 3 .. 128, and its
 //   fixed-grid variant of deterministic mode at M = 1 .. 128, at M = 1 beside the skinny kernel;
 //   --lt-sweep: cuBLASLt's first 32 heuristic candidates at M = 4 .. 2048, weights cold; with
-//   --lt-table-out=FILE the confirmed faster ones are written as a cuBLASLt table, gemm_table.h).
+//   --lt-table-out=FILE the confirmed faster ones are written as a cuBLASLt table, gemm_table.h;
+//   --pdl-gemm: whether cuBLASLt's GEMMs wait for their predecessor when launched as programmatic
+//   dependents in a graph, and what such edges save).
 //   A second argument, a regular expression, keeps only the rows of --stream and of the attention
 //   kernels whose label it matches (a short run for a profiler such as ncu).
 #include <cuda_runtime.h>
@@ -38,6 +40,7 @@
 #include "kernels/cuda/launchers.h"
 #include "kernels/kv_quant.h"
 #include "nlohmann/json.hpp"
+#include "tools/cuda_bench/pdl_probe.h"
 
 namespace tpserve {
 namespace {
@@ -511,6 +514,95 @@ void LtSweep(CudaOps& ops, double copy_gbs, const std::string& table_out) {
   }
 }
 
+// Whether cuBLASLt's GEMM kernels may be launched as programmatic dependents of the kernel before
+// them in a decode graph (tpserve's own kernels are; a GEMM still waits for the full completion
+// of its predecessor and then ramps up), and what that saves. First a probe: a kernel that
+// triggers its dependents at once, spins 200 us, then writes ones into x; the GEMM after it on a
+// programmatic edge reads x times a weight of ones: K everywhere if the GEMM's kernel waits for
+// its predecessor (griddepcontrol.wait), zeros or a mix if it does not (then such an edge would
+// be wrong). Then a graph of 32 x (a small PDL kernel, then the GEMM, weights cold) with the
+// edges into the GEMMs as captured (full completion) and made programmatic.
+void PdlGemm(CudaOps& ops) {
+  cudaStream_t s = ops.stream();
+  constexpr int kMaxM = 2048;
+  void* xbuf = ops.Alloc(size_t{2} * kMaxM * 11008);
+  void* ybuf = ops.Alloc(size_t{2} * kMaxM * 22016);
+  TP_CUDA_CHECK(cudaMemset(ybuf, 0, size_t{2} * kMaxM * 22016));
+  cuda::LtGemm lt;
+  auto graph_of = [&](const std::function<void()>& body, const void* from_func, int* changed) {
+    cudaGraph_t g = nullptr;
+    TP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    body();
+    TP_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+    *changed = from_func == nullptr ? 0 : cuda_bench::MakeEdgesFromProgrammatic(g, from_func);
+    cudaGraphExec_t exec = nullptr;
+    TP_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+    TP_CUDA_CHECK(cudaGraphDestroy(g));
+    return exec;
+  };
+  for (const Shape& sh : kShapes) {
+    if (sh.n == 32256) continue;
+    RotatingWeights rw(ops, sh);
+    const size_t wbytes = size_t{2} * sh.n * sh.k;
+    void* ones = ops.Alloc(wbytes);
+    {
+      std::vector<uint16_t> h(size_t{1} * sh.n * sh.k, F32ToBf16(1.0f));
+      TP_CUDA_CHECK(cudaMemcpy(ones, h.data(), wbytes, cudaMemcpyHostToDevice));
+    }
+    for (int m : {64, 2048}) {
+      const Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
+      const Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
+      const Tensor w1(ones, {sh.n, sh.k}, DType::kBF16, Device::kCuda);
+      const std::string prefix = std::string(sh.name) + " M=" + std::to_string(m);
+      lt.Run(x, w1, nullptr, y, s);  // the plan, before capture
+      TP_CUDA_CHECK(cudaStreamSynchronize(s));
+      // 1. The probe.
+      int changed = 0;
+      cudaGraphExec_t probe = graph_of(
+          [&] {
+            cuda_bench::LaunchSpinThenOnes(xbuf, int64_t{m} * sh.k, 200, s);
+            lt.Run(x, w1, nullptr, y, s);
+          },
+          cuda_bench::SpinThenOnesFunc(), &changed);
+      TP_CUDA_CHECK(cudaMemsetAsync(xbuf, 0, size_t{2} * m * sh.k, s));
+      TP_CUDA_CHECK(cudaMemsetAsync(ybuf, 0, size_t{2} * m * sh.n, s));
+      TP_CUDA_CHECK(cudaGraphLaunch(probe, s));
+      TP_CUDA_CHECK(cudaStreamSynchronize(s));
+      TP_CUDA_CHECK(cudaGraphExecDestroy(probe));
+      std::vector<uint16_t> got(size_t{1} * m * sh.n);
+      TP_CUDA_CHECK(cudaMemcpy(got.data(), ybuf, got.size() * 2, cudaMemcpyDeviceToHost));
+      const uint16_t want = F32ToBf16(static_cast<float>(sh.k));
+      size_t right = 0;
+      for (uint16_t v : got) right += v == want;
+      std::printf("%s probe: %d edges made programmatic; %zu of %zu outputs = K (%s)\n",
+                  prefix.c_str(), changed, right, got.size(),
+                  right == got.size() ? "the GEMM waited for its predecessor"
+                                      : "the GEMM did NOT wait: such an edge is wrong");
+      // 2. The timing: 32 pairs a graph.
+      for (bool programmatic : {false, true}) {
+        int edges = 0;
+        cudaGraphExec_t exec = graph_of(
+            [&] {
+              for (int i = 0; i < 32; ++i) {
+                cuda_bench::LaunchPdlTouch(ybuf, xbuf, int64_t{m} * sh.k, s);
+                lt.Run(x, rw.At(i), nullptr, y, s);
+              }
+            },
+            programmatic ? cuda_bench::PdlTouchFunc() : nullptr, &edges);
+        const double ms = MedianMs(s, 20, [&](int) { TP_CUDA_CHECK(cudaGraphLaunch(exec, s)); });
+        TP_CUDA_CHECK(cudaGraphExecDestroy(exec));
+        Add(prefix + (programmatic ? " 32 x (PDL kernel, GEMM), programmatic edges (" +
+                                         std::to_string(edges) + ")"
+                                   : " 32 x (PDL kernel, GEMM), as captured"),
+            ms, Fmt("%.2f us a pair", ms * 1e3 / 32));
+      }
+    }
+    ops.Free(ones);
+  }
+  ops.Free(xbuf);
+  ops.Free(ybuf);
+}
+
 // The weight-streaming GEMM against cuBLASLt (the path it replaces) at decode batch sizes, 6.7B
 // shapes; % of copy counts the weight bytes.
 void StreamGemms(CudaOps& ops, double copy_gbs) {
@@ -564,7 +656,8 @@ void StreamGemms(CudaOps& ops, double copy_gbs) {
 }
 
 int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bool shards,
-         bool split_k, bool chain, bool stream, bool lt_sweep, const std::string& table_out) {
+         bool split_k, bool chain, bool stream, bool lt_sweep, bool pdl_gemm,
+         const std::string& table_out) {
   if (CudaDeviceCount() == 0) {
     std::printf("no CUDA device\n");
     return 0;
@@ -605,6 +698,10 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
   }
   if (stream) {
     StreamGemms(ops, copy_gbs);
+    return PrintSummary(copy_gbs);
+  }
+  if (pdl_gemm) {
+    PdlGemm(ops);
     return PrintSummary(copy_gbs);
   }
   if (lt_sweep) {
@@ -790,12 +887,13 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if ((!mode.empty() && mode != "--m1" && mode != "--attention" && mode != "--decode" &&
        mode != "--det-gemm" && mode != "--shards" && mode != "--split-k" && mode != "--chain" &&
-       mode != "--stream" && mode != "--lt-sweep") ||
+       mode != "--stream" && mode != "--lt-sweep" && mode != "--pdl-gemm") ||
       argc > 3 || (!table_out.empty() && mode != "--lt-sweep")) {
-    std::fprintf(stderr,
-                 "usage: tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm | --shards "
-                 "| --split-k | --chain | --stream | --lt-sweep [--lt-table-out=FILE]] "
-                 "[ROW-REGEX]\n");
+    std::fprintf(
+        stderr,
+        "usage: tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm | --shards "
+        "| --split-k | --chain | --stream | --lt-sweep [--lt-table-out=FILE] | --pdl-gemm] "
+        "[ROW-REGEX]\n");
     return 2;
   }
   if (argc == 3) {
@@ -809,5 +907,5 @@ int main(int argc, char** argv) {
   return tpserve::Main(mode == "--m1", mode == "--attention" || mode == "--decode",
                        mode == "--decode", mode == "--det-gemm", mode == "--shards",
                        mode == "--split-k", mode == "--chain", mode == "--stream",
-                       mode == "--lt-sweep", table_out);
+                       mode == "--lt-sweep", mode == "--pdl-gemm", table_out);
 }
