@@ -1751,6 +1751,72 @@ TEST_F(CudaOpsTest, DecodeChainReplaysWithProgrammaticLaunch) {
   CudaOps::set_programmatic_launch(true);
 }
 
+// Programmatic GEMM launches in a decode graph (kernels/cuda/gemm.h): at M = 64 each cuBLASLt plan
+// is probed once, eagerly; the capture records the edge from the kernel before each qualifying
+// GEMM, MakeGemmEdgesProgrammatic converts exactly those, and the replayed graph gives the CPU
+// reference's results over new inputs (a GEMM launched early that did not wait would read the
+// previous replay's activations).
+TEST_F(CudaOpsTest, GemmGraphEdgesProgrammaticAtDecodeBatch) {
+  CudaOps::set_programmatic_launch(true);
+  const int m = 64, h = 4096, f = 4096;  // gate_up [f, h] -> SiluMul -> down [h, f / 2]
+  auto w1 = RandomBf16(rng_, size_t{1} * f * h, 0.02f);
+  auto w2 = RandomBf16(rng_, size_t{1} * h * (f / 2), 0.05f);
+  auto x0 = RandomBf16(rng_, size_t{1} * m * h);
+  Tensor gw1 = Gpu(w1, {f, h}), gw2 = Gpu(w2, {h, f / 2}), gx0 = Gpu(x0, {m, h});
+  Tensor gx = Gpu(RandomBf16(rng_, size_t{1} * m * h), {m, h});
+  Tensor a = GpuOut({m, h}), gu = GpuOut({m, f}), act = GpuOut({m, f / 2}), y = GpuOut({m, h});
+  auto step = [&] {
+    ops_->Add(gx, gx0, a);
+    ops_->Gemm(a, gw1, nullptr, gu);
+    ops_->SiluMul(gu, act);
+    ops_->Gemm(act, gw2, nullptr, y);
+  };
+  auto round = [](std::vector<float>& v) {
+    for (float& x : v) x = Bf16ToF32(F32ToBf16(x));
+  };
+  auto reference = [&](std::vector<float> xs) {
+    std::vector<float> ra(size_t{1} * m * h), rgu(size_t{1} * m * f), ract(size_t{1} * m * f / 2);
+    std::vector<float> ry(size_t{1} * m * h);
+    cpu_->Add(Cpu(xs, {m, h}), Cpu(x0, {m, h}), Cpu(ra, {m, h}));
+    round(ra);
+    cpu_->Gemm(Cpu(ra, {m, h}), Cpu(w1, {f, h}), nullptr, Cpu(rgu, {m, f}));
+    round(rgu);
+    cpu_->SiluMul(Cpu(rgu, {m, f}), Cpu(ract, {m, f / 2}));
+    round(ract);
+    cpu_->Gemm(Cpu(ract, {m, f / 2}), Cpu(w2, {h, f / 2}), nullptr, Cpu(ry, {m, h}));
+    return ry;
+  };
+  step();  // eager: the plans, and their probes
+  ops_->Synchronize();
+  const int p1 = gpu_->CublasLtPlanProgrammatic(m, f, h);
+  const int p2 = gpu_->CublasLtPlanProgrammatic(m, h, f / 2);
+  std::cout << "probe: GEMM [" << m << ", " << h << "] x [" << f << ", " << h << "]^T "
+            << (p1 == 1 ? "qualifies" : "launches normally") << "; [" << m << ", " << f / 2
+            << "] x [" << h << ", " << f / 2 << "]^T "
+            << (p2 == 1 ? "qualifies" : "launches normally") << std::endl;
+  ASSERT_NE(p1, -1) << "the plan was not probed";
+  ASSERT_NE(p2, -1) << "the plan was not probed";
+  gpu_->MakeGemmEdgesProgrammatic(nullptr);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(gpu_->stream(), cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  step();
+  ASSERT_EQ(cudaStreamEndCapture(gpu_->stream(), &graph), cudaSuccess);
+  EXPECT_EQ(gpu_->MakeGemmEdgesProgrammatic(graph), (p1 == 1) + (p2 == 1));
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int rep = 0; rep < 3; ++rep) {
+    SCOPED_TRACE(testing::Message() << "replay " << rep);
+    std::vector<float> xs = RandomBf16(rng_, size_t{1} * m * h);
+    std::vector<uint16_t> hx(xs.size());
+    for (size_t i = 0; i < xs.size(); ++i) hx[i] = F32ToBf16(xs[i]);
+    ops_->CopyToDevice(gx.data, hx.data(), hx.size() * 2);
+    ASSERT_EQ(cudaGraphLaunch(exec, gpu_->stream()), cudaSuccess);
+    EXPECT_LT(RelL2(Host(y), reference(xs)), kBf16Tol);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 // The op profiler times eager ops per (op, shape), records nothing while capturing, and costs
 // nothing once off.
 TEST_F(CudaOpsTest, OpProfilerTimesEagerOps) {
