@@ -88,11 +88,6 @@ const EnvVar kFusedAllReduceNorm = {"TPSERVE_FUSED_ALL_REDUCE_NORM", EnvType::kB
                                     "residual add and the next RMSNorm; 0: two kernels (A/B)"};
 const EnvVar kPdl = {"TPSERVE_PDL", EnvType::kBool, "1",
                      "programmatic dependent launch of the CUDA kernels (sm_90+); 0 turns it off"};
-const EnvVar kPdlGemm = {
-    "TPSERVE_PDL_GEMM", EnvType::kBool, "1",
-    "decode graphs (tp = 1, pp = 1): the edge from a kernel into a cuBLASLt GEMM made "
-    "programmatic where a probe showed that GEMM's kernel waits for its predecessor; 0 turns it "
-    "off"};
 const EnvVar kPrefillTile = {"TPSERVE_PREFILL_TILE",
                              EnvType::kChoice,
                              "128",
@@ -376,7 +371,6 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kClusterSecret,
       &env::kFusedAllReduceNorm,
       &env::kPdl,
-      &env::kPdlGemm,
       &env::kLaunchAhead,
       &env::kPrefillTile,
       &env::kPrefillKernel,

@@ -42,7 +42,6 @@ extern const EnvVar kClusterSecret;
 // The CUDA kernels.
 extern const EnvVar kFusedAllReduceNorm;
 extern const EnvVar kPdl;
-extern const EnvVar kPdlGemm;
 extern const EnvVar kLaunchAhead;
 extern const EnvVar kPrefillTile;
 extern const EnvVar kPrefillKernel;

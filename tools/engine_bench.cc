@@ -318,9 +318,6 @@ absl::Status Main(const std::vector<std::string>& args) {
     out["cublaslt_plans"] = plans;
     out["cublaslt_plans_from_table"] = from_table;
     std::fprintf(stderr, "cuBLASLt plans: %d, %d of them from the table\n", plans, from_table);
-    out["programmatic_gemm_edges"] = engine->runner().programmatic_gemm_edges();
-    std::fprintf(stderr, "decode graphs: %lld edges into cuBLASLt GEMMs made programmatic\n",
-                 static_cast<long long>(engine->runner().programmatic_gemm_edges()));
   }
 #endif
   const std::string json_path = a.GetOr("json", "");

@@ -111,16 +111,13 @@ absl::StatusOr<Tensor> CudaGraphRunner::RunDecode(const BatchMeta& meta) {
     auto graph = std::make_unique<Graph>();
     cudaStream_t stream = ops_->stream();
     cudaGraph_t g = nullptr;
-    ops_->MakeGemmEdgesProgrammatic(nullptr);  // nothing left from an earlier capture
     TP_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     auto logits = model_->Run(padded, *cache_);
     TP_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
     if (!logits.ok()) {
-      ops_->MakeGemmEdgesProgrammatic(nullptr);
       cudaGraphDestroy(g);
       return logits.status();
     }
-    programmatic_gemm_edges_ += ops_->MakeGemmEdgesProgrammatic(programmatic_gemms_ ? g : nullptr);
     TP_CUDA_CHECK(cudaGraphInstantiate(&graph->exec, g, 0));
     TP_CUDA_CHECK(cudaGraphDestroy(g));
     graph->logits = *logits;  // the activation buffers the eager run wrote too

@@ -5,7 +5,6 @@
 // with CUDA.
 #pragma once
 
-#include <cstdint>
 #include <map>
 #include <memory>
 #include <utility>
@@ -32,11 +31,6 @@ class CudaGraphRunner {
   // stage), or an empty tensor (other pipeline stages).
   absl::StatusOr<Tensor> RunDecode(const BatchMeta& meta);
   int num_graphs() const { return static_cast<int>(graphs_.size()); }
-  // Whether the captured graphs' edges into qualifying cuBLASLt GEMMs become programmatic
-  // (CudaOps::MakeGemmEdgesProgrammatic; ShardRunner turns it on at tp = 1, pp = 1 unless
-  // TPSERVE_PDL_GEMM=0), and how many edges the graphs captured so far got.
-  void set_programmatic_gemms(bool on) { programmatic_gemms_ = on; }
-  int64_t programmatic_gemm_edges() const { return programmatic_gemm_edges_; }
 
   static int Bucket(int n);  // next power of two (at least 1)
   // The batch-buffer sizes (CudaOps::Reserve) that cover every bucket this runner captures:
@@ -57,8 +51,6 @@ class CudaGraphRunner {
   int max_seqs_;
   uint64_t generation_ = 0;
   std::map<std::pair<int, int>, std::unique_ptr<Graph>> graphs_;
-  bool programmatic_gemms_ = false;
-  int64_t programmatic_gemm_edges_ = 0;
 };
 
 }  // namespace tpserve

@@ -110,8 +110,6 @@ absl::StatusOr<std::unique_ptr<ShardRunner>> ShardRunner::Create(
     // Decode graphs are captured by WarmUpGraphs (else on the first use of each bucket).
     r->graphs_ =
         std::make_unique<CudaGraphRunner>(cuda, r->model_.get(), r->cache_.get(), reserve.max_seqs);
-    // One GPU only: a programmatic GEMM launch is not measured beside NCCL's kernels.
-    r->graphs_->set_programmatic_gemms(plan.tp == 1 && plan.pp == 1 && EnvBool(env::kPdlGemm));
     r->graph_max_blocks_ = reserve.max_blocks_per_seq;
   } else {
     r->graph_max_seqs_ = 0;
@@ -206,14 +204,6 @@ bool ShardRunner::UsesGraphs(const BatchMeta& meta) const {
   int bucket = 1;
   while (bucket < meta.num_seqs) bucket *= 2;
   return bucket <= GraphSeqLimit();
-}
-
-int64_t ShardRunner::programmatic_gemm_edges() const {
-#ifdef TPSERVE_HAVE_CUDA
-  return graphs_ != nullptr ? graphs_->programmatic_gemm_edges() : 0;
-#else
-  return 0;
-#endif
 }
 
 int ShardRunner::num_graphs() const {

@@ -125,8 +125,6 @@ class ShardRunner {
   bool UsesGraphs(const BatchMeta& meta) const;
   int GraphSeqLimit() const;
   int num_graphs() const;
-  // The graph edges into cuBLASLt GEMMs made programmatic so far (CudaGraphRunner).
-  int64_t programmatic_gemm_edges() const;
   int num_blocks() const { return cache_->num_blocks(); }
   DType kv_dtype() const { return cache_->dtype(); }
   int block_size() const { return cache_->block_size(); }

@@ -563,29 +563,6 @@ void CudaOps::GemmCublasLt(const Tensor& x, const Tensor& w, const Tensor* bias,
   lt_->Run(x, w, bias, y, stream_);
 }
 
-int CudaOps::MakeGemmEdgesProgrammatic(cudaGraph_t graph) {
-  const auto edges = lt_->TakeProgrammaticEdges();
-  if (graph == nullptr) return 0;
-  int changed = 0;
-  for (const auto& [from, to] : edges) {
-    const cudaGraphEdgeData captured = {};  // a full dependency, as captured
-    if (cudaGraphRemoveDependencies(graph, &from, &to, &captured, 1) != cudaSuccess) {
-      (void)cudaGetLastError();  // not the edge recorded: leave it
-      continue;
-    }
-    cudaGraphEdgeData programmatic = {};
-    programmatic.from_port = cudaGraphKernelNodePortProgrammatic;
-    programmatic.type = cudaGraphDependencyTypeProgrammatic;
-    TP_CUDA_CHECK(cudaGraphAddDependencies(graph, &from, &to, &programmatic, 1));
-    ++changed;
-  }
-  return changed;
-}
-
-int CudaOps::CublasLtPlanProgrammatic(int64_t m, int64_t n, int64_t k) const {
-  return lt_->PlanProgrammatic(m, n, k);
-}
-
 std::pair<int, int> CudaOps::CublasLtPlans() const {
   return {static_cast<int>(lt_->num_plans()), lt_->num_table_plans()};
 }

@@ -153,13 +153,6 @@ class CudaOps final : public Ops {
   // Deterministic mode's stream GEMM (LaunchStreamGemmFixed), any M.
   void GemmStreamFixed(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y);
   void GemmCublasLt(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y);
-  // Decode graphs: the edges into cuBLASLt GEMMs recorded while `graph` was captured (see
-  // kernels/cuda/gemm.h, programmatic GEMM launches) become programmatic; returns how many.
-  // With graph == nullptr (a capture that failed, or a layout where it is not wanted) the
-  // recorded edges are dropped.
-  int MakeGemmEdgesProgrammatic(cudaGraph_t graph);
-  // Whether the cuBLASLt plan of (m, n, k) qualified for a programmatic launch (-1: not probed).
-  int CublasLtPlanProgrammatic(int64_t m, int64_t n, int64_t k) const;
   // The cuBLASLt GEMM plans made so far, and how many of them took the cuBLASLt table's choice.
   std::pair<int, int> CublasLtPlans() const;
   void GemmSkinny(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, int config);

@@ -16,25 +16,6 @@
 namespace tpserve::cuda {
 namespace {
 
-// The programmatic-launch probe's first kernel (gemm.h): lets its dependents launch at once,
-// spins for `spin_cycles`, then copies n16 16-byte words from src to dst.
-__global__ void ProbeSpinThenCopy(const uint4* src, uint4* dst, int64_t n16,
-                                  long long spin_cycles) {
-  PdlLaunchDependents();
-  const long long t0 = clock64();
-  while (clock64() - t0 < spin_cycles) {
-  }
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n16;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    dst[i] = src[i];
-  }
-}
-
-bool IsKernelNode(cudaGraphNode_t node) {
-  cudaGraphNodeType type;
-  return cudaGraphNodeGetType(node, &type) == cudaSuccess && type == cudaGraphNodeTypeKernel;
-}
-
 int PointerAlignment(const void* p) {
   auto v = reinterpret_cast<uintptr_t>(p);
   int a = 256;
@@ -69,7 +50,6 @@ LtGemm::LtGemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
 
 LtGemm::~LtGemm() {
   for (auto& [key, plan] : plans_) DestroyDescriptors(plan);
-  if (probe_stream_ != nullptr) cudaStreamDestroy(probe_stream_);
   if (workspace_ != nullptr) cudaFree(workspace_);
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
@@ -390,107 +370,7 @@ void LtGemm::RunImpl(const Tensor& x, const Tensor& w, const Tensor* bias, Tenso
                                                    &bp, sizeof(bp)));
   }
   if (!plan.tuned && !accumulate) Tune(plan, x, w, y, stream);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  TP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (plan.programmatic < 0 && capture == cudaStreamCaptureStatusNone && !accumulate && m <= 256 &&
-      PdlEnabled() && EnvBool(env::kPdlGemm)) {
-    ProbeProgrammatic(plan, x, w, y, stream);
-  }
-  if (capture != cudaStreamCaptureStatusActive || plan.programmatic != 1) {
-    Launch(plan, plan.algo, x, w, y, stream, accumulate ? 1.0f : 0.0f);
-    return;
-  }
-  // Capturing a plan that qualifies: the edge from the one kernel before it to its kernel node.
-  const cudaGraphNode_t* deps = nullptr;
-  size_t num_deps = 0;
-  TP_CUDA_CHECK(
-      cudaStreamGetCaptureInfo(stream, &capture, nullptr, nullptr, &deps, nullptr, &num_deps));
-  const cudaGraphNode_t prev = num_deps == 1 && IsKernelNode(deps[0]) ? deps[0] : nullptr;
   Launch(plan, plan.algo, x, w, y, stream, accumulate ? 1.0f : 0.0f);
-  TP_CUDA_CHECK(
-      cudaStreamGetCaptureInfo(stream, &capture, nullptr, nullptr, &deps, nullptr, &num_deps));
-  if (prev == nullptr || num_deps != 1 || !IsKernelNode(deps[0])) return;
-  const cudaGraphNode_t gemm = deps[0];
-  cudaGraphNode_t before[2];
-  size_t num_before = 2;
-  if (cudaGraphNodeGetDependencies(gemm, before, nullptr, &num_before) == cudaSuccess &&
-      num_before == 1 && before[0] == prev) {
-    programmatic_edges_.emplace_back(prev, gemm);
-  }
-  (void)cudaGetLastError();
-}
-
-void LtGemm::ProbeProgrammatic(Plan& plan, const Tensor& x, const Tensor& w, const Tensor& y,
-                               cudaStream_t stream) {
-  plan.programmatic = 0;
-  const size_t xbytes = x.bytes(), ybytes = y.bytes();
-  if (xbytes % 16 != 0 || PointerAlignment(x.data) < 16) return;
-  TP_CUDA_CHECK(cudaStreamSynchronize(stream));  // x is written
-  if (probe_stream_ == nullptr) {
-    TP_CUDA_CHECK(cudaStreamCreateWithFlags(&probe_stream_, cudaStreamNonBlocking));
-  }
-  void *xp = nullptr, *ya = nullptr, *yb = nullptr;
-  if (cudaMalloc(&xp, xbytes) != cudaSuccess || cudaMalloc(&ya, ybytes) != cudaSuccess ||
-      cudaMalloc(&yb, ybytes) != cudaSuccess) {
-    (void)cudaGetLastError();  // no room for the probe: the plan launches normally
-    cudaFree(xp);
-    cudaFree(ya);
-    cudaFree(yb);
-    return;
-  }
-  Tensor tx = x, tya = y, tyb = y;
-  tx.data = xp;
-  tya.data = ya;
-  tyb.data = yb;
-  cudaStream_t s = probe_stream_;
-  Launch(plan, plan.algo, x, w, tya, s);  // the reference, launched normally
-  int device = 0, khz = 0;
-  TP_CUDA_CHECK(cudaGetDevice(&device));
-  TP_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device));
-  cudaGraph_t g = nullptr;
-  TP_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  ProbeSpinThenCopy<<<132, 256, 0, s>>>(static_cast<const uint4*>(x.data), static_cast<uint4*>(xp),
-                                        static_cast<int64_t>(xbytes / 16),
-                                        200LL * khz / 1000);  // ~200 us
-  Launch(plan, plan.algo, tx, w, tyb, s);
-  TP_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-  // Exactly the spin kernel and one GEMM kernel, on one edge, made programmatic.
-  size_t num_nodes = 0, num_edges = 0;
-  TP_CUDA_CHECK(cudaGraphGetNodes(g, nullptr, &num_nodes));
-  TP_CUDA_CHECK(cudaGraphGetEdges(g, nullptr, nullptr, nullptr, &num_edges));
-  bool one_kernel = false;
-  if (num_nodes == 2 && num_edges == 1) {
-    cudaGraphNode_t from, to;
-    cudaGraphEdgeData data;
-    TP_CUDA_CHECK(cudaGraphGetEdges(g, &from, &to, &data, &num_edges));
-    if (IsKernelNode(from) && IsKernelNode(to)) {
-      TP_CUDA_CHECK(cudaGraphRemoveDependencies(g, &from, &to, &data, 1));
-      cudaGraphEdgeData programmatic = {};
-      programmatic.from_port = cudaGraphKernelNodePortProgrammatic;
-      programmatic.type = cudaGraphDependencyTypeProgrammatic;
-      TP_CUDA_CHECK(cudaGraphAddDependencies(g, &from, &to, &programmatic, 1));
-      one_kernel = true;
-    }
-  }
-  if (one_kernel) {
-    cudaGraphExec_t exec = nullptr;
-    TP_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-    TP_CUDA_CHECK(cudaMemsetAsync(xp, 0, xbytes, s));
-    TP_CUDA_CHECK(cudaMemsetAsync(yb, 0, ybytes, s));
-    TP_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    TP_CUDA_CHECK(cudaStreamSynchronize(s));
-    TP_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    std::vector<uint8_t> a(ybytes), b(ybytes);
-    TP_CUDA_CHECK(cudaMemcpy(a.data(), ya, ybytes, cudaMemcpyDeviceToHost));
-    TP_CUDA_CHECK(cudaMemcpy(b.data(), yb, ybytes, cudaMemcpyDeviceToHost));
-    // A reference of zeros cannot tell a GEMM that read zeros from one that waited.
-    const bool nonzero = std::any_of(a.begin(), a.end(), [](uint8_t v) { return v != 0; });
-    plan.programmatic = nonzero && a == b ? 1 : 0;
-  }
-  TP_CUDA_CHECK(cudaGraphDestroy(g));
-  TP_CUDA_CHECK(cudaFree(xp));
-  TP_CUDA_CHECK(cudaFree(ya));
-  TP_CUDA_CHECK(cudaFree(yb));
 }
 
 }  // namespace tpserve::cuda

@@ -8,18 +8,6 @@
 // Where the process's cuBLASLt table (gemm_table.h, TPSERVE_CUBLASLT_TABLE) has an entry for the
 // problem on this GPU and cuBLASLt version, the plan takes that candidate of the heuristic
 // instead of its first (still the same in every process), and is not autotuned.
-// Programmatic GEMM launches (decode graphs): a cuBLASLt GEMM launches only once the kernel
-// before it has finished, then ramps up. Where its kernel waits for its predecessor itself
-// (griddepcontrol.wait, as tpserve's kernels do), the graph edge into it can be programmatic,
-// so that it is scheduled while the previous kernel drains. cuBLASLt does not document which
-// kernels wait, so each plan of M <= 256 made while programmatic launch is on (TPSERVE_PDL,
-// TPSERVE_PDL_GEMM) is probed once, eagerly: a kernel that lets its dependents start at once,
-// spins, then copies the GEMM's input into a zeroed buffer, is followed on a programmatic edge
-// by the GEMM reading that buffer; the plan qualifies when the result has the bits of the GEMM
-// run normally (a GEMM that did not wait would have read zeros), and when its launch is one
-// kernel node. During stream capture, the edge from the single kernel before such a GEMM to
-// its node is recorded; CudaOps::MakeGemmEdgesProgrammatic converts the recorded edges of a
-// captured graph.
 // Fixed-algorithm mode (deterministic serving): one algorithm per (N, K, bias), the heuristic's
 // choice at M = TPSERVE_DETERMINISTIC_GEMM_M without split-K, for every M, so that a row's
 // result does not depend on how many rows are beside it (one kernel, one tile, one K order).
@@ -32,7 +20,6 @@
 #include <map>
 #include <string>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "common/dtype.h"
@@ -72,20 +59,6 @@ class LtGemm {
       }
     }
     return false;
-  }
-  // The (previous kernel, GEMM kernel) graph edges recorded during stream capture for plans
-  // that qualify for a programmatic launch (see above), handed over and forgotten.
-  std::vector<std::pair<cudaGraphNode_t, cudaGraphNode_t>> TakeProgrammaticEdges() {
-    return std::exchange(programmatic_edges_, {});
-  }
-  // Whether the plan of (m, n, k) qualified for a programmatic launch (-1: not probed).
-  int PlanProgrammatic(int64_t m, int64_t n, int64_t k) const {
-    for (const auto& [key, plan] : plans_) {
-      if (std::get<0>(key) == m && std::get<1>(key) == n && std::get<2>(key) == k) {
-        return plan.programmatic;
-      }
-    }
-    return -1;
   }
   // Tests and benchmarks: the table new plans consult instead of the process's (nullptr: none).
   // Plans made before are dropped. `table` must outlive its use.
@@ -134,7 +107,6 @@ class LtGemm {
     int split_k = 0;     // set_split_k_override's value when taken
     int candidate = -1;  // set_candidate_override's index when taken
     bool from_table = false;
-    int programmatic = -1;  // -1: not probed; 0: launch normally; 1: may launch programmatically
   };
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, int>;
   Plan& GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int alignment);
@@ -150,9 +122,6 @@ class LtGemm {
   void Tune(Plan& plan, const Tensor& x, const Tensor& w, Tensor y, cudaStream_t stream);
   void Launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const Tensor& x, const Tensor& w,
               Tensor y, cudaStream_t stream, float beta = 0.0f);
-  // The probe of plan.programmatic (see above), on these operands (eager, outside capture).
-  void ProbeProgrammatic(Plan& plan, const Tensor& x, const Tensor& w, const Tensor& y,
-                         cudaStream_t stream);
   void RunImpl(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y, cudaStream_t stream,
                bool accumulate);
 
@@ -169,8 +138,6 @@ class LtGemm {
   int device_sms_ = 0;
   int cublaslt_version_ = 0;
   std::map<std::tuple<int64_t, int64_t, bool, int>, cublasLtMatmulAlgo_t> fixed_algos_;
-  std::vector<std::pair<cudaGraphNode_t, cudaGraphNode_t>> programmatic_edges_;
-  cudaStream_t probe_stream_ = nullptr;
 };
 
 }  // namespace tpserve::cuda
