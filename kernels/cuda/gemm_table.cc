@@ -1,11 +1,13 @@
 // The cuBLASLt algorithm table (see gemm_table.h).
 #include "kernels/cuda/gemm_table.h"
 
+#include <cmath>
 #include <fstream>
 #include <limits>
 #include <set>
 #include <sstream>
 #include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/env.h"
@@ -106,6 +108,39 @@ absl::StatusOr<LtTable> LtTable::Parse(const std::string& json, const std::strin
     table.entries_.push_back(std::move(t));
   }
   return table;
+}
+
+absl::StatusOr<std::string> LtTable::Agreement(const std::string& a, const std::string& b,
+                                               const std::string& about) {
+  for (const auto& [text, name] : {std::pair{&a, "first"}, std::pair{&b, "second"}}) {
+    absl::StatusOr<LtTable> t = Parse(*text, name);
+    if (!t.ok()) return t.status();
+  }
+  const Json ja = Json::parse(a), jb = Json::parse(b);
+  Json entries = Json::array();
+  for (const Json& ea : ja["entries"]) {
+    for (const Json& eb : jb["entries"]) {
+      bool same = true;
+      for (const char* key : {"device", "sms", "cublaslt", "m", "n", "k", "bias", "alignment",
+                              "candidate", "config"}) {
+        same = same && ea[key] == eb[key];
+      }
+      if (!same) continue;
+      Json e = ea;
+      for (const char* key : {"first_us", "best_us"}) {
+        if (ea.contains(key) && eb.contains(key) && ea[key].is_number() && eb[key].is_number()) {
+          e[key] = std::round((ea[key].get<double>() + eb[key].get<double>()) * 5) / 10;
+        }
+      }
+      e["sweeps"] = 2;
+      entries.push_back(e);
+      break;
+    }
+  }
+  Json out;
+  out["about"] = about;
+  out["entries"] = entries;
+  return out.dump(2) + "\n";
 }
 
 const LtTable& LtTable::Process() {

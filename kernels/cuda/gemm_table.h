@@ -39,6 +39,13 @@ class LtTable {
   // Parses a table's JSON; `source` names it in errors. Every entry must have every key above
   // with a value of its type and range; two entries of the same problem and device are refused.
   static absl::StatusOr<LtTable> Parse(const std::string& json, const std::string& source);
+  // The table of the entries two tables (JSON text, e.g. two sweeps of tpserve-cuda-bench
+  // --lt-sweep) chose alike: the same GPU, cuBLASLt, problem, candidate and configuration. Each
+  // kept entry is a's, with "first_us" / "best_us" the means of the two where both have them,
+  // and "sweeps": 2. `about` becomes the result's "about". Either input not a valid table is an
+  // error.
+  static absl::StatusOr<std::string> Agreement(const std::string& a, const std::string& b,
+                                               const std::string& about);
   // The built-in table (kernels/cuda/cublaslt_table.json).
   static const std::string& BuiltinJson();
   // The process's table: TPSERVE_CUBLASLT_TABLE = "builtin" (default), "off" (empty) or a path.

@@ -112,6 +112,45 @@ TEST(GemmTableTest, RefusesBadTablesWithTheReason) {
   }
 }
 
+// Two sweeps' tables: the entries both chose alike (same problem, GPU, candidate and
+// configuration) are kept, their times averaged; a disagreement on any of those drops the entry.
+TEST(GemmTableTest, AgreementKeepsTheChoicesBothSweepsMadeAlike) {
+  Json same = Entry();  // first_us 30.1, best_us 28.2
+  Json same2 = Entry();
+  same2["first_us"] = 30.3;
+  same2["best_us"] = 28.0;
+  Json other_cand = Entry();
+  other_cand["m"] = 128;
+  Json other_cand2 = other_cand;
+  other_cand2["candidate"] = 4;
+  Json other_config = Entry();
+  other_config["m"] = 8;
+  Json other_config2 = other_config;
+  other_config2["config"] = "id=66 tile=1";
+  Json only_a = Entry();
+  only_a["m"] = 16;
+  const std::string a = Table(Json::array({same, other_cand, other_config, only_a}));
+  const std::string b = Table(Json::array({other_config2, other_cand2, same2}));
+  absl::StatusOr<std::string> agreed = LtTable::Agreement(a, b, "two sweeps");
+  ASSERT_TRUE(agreed.ok()) << agreed.status();
+  const Json doc = Json::parse(*agreed);
+  EXPECT_EQ(doc["about"], "two sweeps");
+  ASSERT_EQ(doc["entries"].size(), 1u) << doc.dump();
+  const Json& e = doc["entries"][0];
+  EXPECT_EQ(e["m"], 64);
+  EXPECT_EQ(e["candidate"], 3);
+  EXPECT_EQ(e["sweeps"], 2);
+  EXPECT_DOUBLE_EQ(e["first_us"].get<double>(), 30.2);
+  EXPECT_DOUBLE_EQ(e["best_us"].get<double>(), 28.1);
+  // The result is a table LtTable reads.
+  absl::StatusOr<LtTable> t = LtTable::Parse(*agreed, "agreed");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_NE(t->Find("NVIDIA H200", 132, 130100, 64, 12288, 4096, false, 256), nullptr);
+  // A bad input is an error, not an empty table.
+  EXPECT_FALSE(LtTable::Agreement("{", b, "x").ok());
+  EXPECT_FALSE(LtTable::Agreement(a, R"({"entries": [1]})", "x").ok());
+}
+
 // The compiled-in table parses, and each entry is a choice worth making: not the heuristic's own
 // first (candidate 0), on a GPU named, with a measured gain recorded beside it.
 TEST(GemmTableTest, TheBuiltinTableParsesAndEachEntryBeatsTheFirstChoice) {

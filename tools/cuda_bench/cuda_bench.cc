@@ -38,6 +38,7 @@
 #include "kernels/cuda/bench_knobs.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/gemm_table.h"
 #include "kernels/cuda/launchers.h"
 #include "kernels/kv_quant.h"
 #include "nlohmann/json.hpp"
@@ -509,33 +510,26 @@ void LtSweep(CudaOps& ops, double copy_gbs, const std::string& table_out) {
   ops.Free(xbuf);
   ops.Free(ybuf);
   for (const Row& r : best_rows) Add(r.what, r.ms, r.metric);
-  // The table: the entries both sweeps chose alike (same candidate, same configuration), their
-  // times the means of the two.
-  nlohmann::json entries = nlohmann::json::array();
-  for (const nlohmann::json& a : pass_entries[0]) {
-    for (const nlohmann::json& b : pass_entries[1]) {
-      if (a["m"] != b["m"] || a["n"] != b["n"] || a["k"] != b["k"] ||
-          a["candidate"] != b["candidate"] || a["config"] != b["config"]) {
-        continue;
-      }
-      nlohmann::json e = a;
-      e["first_us"] =
-          std::round((a["first_us"].get<double>() + b["first_us"].get<double>()) * 5) / 10;
-      e["best_us"] = std::round((a["best_us"].get<double>() + b["best_us"].get<double>()) * 5) / 10;
-      e["sweeps"] = 2;
-      entries.push_back(e);
-    }
-  }
+  // The table: the entries both sweeps chose alike (LtTable::Agreement).
+  auto table_of = [](const std::vector<nlohmann::json>& entries) {
+    nlohmann::json t;
+    t["entries"] = nlohmann::json::array();
+    for (const nlohmann::json& e : entries) t["entries"].push_back(e);
+    return t.dump();
+  };
+  absl::StatusOr<std::string> table =
+      cuda::LtTable::Agreement(table_of(pass_entries[0]), table_of(pass_entries[1]),
+                               "tpserve-cuda-bench --lt-sweep on " + lt.device_name() +
+                                   ": the choices two sweeps made alike");
+  TP_CHECK(table.ok()) << table.status();
+  const size_t agreed = nlohmann::json::parse(*table)["entries"].size();
   std::printf("cuBLASLt table: sweep 1 chose %zu, sweep 2 %zu, both alike %zu\n",
-              pass_entries[0].size(), pass_entries[1].size(), entries.size());
+              pass_entries[0].size(), pass_entries[1].size(), agreed);
   if (!table_out.empty()) {
     std::ofstream out(table_out);
-    out << nlohmann::json{{"about", "tpserve-cuda-bench --lt-sweep on " + lt.device_name()},
-                          {"entries", entries}}
-               .dump(2)
-        << "\n";
+    out << *table;
     TP_CHECK(out.good()) << "cannot write " << table_out;
-    std::printf("cuBLASLt table: %zu entries written to %s\n", entries.size(), table_out.c_str());
+    std::printf("cuBLASLt table: %zu entries written to %s\n", agreed, table_out.c_str());
   }
 }
 
