@@ -328,13 +328,21 @@ std::string LtGemm::DescribeAlgo(const cublasLtMatmulAlgo_t& algo) {
   return out;
 }
 
-std::string LtGemm::DescribePlan(int64_t m, int64_t n, int64_t k) const {
+const LtGemm::Plan* LtGemm::FindPlan(int64_t m, int64_t n, int64_t k) const {
   for (const auto& [key, plan] : plans_) {
-    if (std::get<0>(key) == m && std::get<1>(key) == n && std::get<2>(key) == k) {
-      return DescribeAlgo(plan.algo);
-    }
+    if (std::get<0>(key) == m && std::get<1>(key) == n && std::get<2>(key) == k) return &plan;
   }
-  return "";
+  return nullptr;
+}
+
+int LtGemm::OperandAlignment(const void* x, const void* w, const void* y, const void* bias) {
+  return std::min({PointerAlignment(x), PointerAlignment(w), PointerAlignment(y),
+                   bias != nullptr ? PointerAlignment(bias) : 256});
+}
+
+std::string LtGemm::DescribePlan(int64_t m, int64_t n, int64_t k) const {
+  const Plan* plan = FindPlan(m, n, k);
+  return plan != nullptr ? DescribeAlgo(plan->algo) : "";
 }
 
 void LtGemm::Run(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
@@ -359,8 +367,7 @@ void LtGemm::RunImpl(const Tensor& x, const Tensor& w, const Tensor* bias, Tenso
       << "Gemm: x " << x.ShapeString() << ", w " << w.ShapeString() << ", y " << y.ShapeString();
   CheckGemmBias("Gemm", bias, n);
   if (m == 0 || n == 0) return;
-  int alignment = std::min({PointerAlignment(x.data), PointerAlignment(w.data),
-                            PointerAlignment(y.data), bias ? PointerAlignment(bias->data) : 256});
+  int alignment = OperandAlignment(x.data, w.data, y.data, bias ? bias->data : nullptr);
   // Fixed-algorithm mode: every alignment of 16 bytes or more gets the same algorithm.
   if (fixed_) alignment = std::min(alignment, 16);
   Plan& plan = GetPlan(m, n, k, bias != nullptr, alignment);

@@ -53,12 +53,8 @@ class LtGemm {
   static std::string DescribeAlgo(const cublasLtMatmulAlgo_t& algo);
   // Whether the plan of (m, n, k) took its algorithm from the cuBLASLt table.
   bool PlanFromTable(int64_t m, int64_t n, int64_t k) const {
-    for (const auto& [key, plan] : plans_) {
-      if (std::get<0>(key) == m && std::get<1>(key) == n && std::get<2>(key) == k) {
-        return plan.from_table;
-      }
-    }
-    return false;
+    const Plan* plan = FindPlan(m, n, k);
+    return plan != nullptr && plan->from_table;
   }
   // Tests and benchmarks: the table new plans consult instead of the process's (nullptr: none).
   // Plans made before are dropped. `table` must outlive its use.
@@ -69,12 +65,8 @@ class LtGemm {
   int cublaslt_version() const { return cublaslt_version_; }
   // The split-K override the plan of this problem took (0: none, or no such plan).
   int PlanSplitK(int64_t m, int64_t n, int64_t k) const {
-    for (const auto& [key, plan] : plans_) {
-      if (std::get<0>(key) == m && std::get<1>(key) == n && std::get<2>(key) == k) {
-        return plan.split_k;
-      }
-    }
-    return 0;
+    const Plan* plan = FindPlan(m, n, k);
+    return plan != nullptr ? plan->split_k : 0;
   }
   // Fixed-algorithm mode (see above); plans made before the switch are dropped.
   void set_fixed_algorithm(bool on);
@@ -89,13 +81,13 @@ class LtGemm {
   // Plans made before are dropped; PlanCandidate says which a plan took (-1: none of them).
   void set_candidate_override(int index);
   int PlanCandidate(int64_t m, int64_t n, int64_t k) const {
-    for (const auto& [key, plan] : plans_) {
-      if (std::get<0>(key) == m && std::get<1>(key) == n && std::get<2>(key) == k) {
-        return plan.candidate;
-      }
-    }
-    return -1;
+    const Plan* plan = FindPlan(m, n, k);
+    return plan != nullptr ? plan->candidate : -1;
   }
+  // The smallest pointer alignment (bytes, up to 256) of a GEMM's operands: a plan's key, and the
+  // cuBLASLt table's "alignment".
+  static int OperandAlignment(const void* x, const void* w, const void* y,
+                              const void* bias = nullptr);
 
  private:
   struct Plan {
@@ -109,6 +101,8 @@ class LtGemm {
     bool from_table = false;
   };
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, int>;
+  // The first plan of (m, n, k), any bias and alignment, or nullptr.
+  const Plan* FindPlan(int64_t m, int64_t n, int64_t k) const;
   Plan& GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int alignment);
   // The descriptor and layouts of one problem (plan.algo untouched).
   void MakeDescriptors(Plan& plan, int64_t m, int64_t n, int64_t k, bool bias) const;

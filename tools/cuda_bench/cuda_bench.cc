@@ -404,12 +404,6 @@ void LtSweep(CudaOps& ops, double copy_gbs, const std::string& table_out) {
   FillRandom(xbuf, size_t{2} * kMaxM * 11008, 1.0f);
   cuda::LtGemm lt;
   lt.set_table(nullptr);  // "first" is the heuristic's own first choice
-  auto alignment = [](const void* p) {
-    auto v = reinterpret_cast<uintptr_t>(p);
-    int a = 256;
-    while (a > 2 && (v % a) != 0) a /= 2;
-    return a;
-  };
   std::vector<nlohmann::json> pass_entries[2];
   std::vector<Row> best_rows;
   for (int pass = 0; pass < 2; ++pass) {
@@ -481,20 +475,20 @@ void LtSweep(CudaOps& ops, double copy_gbs, const std::string& table_out) {
           const double f = firsts[2], b = bests[2];
           if (f / b >= 1.02) {
             verdict = Fmt("again %.3fx: chosen", f / b);
-            pass_entries[pass].push_back({{"device", lt.device_name()},
-                                          {"sms", lt.device_sms()},
-                                          {"cublaslt", lt.cublaslt_version()},
-                                          {"m", m},
-                                          {"n", sh.n},
-                                          {"k", sh.k},
-                                          {"bias", false},
-                                          {"alignment", std::min({alignment(xbuf), alignment(ybuf),
-                                                                  alignment(rw.At(0).data)})},
-                                          {"candidate", best},
-                                          {"config", best_config},
-                                          {"first_config", first_config},
-                                          {"first_us", std::round(f * 1e4) / 10},
-                                          {"best_us", std::round(b * 1e4) / 10}});
+            pass_entries[pass].push_back(
+                {{"device", lt.device_name()},
+                 {"sms", lt.device_sms()},
+                 {"cublaslt", lt.cublaslt_version()},
+                 {"m", m},
+                 {"n", sh.n},
+                 {"k", sh.k},
+                 {"bias", false},
+                 {"alignment", cuda::LtGemm::OperandAlignment(xbuf, rw.At(0).data, ybuf)},
+                 {"candidate", best},
+                 {"config", best_config},
+                 {"first_config", first_config},
+                 {"first_us", std::round(f * 1e4) / 10},
+                 {"best_us", std::round(b * 1e4) / 10}});
           } else {
             verdict = Fmt("again %.3fx: not kept", f / b);
           }
