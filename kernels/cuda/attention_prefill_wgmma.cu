@@ -314,13 +314,13 @@ struct WgConsumer {
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m_row[r], mx * scale_log2);
       const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-      alpha[r] = exp2f(m_row[r] - m_use);
+      alpha[r] = Exp2Ftz(m_row[r] - m_use);
       m_row[r] = m_new;
       float sum = 0.0f;
 #pragma unroll
       for (int n = 0; n < kKeys / 8; ++n) {
-        const float p0 = exp2f(fmaf(s[4 * n + 2 * r], scale_log2, -m_use));
-        const float p1 = exp2f(fmaf(s[4 * n + 2 * r + 1], scale_log2, -m_use));
+        const float p0 = Exp2Ftz(fmaf(s[4 * n + 2 * r], scale_log2, -m_use));
+        const float p1 = Exp2Ftz(fmaf(s[4 * n + 2 * r + 1], scale_log2, -m_use));
         s[4 * n + 2 * r] = p0;
         s[4 * n + 2 * r + 1] = p1;
         sum += p0 + p1;

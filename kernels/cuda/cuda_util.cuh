@@ -53,6 +53,16 @@ __device__ __forceinline__ float SiluMulValue(float g, float u) {
   return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, __expf(-g))), u);
 }
 
+// 2^x by one MUFU.EX2, results under 2^-126 flushed to zero (ex2.approx.ftz.f32, what
+// --use_fast_math makes of exp2f). exp2f() is ex2.approx.f32, which keeps subnormal results: the
+// MUFU flushes them, so the compiler wraps it in a range check and a rescaling. A softmax weight
+// under 1e-38 changes no sum it enters.
+__device__ __forceinline__ float Exp2Ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Streaming 16-byte load that skips L1 (weights and KV read exactly once).
 __device__ __forceinline__ uint4 LoadStreaming(const void* p) {
   uint4 r;
