@@ -25,6 +25,10 @@ namespace {
 
 absl::Status Invalid(const std::string& message) { return absl::InvalidArgumentError(message); }
 
+absl::Status NoTokenizer() {
+  return absl::FailedPreconditionError("the model directory has no tokenizer.json");
+}
+
 uint64_t RandomSeed() {
   static std::mutex mu;
   static std::mt19937_64 rng{std::random_device{}()};
@@ -574,9 +578,7 @@ absl::StatusOr<std::shared_ptr<RequestState>> InferenceService::Submit(
 
 absl::StatusOr<std::vector<int32_t>> InferenceService::EncodeText(const std::string& text,
                                                                   bool add_special_tokens) {
-  if (tokenizer_ == nullptr) {
-    return absl::FailedPreconditionError("the model directory has no tokenizer.json");
-  }
+  if (tokenizer_ == nullptr) return NoTokenizer();
   if (static_cast<int64_t>(text.size()) <= intake_.inline_bytes) {
     return tokenizer_->Encode(text, add_special_tokens);
   }
@@ -593,6 +595,12 @@ absl::StatusOr<std::vector<int32_t>> InferenceService::EncodeText(const std::str
   if (!posted.ok()) return posted;
   answered.WaitForNotification();  // bounded: one text, or UNAVAILABLE at shutdown
   return result;
+}
+
+absl::Status InferenceService::AuthorizeTokenizerCall(
+    const grpc::CallbackServerContext* context) const {
+  if (absl::Status auth = Authorize(context); !auth.ok()) return auth;
+  return tokenizer_ == nullptr ? NoTokenizer() : absl::OkStatus();
 }
 
 absl::Status InferenceService::Authorize(const grpc::CallbackServerContext* context) const {
@@ -654,13 +662,8 @@ grpc::ServerUnaryReactor* InferenceService::Tokenize(grpc::CallbackServerContext
                                                      const v1::TokenizeRequest* request,
                                                      v1::TokenizeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (absl::Status auth = Authorize(context); !auth.ok()) {
-    reactor->Finish(ToGrpc(auth));
-    return reactor;
-  }
-  if (tokenizer_ == nullptr) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                                 "the model directory has no tokenizer.json"));
+  if (absl::Status allowed = AuthorizeTokenizerCall(context); !allowed.ok()) {
+    reactor->Finish(ToGrpc(allowed));
     return reactor;
   }
   if (static_cast<int64_t>(request->text().size()) > limits_.max_prompt_text_bytes) {
@@ -691,13 +694,8 @@ grpc::ServerUnaryReactor* InferenceService::Detokenize(grpc::CallbackServerConte
                                                        const v1::DetokenizeRequest* request,
                                                        v1::DetokenizeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (absl::Status auth = Authorize(context); !auth.ok()) {
-    reactor->Finish(ToGrpc(auth));
-    return reactor;
-  }
-  if (tokenizer_ == nullptr) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                                 "the model directory has no tokenizer.json"));
+  if (absl::Status allowed = AuthorizeTokenizerCall(context); !allowed.ok()) {
+    reactor->Finish(ToGrpc(allowed));
     return reactor;
   }
   for (int i = 0; i < request->token_ids_size(); ++i) {

@@ -124,6 +124,8 @@ class InferenceService final : public v1::Inference::CallbackService {
 
   // UNAUTHENTICATED unless the call carries a valid API key (when keys are set).
   absl::Status Authorize(const grpc::CallbackServerContext* context) const;
+  // Authorize, then FAILED_PRECONDITION when the model has no tokenizer (Tokenize, Detokenize).
+  absl::Status AuthorizeTokenizerCall(const grpc::CallbackServerContext* context) const;
 
   const Tokenizer* tokenizer_;
   const ChatPromptRenderer chat_;
