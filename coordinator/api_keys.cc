@@ -3,6 +3,7 @@
 
 #include <fstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "common/cluster_secret.h"
@@ -32,9 +33,11 @@ absl::StatusOr<ApiKeys> ApiKeys::Load(const std::string& file, const std::string
 
 absl::Status ApiKeys::Check(std::string_view authorization) const {
   if (keys_.empty()) return absl::OkStatus();
-  constexpr std::string_view kBearer = "Bearer ";
+  constexpr std::string_view kBearer = "bearer ";  // the scheme is case-insensitive (RFC 9110)
   bool ok = false;
-  if (authorization.substr(0, kBearer.size()) == kBearer) {
+  const std::string_view scheme = authorization.substr(0, kBearer.size());
+  if (absl::EqualsIgnoreCase(absl::string_view(scheme.data(), scheme.size()),
+                             absl::string_view(kBearer.data(), kBearer.size()))) {
     const std::string_view given = authorization.substr(kBearer.size());
     for (const std::string& k : keys_) ok |= ConstantTimeEquals(given, k);  // no early exit
   }

@@ -477,6 +477,9 @@ class Servers {
       credentials = grpc::SslServerCredentials(ssl);
     }
     builder.AddListeningPort(listen, credentials, &s->port_);
+    // A port another process listens on is an error, not shared (gRPC's SO_REUSEPORT default
+    // would let a second server take part of the clients).
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.SetMaxReceiveMessageSize(static_cast<int>(o.max_request_bytes));
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
@@ -488,7 +491,8 @@ class Servers {
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
     s->grpc_ = builder.BuildAndStart();
     if (s->grpc_ == nullptr || s->port_ == 0) {
-      return absl::UnavailableError(absl::StrCat("could not listen on ", listen));
+      return absl::UnavailableError(
+          absl::StrCat("could not listen on ", listen, " (is another process listening there?)"));
     }
     // The control plane: streams without the secret end at once (WorkerGroup::Control); a
     // connection that never finishes its handshake or holds no stream is closed; threads are
@@ -496,6 +500,7 @@ class Servers {
     grpc::ServerBuilder control;
     const std::string control_listen = absl::StrCat(o.control_host, ":", o.control_port);
     control.AddListeningPort(control_listen, grpc::InsecureServerCredentials(), &s->control_port_);
+    control.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     control.SetMaxReceiveMessageSize(64 << 20);
     control.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     control.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
@@ -510,7 +515,8 @@ class Servers {
     if (s->control_ == nullptr || s->control_port_ == 0) {
       s->grpc_->Shutdown(std::chrono::system_clock::now());
       return absl::UnavailableError(
-          absl::StrCat("could not listen on ", control_listen, " (the control plane)"));
+          absl::StrCat("could not listen on ", control_listen,
+                       " (the control plane; is another process listening there?)"));
     }
     if (o.http_port > 0) {
       HttpFrontendOptions ho;

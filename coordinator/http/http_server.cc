@@ -2,13 +2,18 @@
 // Server-Sent Events stream of a streamed one.
 #include "coordinator/http/http_server.h"
 
+#include <dirent.h>
+#include <netdb.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
 #include <random>
+#include <thread>
 
 #include <httplib.h>
 
@@ -76,6 +81,55 @@ std::string SseEvent(const json& data) {
   return absl::StrCat("data: ", data.dump(-1, ' ', false, json::error_handler_t::replace), "\n\n");
 }
 
+// The numeric host and the port of a socket address, as httplib writes Request::remote_addr.
+bool HostAndPort(const sockaddr_storage& addr, socklen_t len, std::string* host, int* port) {
+  char h[NI_MAXHOST], p[NI_MAXSERV];
+  if (getnameinfo(reinterpret_cast<const sockaddr*>(&addr), len, h, sizeof h, p, sizeof p,
+                  NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+    return false;
+  }
+  *host = h;
+  *port = std::atoi(p);
+  return true;
+}
+
+// The socket of the connection `req` came on, or -1: its TLS session's, else the socket whose
+// local and peer addresses are req's (httplib 0.11 gives handlers no socket). It is this
+// connection's until the handler returns; httplib closes it after.
+int ConnectionFd(const httplib::Request& req) {
+  if (req.ssl != nullptr) return SSL_get_fd(req.ssl);
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return -1;
+  int found = -1;
+  while (dirent* e = readdir(dir)) {
+    const int fd = std::atoi(e->d_name);
+    if (e->d_name[0] < '0' || e->d_name[0] > '9' || fd == dirfd(dir)) continue;
+    sockaddr_storage local{}, peer{};
+    socklen_t local_len = sizeof local, peer_len = sizeof peer;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
+        getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0) {
+      continue;
+    }
+    std::string local_host, peer_host;
+    int local_port = 0, peer_port = 0;
+    if (HostAndPort(local, local_len, &local_host, &local_port) &&
+        HostAndPort(peer, peer_len, &peer_host, &peer_port) && peer_port == req.remote_port &&
+        peer_host == req.remote_addr && local_port == req.local_port) {
+      found = fd;
+      break;
+    }
+  }
+  closedir(dir);
+  return found;
+}
+
+// The client closed its side of the connection (it left: HTTP clients do not half-close while
+// they wait for an answer), or the connection broke.
+bool PeerClosed(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
+}
+
 }  // namespace
 
 struct HttpFrontend::Impl {
@@ -93,7 +147,7 @@ struct HttpFrontend::Impl {
   absl::Status CheckModel(const std::string& model) const;
   void Generate(Endpoint endpoint, const httplib::Request& req, httplib::Response& res);
   void Whole(const openai::ParsedRequest& request, std::shared_ptr<RequestState> state,
-             const std::string& model, httplib::Response& res);
+             const std::string& model, int connection_fd, httplib::Response& res);
   void Stream(const openai::ParsedRequest& request, std::shared_ptr<RequestState> state,
               const std::string& model, httplib::Response& res);
   openai::TokenText TokenTextFn() const {
@@ -140,15 +194,31 @@ absl::StatusOr<int> HttpFrontend::Start(const std::string& host, int port) {
   m.server->set_write_timeout(m.options.write_timeout_s, 0);
   m.server->set_keep_alive_timeout(m.options.keep_alive_timeout_s);
   m.server->set_payload_max_length(m.options.max_body_bytes);
+  // httplib's default also sets SO_REUSEPORT, which lets a second server bind the same port and
+  // take part of the clients: only SO_REUSEADDR (a restart may rebind at once).
+  m.server->set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  });
   m.Routes();
   int bound = port;
   if (port == 0) {
     bound = m.server->bind_to_any_port(host);
     if (bound <= 0) return absl::UnavailableError(absl::StrCat("HTTP: could not listen on ", host));
   } else if (!m.server->bind_to_port(host, port)) {
-    return absl::UnavailableError(absl::StrCat("HTTP: could not listen on ", host, ":", port));
+    return absl::UnavailableError(absl::StrCat("HTTP: could not listen on ", host, ":", port,
+                                               " (is another process listening there?)"));
   }
   m.thread = std::thread([&m] { m.server->listen_after_bind(); });
+  // Return once the accept loop runs: httplib's stop() does nothing before it does, so a Stop()
+  // right after Start() would otherwise wait for a loop that never ends.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!m.server->is_running()) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      return absl::InternalError("HTTP: the accept loop did not start within 10 s");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   TP_LOG(INFO) << "HTTP (OpenAI API, /metrics, /health) listening on " << host << ":" << bound;
   return bound;
 }
@@ -174,9 +244,12 @@ void HttpFrontend::Impl::Routes() {
       return SendError(res, absl::UnavailableError("the server is starting: the workers are "
                                                    "loading the model"));
     }
-    SendJson(res, 200,
-             openai::ModelsJson(service->static_info().model(), UnixSeconds(),
-                                service->static_info().context_length()));
+    // The longest sequence it can serve: the context, or a smaller KV cache (--kv-cache-mb).
+    int64_t max_len = service->static_info().context_length();
+    if (const int64_t kv = service->limits().kv_capacity_tokens; kv > 0 && kv < max_len) {
+      max_len = kv;
+    }
+    SendJson(res, 200, openai::ModelsJson(service->static_info().model(), UnixSeconds(), max_len));
   });
   server->Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
     Generate(Endpoint::kCompletions, req, res);
@@ -186,18 +259,21 @@ void HttpFrontend::Impl::Routes() {
   });
   // Unrouted paths, methods and httplib's own errors (413, 400...) in OpenAI's error shape;
   // handlers' own error bodies are left alone.
-  server->set_error_handler(httplib::Server::HandlerWithResponse([](const httplib::Request& req,
-                                                                    httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    const absl::Status status =
-        res.status == 404
-            ? absl::NotFoundError(absl::StrCat("no route for ", req.method, " ", req.path))
-        : res.status == 413 ? absl::InvalidArgumentError("the request body is too large")
-                            : absl::InvalidArgumentError(absl::StrCat("HTTP error ", res.status));
-    const int code = res.status;
-    SendJson(res, code, openai::ErrorJson(status));
-    return httplib::Server::HandlerResponse::Handled;
-  }));
+  server->set_error_handler(
+      httplib::Server::HandlerWithResponse([](const httplib::Request& req, httplib::Response& res) {
+        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+        const absl::Status status =
+            res.status == 404
+                ? absl::NotFoundError(absl::StrCat("no route for ", req.method, " ", req.path))
+            : res.status == 413 ? absl::InvalidArgumentError("the request body is too large")
+                                : absl::InvalidArgumentError(absl::StrCat(
+                                      "the HTTP request could not be read (status ", res.status,
+                                      "): a POST needs a JSON body with Content-Length or chunked "
+                                      "transfer encoding"));
+        const int code = res.status;
+        SendJson(res, code, openai::ErrorJson(status));
+        return httplib::Server::HandlerResponse::Handled;
+      }));
   server->set_exception_handler(
       [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
         std::string what = "unknown exception";
@@ -280,18 +356,19 @@ void HttpFrontend::Impl::Generate(Endpoint endpoint, const httplib::Request& req
   if (parsed->stream) {
     Stream(*parsed, *state, model, res);
   } else {
-    Whole(*parsed, *state, model, res);
+    Whole(*parsed, *state, model, ConnectionFd(req), res);
   }
 }
 
 void HttpFrontend::Impl::Whole(const openai::ParsedRequest& request,
                                std::shared_ptr<RequestState> state, const std::string& model,
-                               httplib::Response& res) {
+                               int connection_fd, httplib::Response& res) {
   auto waiter = std::make_shared<Waiter>();
   state->SetListener(waiter);
-  // A whole answer ends with its request (bounded by max_tokens); a server stop cancels it.
+  // A whole answer ends with its request (bounded by max_tokens); a server stop or a client that
+  // left (checked every half second, also while the request waits in the queue) cancels it.
   while (!state->finished()) {
-    if (stopping.load()) {
+    if (stopping.load() || (connection_fd >= 0 && PeerClosed(connection_fd))) {
       state->Cancel();
       if (Scheduler* s = service->scheduler()) s->Wake();
     }

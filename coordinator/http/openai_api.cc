@@ -285,7 +285,8 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint, std::string_view b
 
   v1::SamplingOptions* s = r.generate.mutable_sampling();
   TP_API_ASSIGN(temperature, Number(j, "temperature"));
-  if (temperature) s->set_temperature(static_cast<float>(*temperature));
+  // OpenAI's default temperature is 1 (sampling); the gRPC API's is 0 (greedy).
+  s->set_temperature(temperature ? static_cast<float>(*temperature) : 1.0f);
   TP_API_ASSIGN(top_p, Number(j, "top_p"));
   if (top_p) s->set_top_p(static_cast<float>(*top_p));
   TP_API_ASSIGN(top_k, Int32(j, "top_k"));

@@ -54,9 +54,9 @@ TEST(OpenAiApiTest, CompletionFieldsReachTheGenerateRequest) {
   EXPECT_TRUE(r.include_usage);
 }
 
-TEST(OpenAiApiTest, AbsentFieldsStayUnsetForTheServiceDefaults) {
+TEST(OpenAiApiTest, AbsentFieldsTakeOpenAisDefaults) {
   const ParsedRequest r = Parse(Endpoint::kCompletions, {{"model", "m"}, {"prompt", "x"}});
-  EXPECT_FALSE(r.generate.sampling().has_temperature());
+  EXPECT_FLOAT_EQ(r.generate.sampling().temperature(), 1.0f);  // OpenAI's default: sampling
   EXPECT_FALSE(r.generate.sampling().has_seed());
   EXPECT_FALSE(r.generate.sampling().has_logprobs());
   EXPECT_FALSE(r.generate.stopping().has_max_new_tokens());

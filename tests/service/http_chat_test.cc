@@ -1,11 +1,14 @@
 // Chat completions over HTTP with the official `openai` npm SDK: the HTTP front end, the real
 // scheduler and tokenizer, a deterministic stand-in for the workers and a test chat renderer
 // (the model's real chat template is wired in by the coordinator). Checks that the rendered
-// chat is tokenized without an added BOS, the error of a model without a chat template, and
-// the API key.
+// chat is tokenized without an added BOS, the error of a model without a chat template, the
+// API key, a port in use, the cancel of a whole answer whose client left, and the default
+// temperature.
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <mutex>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -35,7 +38,11 @@ std::string SourceDir() {
 class HashExecutor : public StepExecutor {
  public:
   absl::StatusOr<worker::StepResult> Execute(const worker::StepPlan& plan) override {
+    if (const int ms = step_ms.load(); ms > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    }
     std::lock_guard<std::mutex> lock(mu_);
+    ++steps;
     worker::StepResult out;
     for (uint64_t id : plan.finished_seq_ids()) history_.erase(id);
     for (const worker::SeqStep& s : plan.seqs()) {
@@ -47,6 +54,7 @@ class HashExecutor : public StepExecutor {
       h.resize(s.start_pos());
       h.insert(h.end(), s.token_ids().begin(), s.token_ids().end());
       if (!s.sample()) continue;
+      last_temperature = s.sampling().temperature();
       uint64_t x = 1469598103934665603ull;
       for (int32_t t : h) x = (x ^ static_cast<uint64_t>(t)) * 1099511628211ull;
       const int32_t token = static_cast<int32_t>(300 + x % 500);  // plain text pieces
@@ -63,6 +71,10 @@ class HashExecutor : public StepExecutor {
     }
     return out;
   }
+
+  std::atomic<int> step_ms{0};  // how long a step takes
+  std::atomic<int> steps{0};    // steps executed
+  std::atomic<float> last_temperature{-1.0f};
 
  private:
   std::mutex mu_;
@@ -217,6 +229,9 @@ TEST_F(HttpChatTest, ApiKeyIsRequiredWhenSet) {
   EXPECT_EQ(status_of(""), "401");
   EXPECT_EQ(status_of("-H 'Authorization: Bearer wrong'"), "401");
   EXPECT_EQ(status_of("-H 'Authorization: Bearer sesame'"), "200");
+  EXPECT_EQ(status_of("-H 'authorization: bearer sesame'"), "200");  // the scheme ignores case
+  EXPECT_EQ(status_of("-H 'Authorization: BEARER sesame'"), "200");
+  EXPECT_EQ(status_of("-H 'Authorization: Bearer SESAME'"), "401");  // the key does not
   const CommandResult body = RunCommand("curl -sS --max-time 10 " + base + "/v1/models", 20);
   const json j = json::parse(body.output, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << body.output;
@@ -226,6 +241,57 @@ TEST_F(HttpChatTest, ApiKeyIsRequiredWhenSet) {
       RunCommand("curl -sS --max-time 10 -o /dev/null -w '%{http_code}' " + base + "/health", 20)
           .output,
       "200");
+}
+
+// A port another server listens on is refused at start (httplib's default SO_REUSEPORT would let
+// the second server bind it and take part of the clients).
+TEST_F(HttpChatTest, APortInUseIsAnErrorAtStart) {
+  const std::string base = StartHttp(ChatRenderer());
+  const int port = std::atoi(base.substr(base.rfind(':') + 1).c_str());
+  HttpFrontend second(service_.get(), &metrics_, ChatRenderer(), HttpFrontendOptions());
+  absl::StatusOr<int> bound = second.Start("127.0.0.1", port);
+  ASSERT_FALSE(bound.ok()) << "a second front end bound port " << port;
+  EXPECT_NE(bound.status().message().find("could not listen"), std::string::npos) << bound.status();
+}
+
+// A client that leaves while it waits for a whole (unstreamed) answer cancels its request, as a
+// streamed one does: the steps stop.
+TEST_F(HttpChatTest, WholeAnswerIsCancelledWhenTheClientLeaves) {
+  const std::string base = StartHttp(ChatRenderer());
+  executor_.step_ms = 20;  // 1,000 tokens: ~20 s of steps
+  const json body = {
+      {"model", "tiny-chat"}, {"prompt", "def f(x):"}, {"max_tokens", 1000}, {"ignore_eos", true}};
+  const CommandResult r = RunCommand(
+      "curl -sS --max-time 1 -H 'Content-Type: application/json' "
+      "-d '" +
+          body.dump() + "' " + base + "/v1/completions",
+      30);
+  EXPECT_NE(r.exit_code, 0) << "the answer came within 1 s: " << r.output;
+  // The front end looks every half second; give it 3 s, then the steps must have stopped.
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  const int after = executor_.steps.load();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  EXPECT_EQ(executor_.steps.load(), after) << "the request still runs after its client left";
+  EXPECT_LT(after, 500);
+}
+
+// A request without `temperature` samples at 1, OpenAI's default (the gRPC API's is 0).
+TEST_F(HttpChatTest, AbsentTemperatureSamplesAtOne) {
+  const std::string base = StartHttp(ChatRenderer());
+  const CommandResult r =
+      RunCommand("curl -sS --max-time 30 -H 'Content-Type: application/json' -d '" +
+                     json{{"model", "tiny-chat"}, {"prompt", "x"}, {"max_tokens", 2}}.dump() +
+                     "' " + base + "/v1/completions",
+                 60);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FLOAT_EQ(executor_.last_temperature.load(), 1.0f) << r.output;
+  RunCommand(
+      "curl -sS --max-time 30 -H 'Content-Type: application/json' -d '" +
+          json{{"model", "tiny-chat"}, {"prompt", "x"}, {"max_tokens", 2}, {"temperature", 0}}
+              .dump() +
+          "' " + base + "/v1/completions",
+      60);
+  EXPECT_FLOAT_EQ(executor_.last_temperature.load(), 0.0f);
 }
 
 }  // namespace
