@@ -4,9 +4,11 @@
 #include <cmath>
 #include <cstdio>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 
 namespace tpserve {
 namespace {
@@ -161,6 +163,7 @@ absl::StatusOr<Flags> Flags::Parse(const CommandSpec& spec, const std::vector<st
     }
     if (absl::Status s = CheckValue(spec, *f, *value); !s.ok()) return s;
     out.values_[name] = *value;
+    if (f->repeated) out.all_[name].push_back(*value);
   }
   return out;
 }
@@ -201,6 +204,48 @@ double Flags::GetDouble(const std::string& name, double fallback) const {
   return out;
 }
 
+FlagSpec Repeated(FlagSpec f) {
+  f.repeated = true;
+  return f;
+}
+
+std::vector<std::string> Flags::GetAll(const std::string& name) const {
+  auto it = all_.find(name);
+  return it == all_.end() ? std::vector<std::string>() : it->second;
+}
+
+absl::StatusOr<std::vector<int32_t>> ParseTokenIds(const std::string& flag,
+                                                   const std::string& text) {
+  std::vector<int32_t> ids;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int32_t id;
+    if (!absl::SimpleAtoi(part, &id)) {
+      return absl::InvalidArgumentError(
+          absl::StripAsciiWhitespace(part).empty()
+              ? absl::StrCat("--", flag, ": '", text, "' has an empty entry (ids are 1,2,3)")
+              : absl::StrCat("--", flag, ": '", std::string(part), "' is not an integer token id"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+absl::Status CheckServerAddress(const std::string& flag, const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return absl::OkStatus();
+  const std::string port = address.substr(colon + 1);
+  if (port.empty() || port.size() > 9 ||
+      port.find_first_not_of("0123456789") != std::string::npos) {
+    return absl::OkStatus();  // not a port (a unix: path, a bare IPv6 address...)
+  }
+  const int value = std::stoi(port);
+  if (value < 1 || value > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": port ", port, " of '", address, "' is outside [1, 65535]"));
+  }
+  return absl::OkStatus();
+}
+
 std::string Usage(const CommandSpec& spec) {
   std::string out = absl::StrCat("usage: ", spec.name, " [flags]\n");
   if (!spec.summary.empty()) absl::StrAppend(&out, spec.summary, "\n");
@@ -212,6 +257,7 @@ std::string Usage(const CommandSpec& spec) {
     if (f.kind == FlagKind::kInt || f.kind == FlagKind::kFloat) {
       absl::StrAppend(&meaning, " ", RangeText(f));
     }
+    if (f.repeated) absl::StrAppend(&meaning, " (may be repeated)");
     if (left.size() <= 30) {
       absl::StrAppend(&out, absl::StrFormat("  %-30s %s\n", left, meaning));
     } else {

@@ -24,6 +24,7 @@ struct FlagSpec {
   double min = 0;  // kFloat: inclusive range ...
   double max = 0;
   bool min_exclusive = false;  // ... except (min, max] when set
+  bool repeated = false;       // may be given several times (GetAll); else the last one counts
 };
 
 struct CommandSpec {
@@ -40,6 +41,8 @@ FlagSpec IntFlag(std::string name, int64_t min, int64_t max, std::string meaning
                  std::string value = "N");
 FlagSpec FloatFlag(std::string name, double min, double max, std::string meaning,
                    std::string value = "F", bool min_exclusive = false);
+// `f`, given any number of times.
+FlagSpec Repeated(FlagSpec f);
 
 // --kv-cache-dtype, one text for every command that takes it (serve, run, the worker, the
 // benchmarks); its value is parsed with ParseKvCacheDType (common/dtype.h).
@@ -67,11 +70,23 @@ class Flags {
   // Values were checked by Parse; these return `fallback` when the flag was not given.
   int64_t GetInt(const std::string& name, int64_t fallback) const;
   double GetDouble(const std::string& name, double fallback) const;
+  // Every value of a repeated flag, in the order given (empty when absent).
+  std::vector<std::string> GetAll(const std::string& name) const;
 
  private:
   bool help_ = false;
   std::map<std::string, std::string> values_;
+  std::map<std::string, std::vector<std::string>> all_;  // repeated flags
 };
+
+// A comma-separated list of token ids given to --`flag` ("1,2,3"; spaces around ids allowed):
+// an empty list, an empty entry ("1,,2") or a non-integer is an error naming the flag.
+absl::StatusOr<std::vector<int32_t>> ParseTokenIds(const std::string& flag,
+                                                   const std::string& text);
+
+// A gRPC server address given to --`flag`: a port after the last ':' must be in [1, 65535]
+// (gRPC itself would wrap a larger one around).
+absl::Status CheckServerAddress(const std::string& flag, const std::string& address);
 
 // The usage text generated from the table: every declared flag with its range and meaning.
 std::string Usage(const CommandSpec& spec);

@@ -101,8 +101,9 @@ CommandSpec MakeSpec(bool serve_command) {
       IntFlag("block-size", 1, 1024, "tokens per KV-cache block (default 16)"),
       IntFlag("max-num-seqs", 1, 1 << 16, "sequences in one step (default 64)"),
       IntFlag("max-num-batched-tokens", 1, 1 << 20, "tokens in one step (default 512)"),
-      IntFlag("max-queued-requests", 0, 1 << 20,
-              "requests waiting beyond that answer RESOURCE_EXHAUSTED (default 256)"),
+      IntFlag("max-queued-requests", 1, 1 << 20,
+              "requests waiting beyond that answer RESOURCE_EXHAUSTED (default 256; every request "
+              "waits in the queue until a step admits it)"),
       IntFlag("max-prompt-tokens", 1, 1 << 24,
               "longest prompt in tokens; longer text is refused before it is tokenized "
               "(default: the context length)"),

@@ -35,13 +35,13 @@ const CommandSpec& GenerateSpec() {
        StringFlag("prompt-ids", "1,2,3", "the prompt as token ids"),
        BoolFlag("stream", "stream the text as it is generated"),
        BoolFlag("json", "print the response as JSON"),
-       IntFlag("max-new-tokens", 0, int64_t{1} << 30, "tokens to generate (server default)"),
+       IntFlag("max-new-tokens", 1, int64_t{1} << 30, "tokens to generate (server default)"),
        FloatFlag("temperature", 0, 1e6, "sampling temperature; 0: greedy", "T"),
        FloatFlag("top-p", 0, 1, "nucleus sampling mass", "P"),
        IntFlag("top-k", 0, int64_t{1} << 30, "sample among the K most likely tokens", "K"),
        IntFlag("seed", INT64_MIN, INT64_MAX, "sampling seed", "S"),
        FloatFlag("repetition-penalty", 0, 1e6, "penalty of tokens already present", "R"),
-       StringFlag("stop", "STR", "stop when the text contains STR"),
+       Repeated(StringFlag("stop", "STR", "stop when the text contains STR")),
        StringFlag("stop-token-ids", "1,2", "stop at any of these token ids"),
        BoolFlag("ignore-eos", "keep generating past the end-of-sequence token"),
        StringFlag("request-id", "ID", "request id (shown in the server's log)"),
@@ -70,7 +70,12 @@ const CommandSpec& HealthSpec() {
   return *spec;
 }
 
-std::string ServerAddress(const Flags& a) { return a.GetOr("server", EnvString(env::kServer)); }
+absl::StatusOr<std::string> ServerAddress(const Flags& a) {
+  std::string server = a.GetOr("server", EnvString(env::kServer));
+  TP_RETURN_IF_ERROR(
+      CheckServerAddress(a.Has("server") ? "server" : "server (TPSERVE_SERVER)", server));
+  return server;
+}
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& server) {
   if (s.ok()) return absl::OkStatus();
@@ -79,19 +84,6 @@ absl::Status FromGrpc(const grpc::Status& s, const std::string& server) {
     message = absl::StrCat(server, ": ", message);
   }
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), message);
-}
-
-absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& flag, const std::string& text) {
-  std::vector<int32_t> ids;
-  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
-    int32_t id;
-    if (!absl::SimpleAtoi(part, &id)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", flag, ": '", std::string(part), "' is not an integer token id"));
-    }
-    ids.push_back(id);
-  }
-  return ids;
 }
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& server) {
@@ -125,7 +117,7 @@ absl::Status RunGenerateCommand(const std::vector<std::string>& args) {
   if (a.Has("prompt")) {
     req.set_text(*a.Get("prompt"));
   } else {
-    TP_ASSIGN_OR_RETURN(auto ids, ParseIds("prompt-ids", *a.Get("prompt-ids")));
+    TP_ASSIGN_OR_RETURN(auto ids, ParseTokenIds("prompt-ids", *a.Get("prompt-ids")));
     req.mutable_token_ids()->mutable_ids()->Assign(ids.begin(), ids.end());
   }
   // Only flags given are sent: the server validates and applies its defaults.
@@ -155,15 +147,15 @@ absl::Status RunGenerateCommand(const std::vector<std::string>& args) {
     const int64_t v = a.GetInt("max-new-tokens", 0);
     st->set_max_new_tokens(static_cast<int32_t>(v));
   }
-  if (a.Has("stop")) st->add_stop(*a.Get("stop"));
+  for (const std::string& stop : a.GetAll("stop")) st->add_stop(stop);
   if (a.Has("stop-token-ids")) {
-    TP_ASSIGN_OR_RETURN(auto ids, ParseIds("stop-token-ids", *a.Get("stop-token-ids")));
+    TP_ASSIGN_OR_RETURN(auto ids, ParseTokenIds("stop-token-ids", *a.Get("stop-token-ids")));
     st->mutable_stop_token_ids()->Assign(ids.begin(), ids.end());
   }
   st->set_ignore_eos(a.Flag("ignore-eos"));
   const double timeout = a.GetDouble("timeout", 600);
 
-  const std::string server = ServerAddress(a);
+  TP_ASSIGN_OR_RETURN(const std::string server, ServerAddress(a));
   auto stub = v1::Inference::NewStub(MakeChannel(server));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
@@ -214,7 +206,7 @@ absl::Status RunGenerateCommand(const std::vector<std::string>& args) {
 absl::Status RunInfoCommand(const std::vector<std::string>& args) {
   TP_ASSIGN_OR_RETURN(Flags a, Flags::Parse(InfoSpec(), args));
   if (a.help()) return PrintUsage(InfoSpec());
-  const std::string server = ServerAddress(a);
+  TP_ASSIGN_OR_RETURN(const std::string server, ServerAddress(a));
   const double timeout = a.GetDouble("timeout", 10);
   auto stub = v1::Inference::NewStub(MakeChannel(server));
   grpc::ClientContext ctx;
@@ -235,7 +227,7 @@ absl::Status RunInfoCommand(const std::vector<std::string>& args) {
 absl::Status RunHealthCommand(const std::vector<std::string>& args) {
   TP_ASSIGN_OR_RETURN(Flags a, Flags::Parse(HealthSpec(), args));
   if (a.help()) return PrintUsage(HealthSpec());
-  const std::string server = ServerAddress(a);
+  TP_ASSIGN_OR_RETURN(const std::string server, ServerAddress(a));
   const double timeout = a.GetDouble("timeout", 5);
   auto stub = grpc::health::v1::Health::NewStub(MakeChannel(server));
   grpc::ClientContext ctx;

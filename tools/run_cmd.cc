@@ -20,20 +20,6 @@
 namespace tpserve {
 namespace {
 
-absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& text) {
-  std::vector<int32_t> ids;
-  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
-    int32_t id;
-    if (!absl::SimpleAtoi(part, &id)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--prompt-ids: '", part, "' is not an integer token id"));
-    }
-    ids.push_back(id);
-  }
-  if (ids.empty()) return absl::InvalidArgumentError("--prompt-ids is empty");
-  return ids;
-}
-
 // A token's text as a quoted JSON string ("" without a tokenizer).
 std::string QuotedToken(const Tokenizer* tokenizer, int32_t id) {
   if (tokenizer == nullptr) return "";
@@ -126,7 +112,7 @@ absl::Status RunRunCommand(const std::vector<std::string>& args) {
     TP_ASSIGN_OR_RETURN(tokenizer, Tokenizer::Load(model_dir));
     req.prompt = tokenizer->Encode(*a.Get("prompt"), /*add_special_tokens=*/true);
   } else {
-    TP_ASSIGN_OR_RETURN(req.prompt, ParseIds(*a.Get("prompt-ids")));
+    TP_ASSIGN_OR_RETURN(req.prompt, ParseTokenIds("prompt-ids", *a.Get("prompt-ids")));
     auto tok = Tokenizer::Load(model_dir);  // optional: only to print text
     if (tok.ok()) tokenizer = std::move(*tok);
   }

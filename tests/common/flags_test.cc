@@ -16,7 +16,8 @@ const CommandSpec& TestSpec() {
       "A command for the tests.",
       {StringFlag("model", "DIR", "model directory"), IntFlag("port", 0, 65535, "port", "P"),
        FloatFlag("fraction", 0, 1, "a fraction", "F", /*min_exclusive=*/true),
-       FloatFlag("seconds", 0.5, 10, "a duration", "S"), BoolFlag("verbose", "say more")},
+       FloatFlag("seconds", 0.5, 10, "a duration", "S"), BoolFlag("verbose", "say more"),
+       Repeated(StringFlag("stop", "STR", "a stop string"))},
       "notes at the end"};
   return *spec;
 }
@@ -120,6 +121,38 @@ TEST(FlagsTest, UsageListsEveryFlagWithRangeAndMeaning) {
   EXPECT_THAT(u, HasSubstr("a fraction (0, 1]"));
   EXPECT_THAT(u, HasSubstr("--help"));
   EXPECT_THAT(u, HasSubstr("notes at the end"));
+}
+
+TEST(FlagsTest, RepeatedFlagKeepsEveryValueInOrder) {
+  auto f = Flags::Parse(TestSpec(), {"--stop", "a", "--stop=b", "--port", "1", "--port", "2"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_THAT(f->GetAll("stop"), ::testing::ElementsAre("a", "b"));
+  EXPECT_EQ(f->GetInt("port", 0), 2);  // not repeated: the last one counts
+  EXPECT_TRUE(f->GetAll("model").empty());
+  EXPECT_THAT(Usage(TestSpec()), HasSubstr("a stop string (may be repeated)"));
+}
+
+TEST(FlagsTest, TokenIdListsRefuseEmptyEntries) {
+  auto ids = ParseTokenIds("prompt-ids", "1, 2,3");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_THAT(*ids, ::testing::ElementsAre(1, 2, 3));
+  for (const char* bad : {"1,,2", "", "1,2,", "1,x"}) {
+    auto r = ParseTokenIds("prompt-ids", bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_THAT(r.status().message(), HasSubstr("--prompt-ids")) << bad;
+  }
+}
+
+TEST(FlagsTest, ServerPortMustBeInRange) {
+  for (const char* ok : {"localhost:50051", "10.0.0.1:1", "[::1]:65535", "unix:/tmp/tpserve.sock",
+                         "dns:///svc.local:443", "host"}) {
+    EXPECT_TRUE(CheckServerAddress("server", ok).ok()) << ok;
+  }
+  for (const char* bad : {"localhost:115687", "localhost:0", "[::1]:65536"}) {
+    const absl::Status s = CheckServerAddress("server", bad);
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_THAT(s.message(), HasSubstr("outside [1, 65535]")) << bad;
+  }
 }
 
 }  // namespace

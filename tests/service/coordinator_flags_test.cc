@@ -93,7 +93,7 @@ TEST(CoordinatorFlagsTest, EveryFlagIsParsedIntoTheOptions) {
                                   "--max-num-batched-tokens",
                                   "256",
                                   "--max-queued-requests",
-                                  "0",
+                                  "1",
                                   "--default-max-new-tokens",
                                   "7",
                                   "--register-timeout",
@@ -126,7 +126,7 @@ TEST(CoordinatorFlagsTest, EveryFlagIsParsedIntoTheOptions) {
   EXPECT_EQ(o->block_size, 32);
   EXPECT_EQ(o->max_num_seqs, 8);
   EXPECT_EQ(o->max_num_batched_tokens, 256);
-  EXPECT_EQ(o->max_queued_requests, 0);
+  EXPECT_EQ(o->max_queued_requests, 1);
   EXPECT_EQ(o->default_max_new_tokens, 7);
   EXPECT_EQ(o->register_timeout_s, 5);
   EXPECT_EQ(o->load_timeout_s, 6);

@@ -177,6 +177,7 @@ absl::StatusOr<int64_t> PositiveInt(const Flags& a, const std::string& name, int
 absl::StatusOr<BenchFlags> ParseFlags(const Flags& a) {
   BenchFlags f;
   f.server = a.GetOr("server", EnvString(env::kServer));
+  TP_RETURN_IF_ERROR(CheckServerAddress("server", f.server));
   bench::Preset preset;  // defaults when no preset is named
   preset.name = "";
   preset.prompt_len = 512;
