@@ -30,6 +30,17 @@ const EnvVar kLogLevel = {"TPSERVE_LOG_LEVEL",
 const EnvVar kServer = {"TPSERVE_SERVER", EnvType::kString, "localhost:50051",
                         "server of the client commands (generate, info, health, bench) "
                         "without --server"};
+const EnvVar kApiKey = {"TPSERVE_API_KEY",
+                        EnvType::kString,
+                        "",
+                        "API key the client commands (generate, info, health, bench) send "
+                        "without --api-key-file",
+                        0,
+                        0,
+                        "",
+                        /*bench_only=*/false,
+                        /*external=*/false,
+                        /*secret=*/true};
 const EnvVar kWorker = {"TPSERVE_WORKER", EnvType::kString, "",
                         "tpserve-worker binary the coordinator spawns without --worker-binary "
                         "(default: next to the coordinator, then PATH)"};
@@ -362,6 +373,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
   static const std::vector<const EnvVar*>* const vars = new std::vector<const EnvVar*>{
       &env::kLogLevel,
       &env::kServer,
+      &env::kApiKey,
       &env::kWorker,
       &env::kMpirun,
       &env::kRank,

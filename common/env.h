@@ -32,6 +32,7 @@ namespace env {
 // The service and the command line.
 extern const EnvVar kLogLevel;
 extern const EnvVar kServer;
+extern const EnvVar kApiKey;
 extern const EnvVar kWorker;
 extern const EnvVar kMpirun;
 extern const EnvVar kRank;

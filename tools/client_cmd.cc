@@ -18,63 +18,54 @@
 #include "coordinator/coordinator_flags.h"
 #include "coordinator/server.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "tools/server_endpoint.h"
 #include "tpserve/v1/inference.grpc.pb.h"
 
 namespace tpserve {
 namespace {
 
-FlagSpec ServerFlag() {
-  return StringFlag("server", "ADDR", "server address (default: TPSERVE_SERVER, localhost:50051)");
-}
-
 const CommandSpec& GenerateSpec() {
   static const CommandSpec* const spec = new CommandSpec{
       "tpserve generate",
       "Generates through a running server (gRPC); give exactly one of --prompt and --prompt-ids.",
-      {ServerFlag(), StringFlag("prompt", "TEXT", "the prompt text"),
-       StringFlag("prompt-ids", "1,2,3", "the prompt as token ids"),
-       BoolFlag("stream", "stream the text as it is generated"),
-       BoolFlag("json", "print the response as JSON"),
-       IntFlag("max-new-tokens", 1, int64_t{1} << 30, "tokens to generate (server default)"),
-       FloatFlag("temperature", 0, 1e6, "sampling temperature; 0: greedy", "T"),
-       FloatFlag("top-p", 0, 1, "nucleus sampling mass", "P"),
-       IntFlag("top-k", 0, int64_t{1} << 30, "sample among the K most likely tokens", "K"),
-       IntFlag("seed", INT64_MIN, INT64_MAX, "sampling seed", "S"),
-       FloatFlag("repetition-penalty", 0, 1e6, "penalty of tokens already present", "R"),
-       Repeated(StringFlag("stop", "STR", "stop when the text contains STR")),
-       StringFlag("stop-token-ids", "1,2", "stop at any of these token ids"),
-       BoolFlag("ignore-eos", "keep generating past the end-of-sequence token"),
-       StringFlag("request-id", "ID", "request id (shown in the server's log)"),
-       FloatFlag("timeout", 0, 1e9, "deadline of the call in seconds (default 600)", "S", true)},
+      WithServerEndpointFlags(
+          {StringFlag("prompt", "TEXT", "the prompt text"),
+           StringFlag("prompt-ids", "1,2,3", "the prompt as token ids"),
+           BoolFlag("stream", "stream the text as it is generated"),
+           BoolFlag("json", "print the response as JSON"),
+           IntFlag("max-new-tokens", 1, int64_t{1} << 30, "tokens to generate (server default)"),
+           FloatFlag("temperature", 0, 1e6, "sampling temperature; 0: greedy", "T"),
+           FloatFlag("top-p", 0, 1, "nucleus sampling mass", "P"),
+           IntFlag("top-k", 0, int64_t{1} << 30, "sample among the K most likely tokens", "K"),
+           IntFlag("seed", INT64_MIN, INT64_MAX, "sampling seed", "S"),
+           FloatFlag("repetition-penalty", 0, 1e6, "penalty of tokens already present", "R"),
+           Repeated(StringFlag("stop", "STR", "stop when the text contains STR")),
+           StringFlag("stop-token-ids", "1,2", "stop at any of these token ids"),
+           BoolFlag("ignore-eos", "keep generating past the end-of-sequence token"),
+           StringFlag("request-id", "ID", "request id (shown in the server's log)"),
+           FloatFlag("timeout", 0, 1e9, "deadline of the call in seconds (default 600)", "S",
+                     true)}),
       ""};
   return *spec;
 }
 
 const CommandSpec& InfoSpec() {
   static const CommandSpec* const spec = new CommandSpec{
-      "tpserve info",
-      "Prints a server's model info as JSON.",
-      {ServerFlag(),
-       FloatFlag("timeout", 0, 1e9, "deadline of the call in seconds (default 10)", "S", true)},
+      "tpserve info", "Prints a server's model info as JSON.",
+      WithServerEndpointFlags({FloatFlag(
+          "timeout", 0, 1e9, "deadline of the call in seconds (default 10)", "S", true)}),
       ""};
   return *spec;
 }
 
 const CommandSpec& HealthSpec() {
   static const CommandSpec* const spec = new CommandSpec{
-      "tpserve health",
-      "Checks a server's health (grpc.health.v1); exits non-zero unless SERVING.",
-      {ServerFlag(), StringFlag("service", "NAME", "service to check (default: the server)"),
-       FloatFlag("timeout", 0, 1e9, "deadline of the call in seconds (default 5)", "S", true)},
+      "tpserve health", "Checks a server's health (grpc.health.v1); exits non-zero unless SERVING.",
+      WithServerEndpointFlags(
+          {StringFlag("service", "NAME", "service to check (default: the server)"),
+           FloatFlag("timeout", 0, 1e9, "deadline of the call in seconds (default 5)", "S", true)}),
       ""};
   return *spec;
-}
-
-absl::StatusOr<std::string> ServerAddress(const Flags& a) {
-  std::string server = a.GetOr("server", EnvString(env::kServer));
-  TP_RETURN_IF_ERROR(
-      CheckServerAddress(a.Has("server") ? "server" : "server (TPSERVE_SERVER)", server));
-  return server;
 }
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& server) {
@@ -84,12 +75,6 @@ absl::Status FromGrpc(const grpc::Status& s, const std::string& server) {
     message = absl::StrCat(server, ": ", message);
   }
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), message);
-}
-
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& server) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);
-  return grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), args);
 }
 
 const char* FinishName(v1::FinishReason r) {
@@ -155,9 +140,11 @@ absl::Status RunGenerateCommand(const std::vector<std::string>& args) {
   st->set_ignore_eos(a.Flag("ignore-eos"));
   const double timeout = a.GetDouble("timeout", 600);
 
-  TP_ASSIGN_OR_RETURN(const std::string server, ServerAddress(a));
-  auto stub = v1::Inference::NewStub(MakeChannel(server));
+  TP_ASSIGN_OR_RETURN(const ServerEndpoint endpoint, ServerEndpointFromFlags(a));
+  const std::string& server = endpoint.address;
+  auto stub = v1::Inference::NewStub(endpoint.Channel());
   grpc::ClientContext ctx;
+  endpoint.Authorize(&ctx);
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
   v1::GenerateResponse final;
@@ -206,10 +193,12 @@ absl::Status RunGenerateCommand(const std::vector<std::string>& args) {
 absl::Status RunInfoCommand(const std::vector<std::string>& args) {
   TP_ASSIGN_OR_RETURN(Flags a, Flags::Parse(InfoSpec(), args));
   if (a.help()) return PrintUsage(InfoSpec());
-  TP_ASSIGN_OR_RETURN(const std::string server, ServerAddress(a));
+  TP_ASSIGN_OR_RETURN(const ServerEndpoint endpoint, ServerEndpointFromFlags(a));
+  const std::string& server = endpoint.address;
   const double timeout = a.GetDouble("timeout", 10);
-  auto stub = v1::Inference::NewStub(MakeChannel(server));
+  auto stub = v1::Inference::NewStub(endpoint.Channel());
   grpc::ClientContext ctx;
+  endpoint.Authorize(&ctx);
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
   v1::ModelInfo info;
@@ -227,10 +216,12 @@ absl::Status RunInfoCommand(const std::vector<std::string>& args) {
 absl::Status RunHealthCommand(const std::vector<std::string>& args) {
   TP_ASSIGN_OR_RETURN(Flags a, Flags::Parse(HealthSpec(), args));
   if (a.help()) return PrintUsage(HealthSpec());
-  TP_ASSIGN_OR_RETURN(const std::string server, ServerAddress(a));
+  TP_ASSIGN_OR_RETURN(const ServerEndpoint endpoint, ServerEndpointFromFlags(a));
+  const std::string& server = endpoint.address;
   const double timeout = a.GetDouble("timeout", 5);
-  auto stub = grpc::health::v1::Health::NewStub(MakeChannel(server));
+  auto stub = grpc::health::v1::Health::NewStub(endpoint.Channel());
   grpc::ClientContext ctx;
+  endpoint.Authorize(&ctx);
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
   grpc::health::v1::HealthCheckRequest req;

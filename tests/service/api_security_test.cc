@@ -63,6 +63,22 @@ TEST(ApiSecurityTest, ApiKeysGuardGrpcAndHttpButNotHealth) {
   EXPECT_EQ(py.exit_code, 0) << py.output;
   EXPECT_THAT(py.output, HasSubstr("the right key: served 3 tokens")) << py.output;
 
+  // The project's own client commands: the key from TPSERVE_API_KEY or --api-key-file.
+  const std::string generate =
+      absl::StrCat(TPSERVE_CLI_BIN, " generate --server ", server->address(),
+                   " --prompt-ids 1,2 --max-new-tokens 2");
+  const CommandResult no_key = RunCommand("env -u TPSERVE_API_KEY " + generate);
+  EXPECT_NE(no_key.exit_code, 0) << no_key.output;
+  EXPECT_THAT(no_key.output, HasSubstr("needs an API key")) << no_key.output;
+  const CommandResult env_key = RunCommand("TPSERVE_API_KEY=second-key " + generate);
+  EXPECT_EQ(env_key.exit_code, 0) << env_key.output;
+  const std::string key_file = keys + ".client";
+  std::ofstream(key_file) << "first-key\n";
+  const CommandResult file_key = RunCommand(absl::StrCat(
+      TPSERVE_CLI_BIN, " info --server ", server->address(), " --api-key-file ", key_file));
+  EXPECT_EQ(file_key.exit_code, 0) << file_key.output;
+  EXPECT_THAT(file_key.output, HasSubstr("vocab_size")) << file_key.output;
+
   const std::string base = absl::StrCat("http://127.0.0.1:", http_port);
   auto http_code = [&](const std::string& extra, const std::string& path) {
     return RunCommand(absl::StrCat("curl -sS --max-time 20 -o /dev/null -w '%{http_code}' ", extra,
@@ -280,6 +296,15 @@ TEST(ApiSecurityTest, TlsAndMutualTlsWithGrpcioAndCurl) {
                                       : " --api-key tls-key-1";
     const CommandResult grpc_run =
         RunCommand(absl::StrCat(py, " --server ", server->address(), client));
+    // tpserve's own client over TLS (with the key, or the client certificate).
+    const CommandResult cli = RunCommand(absl::StrCat(
+        mutual ? "" : "TPSERVE_API_KEY=tls-key-1 ", TPSERVE_CLI_BIN, " generate --server ",
+        server->address(), " --prompt-ids 1,2 --max-new-tokens 2 --tls-ca ", cert,
+        mutual ? absl::StrCat(" --tls-client-cert ", ccert, " --tls-client-key ", ckey) : ""));
+    EXPECT_EQ(cli.exit_code, 0) << cli.output;
+    EXPECT_NE(
+        RunCommand(absl::StrCat(TPSERVE_CLI_BIN, " health --server ", server->address())).exit_code,
+        0);  // plain text to a TLS server
     EXPECT_EQ(grpc_run.exit_code, 0) << grpc_run.output;
     EXPECT_THAT(grpc_run.output, HasSubstr("TLS: served 3 tokens")) << grpc_run.output;
     EXPECT_THAT(grpc_run.output, HasSubstr("plain text: refused")) << grpc_run.output;

@@ -6,8 +6,9 @@ add_library(tpserve_bench_core STATIC
   ${CMAKE_CURRENT_LIST_DIR}/workload.cc
   ${CMAKE_CURRENT_LIST_DIR}/load_gen.cc
   ${CMAKE_CURRENT_LIST_DIR}/determinism.cc)
-target_link_libraries(tpserve_bench_core PUBLIC tpserve_proto tpserve_common absl::status
-                      absl::statusor PRIVATE absl::strings gRPC::grpc++ Threads::Threads)
+target_link_libraries(tpserve_bench_core PUBLIC tpserve_proto tpserve_common
+                      tpserve_server_endpoint absl::status absl::statusor PRIVATE absl::strings
+                      gRPC::grpc++ Threads::Threads)
 
 add_library(tpserve_bench_cmd STATIC ${CMAKE_CURRENT_LIST_DIR}/bench_cmd.cc)
 target_link_libraries(tpserve_bench_cmd PUBLIC tpserve_bench_core absl::status

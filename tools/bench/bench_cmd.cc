@@ -36,66 +36,70 @@ const CommandSpec& BenchSpec() {
   static const CommandSpec* const spec = new CommandSpec{
       "tpserve bench",
       "Measures a running server: throughput and latency percentiles (presets, JSON).",
-      {StringFlag("server", "ADDR", "server address (default: TPSERVE_SERVER, localhost:50051)"),
-       StringFlag("preset", "latency|batch32|batch64|batch128|chat|shared-prefix",
-                  "a named workload (--list-presets)"),
-       IntFlag("concurrency", 0, 1 << 20, "requests in flight (open loop: a cap; default 1)"),
-       StringFlag("request-rate", "R|inf", "open loop: Poisson arrivals at R requests/s"),
-       IntFlag("num-requests", 1, int64_t{1} << 30, "requests to send (default 16)"),
-       IntFlag("warmup", 0, 1 << 20, "warm-up requests, not measured (default 1)"),
-       FloatFlag("timeout", 0, 1e9, "deadline of each request in seconds (default 600)", "S",
-                 /*min_exclusive=*/true),
-       FloatFlag("info-timeout", 0, 1e9,
-                 "seconds to wait for the server to answer GetModelInfo (default 60)", "S"),
-       StringFlag("prompt-len", "N|DIST", "prompt length in tokens (default 512)"),
-       StringFlag("prompt-len-dist", "DIST", "prompt length distribution"),
-       StringFlag("output-len", "N|DIST", "output length in tokens (default 128)"),
-       StringFlag("output-len-dist", "DIST", "output length distribution"),
-       IntFlag("turns", 0, 1 << 20, "chat: turns per conversation", "T"),
-       IntFlag("num-conversations", 1, 1 << 20, "chat: conversations", "C"),
-       StringFlag("user-turn-len", "N|DIST", "chat: tokens the user adds per turn"),
-       StringFlag("user-turn-len-dist", "DIST", "chat: distribution of the user turn length"),
-       IntFlag("shared-prefix-len", 0, 1 << 20,
-               "one shared prefix of N tokens in front of every prompt (default 0)"),
-       StringFlag("prompt-kind", "ids|text",
-                  "random token ids below the vocab size, or their text (default ids)"),
-       IntFlag("seed", INT64_MIN, INT64_MAX, "seed of prompts, lengths and arrivals (default 0)",
-               "S"),
-       FloatFlag("temperature", 0, 1e6, "sampling temperature", "T"),
-       FloatFlag("top-p", 0, 1, "nucleus sampling mass", "P"),
-       IntFlag("top-k", 0, int64_t{1} << 30, "sample among the K most likely tokens", "K"),
-       IntFlag("sampling-seed", INT64_MIN, INT64_MAX, "sampling seed", "S"),
-       FloatFlag("repetition-penalty", 0, 1e6, "penalty of tokens already present", "R"),
-       IntFlag("logprobs", 0, 20,
-               "ask for every token's logprob and the N most likely tokens (default: none)", "N"),
-       BoolFlag("check-deterministic",
-                "send the requests all at once, then one at a time, and compare every answer "
-                "(token ids; logprobs bit for bit with --logprobs); exit 1 when one differs. "
-                "Even requests sample (--temperature, default 1; seed --sampling-seed + index), "
-                "odd ones are greedy. --num-requests defaults to the preset's concurrency"),
-       BoolFlag("no-ignore-eos", "stop at the end-of-sequence token"),
-       BoolFlag("no-stream", "unary calls (no TTFT / ITL)"),
-       StringFlag("json", "FILE|-", "write the JSON report (-: on stdout instead of the table)"),
-       BoolFlag("per-request", "add every request's record to the JSON"),
-       StringFlag("label", "TEXT", "label stored in the report"),
-       BoolFlag("progress", "draw a progress bar on stderr"),
-       BoolFlag("no-progress", "no progress bar (default when stderr is not a terminal)"),
-       BoolFlag("allow-errors", "exit 0 even if requests failed"),
-       BoolFlag("list-presets", "list the presets and exit"),
-       StringFlag("compare-engine", "MODEL_DIR",
-                  "after the served run, run the in-process engine on the first --concurrency "
-                  "planned requests as one batch; print served TPOT / engine ms per decode step"),
-       StringFlag("engine-device", "cpu|cuda|auto", "--compare-engine's device (default auto)"),
-       FloatFlag("engine-gpu-memory-utilization", 0, 1,
-                 "--compare-engine's share of the GPU (default 0.4; start the server with room "
-                 "for it)",
-                 "F", /*min_exclusive=*/true)},
+      WithServerEndpointFlags(
+          {StringFlag("preset", "latency|batch32|batch64|batch128|chat|shared-prefix",
+                      "a named workload (--list-presets)"),
+           IntFlag("concurrency", 0, 1 << 20, "requests in flight (open loop: a cap; default 1)"),
+           StringFlag("request-rate", "R|inf", "open loop: Poisson arrivals at R requests/s"),
+           IntFlag("num-requests", 1, int64_t{1} << 30, "requests to send (default 16)"),
+           IntFlag("warmup", 0, 1 << 20, "warm-up requests, not measured (default 1)"),
+           FloatFlag("timeout", 0, 1e9, "deadline of each request in seconds (default 600)", "S",
+                     /*min_exclusive=*/true),
+           FloatFlag("info-timeout", 0, 1e9,
+                     "seconds to wait for the server to answer GetModelInfo (default 60)", "S"),
+           StringFlag("prompt-len", "N|DIST", "prompt length in tokens (default 512)"),
+           StringFlag("prompt-len-dist", "DIST", "prompt length distribution"),
+           StringFlag("output-len", "N|DIST", "output length in tokens (default 128)"),
+           StringFlag("output-len-dist", "DIST", "output length distribution"),
+           IntFlag("turns", 0, 1 << 20, "chat: turns per conversation", "T"),
+           IntFlag("num-conversations", 1, 1 << 20, "chat: conversations", "C"),
+           StringFlag("user-turn-len", "N|DIST", "chat: tokens the user adds per turn"),
+           StringFlag("user-turn-len-dist", "DIST", "chat: distribution of the user turn length"),
+           IntFlag("shared-prefix-len", 0, 1 << 20,
+                   "one shared prefix of N tokens in front of every prompt (default 0)"),
+           StringFlag("prompt-kind", "ids|text",
+                      "random token ids below the vocab size, or their text (default ids)"),
+           IntFlag("seed", INT64_MIN, INT64_MAX,
+                   "seed of prompts, lengths and arrivals (default 0)", "S"),
+           FloatFlag("temperature", 0, 1e6, "sampling temperature", "T"),
+           FloatFlag("top-p", 0, 1, "nucleus sampling mass", "P"),
+           IntFlag("top-k", 0, int64_t{1} << 30, "sample among the K most likely tokens", "K"),
+           IntFlag("sampling-seed", INT64_MIN, INT64_MAX, "sampling seed", "S"),
+           FloatFlag("repetition-penalty", 0, 1e6, "penalty of tokens already present", "R"),
+           IntFlag("logprobs", 0, 20,
+                   "ask for every token's logprob and the N most likely tokens (default: none)",
+                   "N"),
+           BoolFlag(
+               "check-deterministic",
+               "send the requests all at once, then one at a time, and compare every answer "
+               "(token ids; logprobs bit for bit with --logprobs); exit 1 when one differs. "
+               "Even requests sample (--temperature, default 1; seed --sampling-seed + index), "
+               "odd ones are greedy. --num-requests defaults to the preset's concurrency"),
+           BoolFlag("no-ignore-eos", "stop at the end-of-sequence token"),
+           BoolFlag("no-stream", "unary calls (no TTFT / ITL)"),
+           StringFlag("json", "FILE|-",
+                      "write the JSON report (-: on stdout instead of the table)"),
+           BoolFlag("per-request", "add every request's record to the JSON"),
+           StringFlag("label", "TEXT", "label stored in the report"),
+           BoolFlag("progress", "draw a progress bar on stderr"),
+           BoolFlag("no-progress", "no progress bar (default when stderr is not a terminal)"),
+           BoolFlag("allow-errors", "exit 0 even if requests failed"),
+           BoolFlag("list-presets", "list the presets and exit"),
+           StringFlag(
+               "compare-engine", "MODEL_DIR",
+               "after the served run, run the in-process engine on the first --concurrency "
+               "planned requests as one batch; print served TPOT / engine ms per decode step"),
+           StringFlag("engine-device", "cpu|cuda|auto", "--compare-engine's device (default auto)"),
+           FloatFlag("engine-gpu-memory-utilization", 0, 1,
+                     "--compare-engine's share of the GPU (default 0.4; start the server with room "
+                     "for it)",
+                     "F", /*min_exclusive=*/true)}),
       "DIST: uniform:LO:HI or normal:MEAN:STD[:MIN:MAX]"};
   return *spec;
 }
 
 struct BenchFlags {
-  std::string server;
+  ServerEndpoint server;
   std::string preset;
   std::string label;
   bench::WorkloadSpec spec;
@@ -176,8 +180,7 @@ absl::StatusOr<int64_t> PositiveInt(const Flags& a, const std::string& name, int
 
 absl::StatusOr<BenchFlags> ParseFlags(const Flags& a) {
   BenchFlags f;
-  f.server = a.GetOr("server", EnvString(env::kServer));
-  TP_RETURN_IF_ERROR(CheckServerAddress("server", f.server));
+  TP_ASSIGN_OR_RETURN(f.server, ServerEndpointFromFlags(a));
   bench::Preset preset;  // defaults when no preset is named
   preset.name = "";
   preset.prompt_len = 512;
@@ -333,7 +336,7 @@ nlohmann::json ReportJson(const BenchFlags& f, const v1::ModelInfo& info, const 
   j["backend"] = "tpserve";
   j["label"] = f.label;
   j["preset"] = f.preset;
-  j["server"] = f.server;
+  j["server"] = f.server.address;
   j["model"] = info.model();
   j["tp"] = info.tp();
   j["pp"] = info.pp();
@@ -426,7 +429,7 @@ void PrintTable(const BenchFlags& f, const v1::ModelInfo& info, const bench::Rep
   const bench::WorkloadSpec& s = f.spec;
   std::printf("===== tpserve bench%s%s =====\n", f.preset.empty() ? "" : ": preset ",
               f.preset.c_str());
-  std::printf("%-30s %s (model %s, tp %d, pp %d, %d ranks)\n", "server", f.server.c_str(),
+  std::printf("%-30s %s (model %s, tp %d, pp %d, %d ranks)\n", "server", f.server.address.c_str(),
               info.model().c_str(), info.tp(), info.pp(), info.rank_devices_size());
   if (f.load.open_loop) {
     std::printf("%-30s open loop, Poisson %s req/s, %s\n", "load",
@@ -651,7 +654,7 @@ absl::Status RunCheck(const BenchFlags& f, const v1::ModelInfo& info,
     std::printf("===== tpserve bench --check-deterministic%s%s =====\n",
                 f.preset.empty() ? "" : ": preset ", f.preset.c_str());
     std::printf("%-30s %s (model %s, tp %d, pp %d), --deterministic %s, max_num_seqs %d\n",
-                "server", f.server.c_str(), info.model().c_str(), info.tp(), info.pp(),
+                "server", f.server.address.c_str(), info.model().c_str(), info.tp(), info.pp(),
                 info.deterministic() ? "on" : "off", info.max_num_seqs());
     const v1::SamplingOptions& so = f.load.sampling;
     std::printf(
@@ -743,11 +746,11 @@ absl::Status RunBenchCommand(const std::vector<std::string>& args) {
   TP_ASSIGN_OR_RETURN(v1::ModelInfo info, bench::FetchModelInfo(f.server, info_timeout));
   if (info.vocab_size() < 1) {
     return absl::FailedPreconditionError(
-        absl::StrCat(f.server, " reports vocab_size ", info.vocab_size()));
+        absl::StrCat(f.server.address, " reports vocab_size ", info.vocab_size()));
   }
   if (f.load.text_prompts && !info.has_tokenizer()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("--prompt-kind text: the model on ", f.server, " has no tokenizer"));
+        absl::StrCat("--prompt-kind text: the model on ", f.server.address, " has no tokenizer"));
   }
   f.spec.vocab_size = info.vocab_size();
   f.spec.context_length = info.context_length();

@@ -59,13 +59,6 @@ std::string CodeName(grpc::StatusCode code) {
   }
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& server) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);
-  args.SetMaxSendMessageSize(64 << 20);
-  return grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), args);
-}
-
 std::chrono::system_clock::time_point Deadline(double seconds) {
   return std::chrono::system_clock::now() +
          std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6));
@@ -131,6 +124,7 @@ Answer Send(v1::Inference::Stub& stub, const LoadOptions& o, const Outgoing& out
   RequestRecord& r = a.record;
   r.max_new_tokens = out.max_new_tokens;
   grpc::ClientContext ctx;
+  o.server.Authorize(&ctx);
   ctx.set_deadline(Deadline(o.timeout_s));
   v1::GenerateResponse final;
   bool have_final = false;
@@ -210,7 +204,7 @@ class Runner {
         plan_(plan),
         texts_(std::move(texts)),
         progress_(progress),
-        stub_(v1::Inference::NewStub(MakeChannel(o.server))),
+        stub_(v1::Inference::NewStub(o.server.Channel())),
         records_(plan.size()) {}
 
   std::vector<Unit> Units() const {
@@ -351,16 +345,17 @@ class Runner {
 
 }  // namespace
 
-absl::StatusOr<v1::ModelInfo> FetchModelInfo(const std::string& server, double timeout_s) {
-  auto stub = v1::Inference::NewStub(MakeChannel(server));
+absl::StatusOr<v1::ModelInfo> FetchModelInfo(const ServerEndpoint& server, double timeout_s) {
+  auto stub = v1::Inference::NewStub(server.Channel());
   grpc::ClientContext ctx;
+  server.Authorize(&ctx);
   ctx.set_deadline(Deadline(timeout_s));
   ctx.set_wait_for_ready(true);  // the server may still be starting
   v1::ModelInfo info;
   grpc::Status s = stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info);
   if (!s.ok()) {
     return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                        absl::StrCat("GetModelInfo on ", server, ": ", s.error_message()));
+                        absl::StrCat("GetModelInfo on ", server.address, ": ", s.error_message()));
   }
   return info;
 }
@@ -371,9 +366,10 @@ absl::StatusOr<LoadResult> RunLoad(const LoadOptions& options,
   if (options.text_prompts) {
     // The prompts as text: the server's detokenization of the random ids, fetched before the
     // measured run.
-    auto stub = v1::Inference::NewStub(MakeChannel(options.server));
+    auto stub = v1::Inference::NewStub(options.server.Channel());
     for (const PlannedRequest& p : plan) {
       grpc::ClientContext ctx;
+      options.server.Authorize(&ctx);
       ctx.set_deadline(Deadline(30));
       v1::DetokenizeRequest req;
       req.mutable_token_ids()->Assign(p.prompt.begin(), p.prompt.end());
@@ -382,8 +378,8 @@ absl::StatusOr<LoadResult> RunLoad(const LoadOptions& options,
       grpc::Status s = stub->Detokenize(&ctx, req, &resp);
       if (!s.ok()) {
         return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                            absl::StrCat("--prompt-kind text: Detokenize on ", options.server, ": ",
-                                         s.error_message()));
+                            absl::StrCat("--prompt-kind text: Detokenize on ",
+                                         options.server.address, ": ", s.error_message()));
       }
       texts.push_back(resp.text());
     }

@@ -13,12 +13,13 @@
 #include "absl/status/statusor.h"
 #include "tools/bench/stats.h"
 #include "tools/bench/workload.h"
+#include "tools/server_endpoint.h"
 #include "tpserve/v1/inference.pb.h"
 
 namespace tpserve::bench {
 
 struct LoadOptions {
-  std::string server;
+  ServerEndpoint server;
   // Closed loop: this many clients, each sending its next request when the previous one ends.
   // Open loop: at most this many requests in flight (0 = no limit).
   int64_t concurrency = 1;
@@ -80,7 +81,7 @@ struct LoadResult {
   double duration_s = 0;               // first send to last answer
 };
 
-absl::StatusOr<v1::ModelInfo> FetchModelInfo(const std::string& server, double timeout_s);
+absl::StatusOr<v1::ModelInfo> FetchModelInfo(const ServerEndpoint& server, double timeout_s);
 
 // Runs the plan. `progress` (optional) is updated as requests end. Errors of single requests
 // are recorded, not returned; the status is an error only when the run cannot start.
