@@ -238,7 +238,9 @@ void HttpFrontend::Impl::Routes() {
   server->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics->Render(), "text/plain; version=0.0.4; charset=utf-8");
   });
-  server->Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+  // GET /v1/models, and /v1/models/{id} (the openai SDKs' models.retrieve) for the served model
+  // or one of its aliases.
+  auto models = [this](const httplib::Request& req, httplib::Response& res) {
     if (absl::Status auth = CheckAuth(req); !auth.ok()) return SendError(res, auth);
     if (service->scheduler() == nullptr) {
       return SendError(res, absl::UnavailableError("the server is starting: the workers are "
@@ -249,8 +251,15 @@ void HttpFrontend::Impl::Routes() {
     if (const int64_t kv = service->limits().kv_capacity_tokens; kv > 0 && kv < max_len) {
       max_len = kv;
     }
-    SendJson(res, 200, openai::ModelsJson(service->static_info().model(), UnixSeconds(), max_len));
-  });
+    const std::string& model = service->static_info().model();
+    if (req.matches.size() < 2) {
+      return SendJson(res, 200, openai::ModelsJson(model, UnixSeconds(), max_len));
+    }
+    if (absl::Status m = CheckModel(req.matches[1]); !m.ok()) return SendError(res, m);
+    SendJson(res, 200, openai::ModelJson(model, UnixSeconds(), max_len));
+  };
+  server->Get("/v1/models", models);
+  server->Get(R"(/v1/models/(.+))", models);
   server->Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
     Generate(Endpoint::kCompletions, req, res);
   });

@@ -562,13 +562,16 @@ json UsageChunkJson(const ParsedRequest& request, const std::string& id, int64_t
           {"usage", UsageJson(info)}};
 }
 
+json ModelJson(const std::string& model, int64_t created, int64_t context_length) {
+  return {{"id", model},
+          {"object", "model"},
+          {"created", created},
+          {"owned_by", "tpserve"},
+          {"max_model_len", context_length}};
+}
+
 json ModelsJson(const std::string& model, int64_t created, int64_t context_length) {
-  return {{"object", "list"},
-          {"data", json::array({{{"id", model},
-                                 {"object", "model"},
-                                 {"created", created},
-                                 {"owned_by", "tpserve"},
-                                 {"max_model_len", context_length}}})}};
+  return {{"object", "list"}, {"data", json::array({ModelJson(model, created, context_length)})}};
 }
 
 }  // namespace tpserve::openai

@@ -101,7 +101,9 @@ nlohmann::json ChunkJson(const ParsedRequest& request, const std::string& id, in
 nlohmann::json UsageChunkJson(const ParsedRequest& request, const std::string& id, int64_t created,
                               const std::string& model, const FinalInfo& info);
 
-// {"object": "list", "data": [{"id", "object": "model", "created", "owned_by": "tpserve"}]}.
+// {"id", "object": "model", "created", "owned_by": "tpserve", "max_model_len"} (GET
+// /v1/models/{id}), and the list of it (GET /v1/models: {"object": "list", "data": [...]}).
+nlohmann::json ModelJson(const std::string& model, int64_t created, int64_t context_length);
 nlohmann::json ModelsJson(const std::string& model, int64_t created, int64_t context_length);
 
 }  // namespace tpserve::openai

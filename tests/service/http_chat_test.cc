@@ -294,5 +294,30 @@ TEST_F(HttpChatTest, AbsentTemperatureSamplesAtOne) {
   EXPECT_FLOAT_EQ(executor_.last_temperature.load(), 0.0f);
 }
 
+// GET /v1/models lists the served model; GET /v1/models/{id} (the SDKs' models.retrieve) returns
+// it, or 404 model_not_found for another id.
+TEST_F(HttpChatTest, ModelsAreListedAndRetrieved) {
+  const std::string base = StartHttp(ChatRenderer());
+  auto get = [&](const std::string& path, std::string* code) {
+    const CommandResult r =
+        RunCommand("curl -sS --max-time 10 -w '\\n%{http_code}' " + base + path, 20);
+    const size_t nl = r.output.rfind('\n');
+    *code = nl == std::string::npos ? "" : r.output.substr(nl + 1);
+    return json::parse(r.output.substr(0, nl), nullptr, false);
+  };
+  std::string code;
+  const json list = get("/v1/models", &code);
+  EXPECT_EQ(code, "200");
+  EXPECT_EQ(list["data"][0]["id"], "tiny-chat") << list.dump();
+  EXPECT_EQ(list["data"][0]["max_model_len"], 2048) << list.dump();
+  const json one = get("/v1/models/tiny-chat", &code);
+  EXPECT_EQ(code, "200");
+  EXPECT_EQ(one["id"], "tiny-chat") << one.dump();
+  EXPECT_EQ(one["object"], "model") << one.dump();
+  const json other = get("/v1/models/gpt-4", &code);
+  EXPECT_EQ(code, "404");
+  EXPECT_EQ(other["error"]["code"], "model_not_found") << other.dump();
+}
+
 }  // namespace
 }  // namespace tpserve
