@@ -86,7 +86,11 @@ int main(int argc, char** argv) {
       tpserve::SetLogPrefix(std::strcmp(c.name, "run") == 0 ? "engine" : "cli");
       absl::Status status = c.run(args);
       if (!status.ok()) {
-        std::fprintf(stderr, "tpserve %s: %s\n", c.name, std::string(status.message()).c_str());
+        // Flag errors name the command already ("tpserve serve: --port ...").
+        const std::string prefix = std::string("tpserve ") + c.name + ": ";
+        std::string message(status.message());
+        if (message.rfind(prefix, 0) == 0) message.erase(0, prefix.size());
+        std::fprintf(stderr, "%s%s\n", prefix.c_str(), message.c_str());
         return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
       }
       return 0;
