@@ -560,11 +560,13 @@ TEST(SchedulerTest, LateOverlapLetsAnArrivalJoinTheNextStep) {
 }
 
 // Late overlap never leaves the worker waiting when steps change length: after a run of long
-// prefill steps (40 ms) the short decode steps (10 ms) that follow are planned from the times of
-// steps as short as they are, not from the long ones (which would plan each 30 ms too late).
+// prefill steps (80 ms) the short decode steps (10 ms) that follow are planned from the times of
+// steps as short as they are, not from the long ones (which would plan each 70 ms too late). The
+// long steps are 8x the short ones so that the wait the bug would cause (~67 ms) is far from the
+// 40 ms a loaded 2-core CI machine's thread scheduling can add.
 TEST(SchedulerTest, LateOverlapDoesNotWaitPastAShortStep) {
   TimedExecutor ex(400, 4,
-                   [](int tokens) { return std::chrono::milliseconds(tokens >= 32 ? 40 : 10); });
+                   [](int tokens) { return std::chrono::milliseconds(tokens >= 32 ? 80 : 10); });
   SchedulerOptions o = Options(400, 8, 64);
   o.overlap_lead_seconds = 0.003;
   Scheduler s(o, nullptr, &ex);
@@ -575,13 +577,13 @@ TEST(SchedulerTest, LateOverlapDoesNotWaitPastAShortStep) {
     ASSERT_TRUE(s.Submit(reqs.back()).ok());
   }
   ASSERT_TRUE(WaitFinished(reqs, 20));
-  // Planned from the long steps' time, the first short step would wait ~27 ms for its plan.
-  EXPECT_EQ(ex.IdleSteps(std::chrono::milliseconds(15)), 0) << "the worker waited for a plan";
+  // Planned from the long steps' time, the first short step would wait ~67 ms for its plan.
+  EXPECT_EQ(ex.IdleSteps(std::chrono::milliseconds(40)), 0) << "the worker waited for a plan";
   EXPECT_LE(ex.IdleSteps(), 1) << "the worker waited for plans";
   std::lock_guard<std::mutex> lock(ex.timing_mu_);
   int long_steps = 0, short_steps = 0;
   for (const auto& [id, span] : ex.spans_) {
-    ++(span.end - span.start == std::chrono::milliseconds(40) ? long_steps : short_steps);
+    ++(span.end - span.start == std::chrono::milliseconds(80) ? long_steps : short_steps);
   }
   EXPECT_GE(long_steps, 16) << "the test needs a run of long steps";
   EXPECT_GE(short_steps, 20) << "and short ones after it";
