@@ -1,12 +1,11 @@
 // The public API's keys (see api_keys.h).
 #include "coordinator/api_keys.h"
 
-#include <fstream>
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "common/cluster_secret.h"
+#include "common/credential_files.h"
+#include "common/status.h"
 
 namespace tpserve {
 
@@ -14,19 +13,8 @@ absl::StatusOr<ApiKeys> ApiKeys::Load(const std::string& file, const std::string
   std::vector<std::string> keys;
   if (!key.empty()) keys.push_back(key);
   if (!file.empty()) {
-    std::ifstream in(file);
-    if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read the API key file ", file));
-    std::string line;
-    size_t from_file = 0;
-    while (std::getline(in, line)) {
-      const std::string k(absl::StripAsciiWhitespace(line));
-      if (k.empty() || k[0] == '#') continue;
-      keys.push_back(k);
-      ++from_file;
-    }
-    if (from_file == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("the API key file ", file, " holds no key"));
-    }
+    TP_ASSIGN_OR_RETURN(std::vector<std::string> from_file, ReadApiKeyFile(file));
+    keys.insert(keys.end(), from_file.begin(), from_file.end());
   }
   return ApiKeys(std::move(keys));
 }

@@ -30,6 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/cluster_secret.h"
+#include "common/credential_files.h"
 #include "common/env.h"
 #include "common/logging.h"
 #include "common/model_files.h"
@@ -454,25 +455,15 @@ class Servers {
     const std::string listen = absl::StrCat(o.host, ":", o.port);
     std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
     if (!o.tls_cert.empty()) {
-      auto read = [](const std::string& path) -> absl::StatusOr<std::string> {
-        std::ifstream in(path, std::ios::binary);
-        std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-        if (!in.good() && !in.eof())
-          return absl::InvalidArgumentError(absl::StrCat("cannot read ", path));
-        if (text.empty())
-          return absl::InvalidArgumentError(
-              absl::StrCat("cannot read ", path, " (or it is empty)"));
-        return text;
-      };
       grpc::SslServerCredentialsOptions ssl(
           o.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
                                   : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
       grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-      TP_ASSIGN_OR_RETURN(pair.private_key, read(o.tls_key));
-      TP_ASSIGN_OR_RETURN(pair.cert_chain, read(o.tls_cert));
+      TP_ASSIGN_OR_RETURN(pair.private_key, ReadPemFile(o.tls_key));
+      TP_ASSIGN_OR_RETURN(pair.cert_chain, ReadPemFile(o.tls_cert));
       ssl.pem_key_cert_pairs.push_back(pair);
       if (!o.tls_client_ca.empty()) {
-        TP_ASSIGN_OR_RETURN(ssl.pem_root_certs, read(o.tls_client_ca));
+        TP_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPemFile(o.tls_client_ca));
       }
       credentials = grpc::SslServerCredentials(ssl);
     }

@@ -1,31 +1,12 @@
 // The client commands' connection to a server (see server_endpoint.h).
 #include "tools/server_endpoint.h"
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
+#include "common/credential_files.h"
 #include "common/env.h"
 #include "common/status.h"
 
 namespace tpserve {
-namespace {
-
-absl::StatusOr<std::string> ReadFile(const std::string& flag, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  if (!in.good() && !in.eof()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
-  }
-  if (text.str().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", path, " is empty"));
-  }
-  return text.str();
-}
-
-}  // namespace
 
 std::shared_ptr<grpc::Channel> ServerEndpoint::Channel() const {
   grpc::ChannelArguments args;
@@ -50,7 +31,8 @@ std::vector<FlagSpec> WithServerEndpointFlags(std::vector<FlagSpec> own) {
   std::vector<FlagSpec> flags = {
       StringFlag("server", "ADDR", "server address (default: TPSERVE_SERVER, localhost:50051)"),
       StringFlag("api-key-file", "FILE",
-                 "the API key to send, the file's first line (default: TPSERVE_API_KEY)"),
+                 "the API key to send: the first key of a key file as serve reads it (default: "
+                 "TPSERVE_API_KEY)"),
       StringFlag("tls-ca", "PEM", "connect with TLS, trusting this CA for the server"),
       StringFlag("tls-client-cert", "PEM", "client certificate for mutual TLS (with --tls-ca)"),
       StringFlag("tls-client-key", "PEM", "the client certificate's key"),
@@ -65,12 +47,9 @@ absl::StatusOr<ServerEndpoint> ServerEndpointFromFlags(const Flags& a) {
   TP_RETURN_IF_ERROR(
       CheckServerAddress(a.Has("server") ? "server" : "server (TPSERVE_SERVER)", e.address));
   if (a.Has("api-key-file")) {
-    TP_ASSIGN_OR_RETURN(std::string text, ReadFile("api-key-file", *a.Get("api-key-file")));
-    e.api_key = std::string(absl::StripAsciiWhitespace(text.substr(0, text.find('\n'))));
-    if (e.api_key.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--api-key-file: the first line of ", *a.Get("api-key-file"), " is empty"));
-    }
+    // The server's own format: its first key (a server's key file works as it is).
+    TP_ASSIGN_OR_RETURN(std::vector<std::string> keys, ReadApiKeyFile(*a.Get("api-key-file")));
+    e.api_key = keys.front();
   } else {
     e.api_key = EnvString(env::kApiKey);
   }
@@ -81,11 +60,11 @@ absl::StatusOr<ServerEndpoint> ServerEndpointFromFlags(const Flags& a) {
     return absl::InvalidArgumentError("--tls-client-cert needs --tls-ca (mutual TLS is TLS)");
   }
   if (a.Has("tls-ca")) {
-    TP_ASSIGN_OR_RETURN(e.tls_ca_pem, ReadFile("tls-ca", *a.Get("tls-ca")));
+    TP_ASSIGN_OR_RETURN(e.tls_ca_pem, ReadPemFile(*a.Get("tls-ca")));
   }
   if (a.Has("tls-client-cert")) {
-    TP_ASSIGN_OR_RETURN(e.tls_cert_pem, ReadFile("tls-client-cert", *a.Get("tls-client-cert")));
-    TP_ASSIGN_OR_RETURN(e.tls_key_pem, ReadFile("tls-client-key", *a.Get("tls-client-key")));
+    TP_ASSIGN_OR_RETURN(e.tls_cert_pem, ReadPemFile(*a.Get("tls-client-cert")));
+    TP_ASSIGN_OR_RETURN(e.tls_key_pem, ReadPemFile(*a.Get("tls-client-key")));
   }
   return e;
 }

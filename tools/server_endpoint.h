@@ -31,9 +31,10 @@ struct ServerEndpoint {
 // then `own`.
 std::vector<FlagSpec> WithServerEndpointFlags(std::vector<FlagSpec> own);
 
-// The endpoint the flags name: --server (else TPSERVE_SERVER), the key from the first line of
-// --api-key-file (else TPSERVE_API_KEY) and the PEM files. A port outside [1, 65535], a file
-// that cannot be read, or a client certificate without its key (or the reverse) is an error.
+// The endpoint the flags name: --server (else TPSERVE_SERVER), the first key of --api-key-file
+// (the server's format, ReadApiKeyFile; else TPSERVE_API_KEY) and the PEM files. A port outside [1,
+// 65535], a file that cannot be read, or a client certificate without its key (or the reverse) is
+// an error.
 absl::StatusOr<ServerEndpoint> ServerEndpointFromFlags(const Flags& a);
 
 }  // namespace tpserve

@@ -72,10 +72,9 @@ TEST(ApiSecurityTest, ApiKeysGuardGrpcAndHttpButNotHealth) {
   EXPECT_THAT(no_key.output, HasSubstr("needs an API key")) << no_key.output;
   const CommandResult env_key = RunCommand("TPSERVE_API_KEY=second-key " + generate);
   EXPECT_EQ(env_key.exit_code, 0) << env_key.output;
-  const std::string key_file = keys + ".client";
-  std::ofstream(key_file) << "first-key\n";
+  // The server's own key file (a comment line first): the client sends its first key.
   const CommandResult file_key = RunCommand(absl::StrCat(
-      TPSERVE_CLI_BIN, " info --server ", server->address(), " --api-key-file ", key_file));
+      TPSERVE_CLI_BIN, " info --server ", server->address(), " --api-key-file ", keys));
   EXPECT_EQ(file_key.exit_code, 0) << file_key.output;
   EXPECT_THAT(file_key.output, HasSubstr("vocab_size")) << file_key.output;
 
