@@ -243,19 +243,18 @@ struct WgConsumer {
     l_row[0] = l_row[1] = 0.0f;
   }
 
-  // S = Q K^T of tile t, issued and committed.
+  // S = Q K^T of tile t, issued and committed. The first step overwrites S (scale-d 0) instead
+  // of adding to zeros, which saves the kKeys / 2 moves a thread that zeroed it.
   __device__ __forceinline__ void IssueS(int t) {
     const uint8_t* kt = k_s + (t % kStages) * kTileBytes;
 #pragma unroll
-    for (int i = 0; i < kKeys / 2; ++i) {
-      s[i] = 0.0f;
-      FenceReg(s[i]);
-    }
+    for (int i = 0; i < kKeys / 2; ++i) FenceReg(s[i]);
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       const int cb = (kk / 4) * 128, k16 = (kk % 4) * 32;  // column block, 16-element step
-      Wgmma<kKeys>::Run(s, SmemDesc(q_wg + cb * kBM + k16), SmemDesc(kt + cb * kKeys + k16));
+      Wgmma<kKeys>::Run(s, SmemDesc(q_wg + cb * kBM + k16), SmemDesc(kt + cb * kKeys + k16),
+                        kk == 0 ? 0 : 1);
     }
     WgmmaCommit();
   }

@@ -175,7 +175,8 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
-// D[64 x kN] += A[64 x 16] B[16 x kN], A and B K-major bf16 in shared memory, D fp32 in registers
+// D[64 x kN] += A[64 x 16] B[16 x kN] (D = A B when scale_d is 0: D's registers are not read),
+// A and B K-major bf16 in shared memory, D fp32 in registers
 // (thread t of warp w holds rows 16w + t/4 (+ 8), columns 8j + 2(t%4) (+ 1): d[4j + r], the
 // layout of mma.m16n8 accumulators stacked over j).
 template <int kN>
@@ -183,55 +184,60 @@ struct Wgmma;
 
 template <>
 struct Wgmma<16> {
-  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b) {
+  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b, int scale_d = 1) {
     asm volatile(
+        "{.reg .pred p; setp.ne.b32 p, %10, 0; "
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, 1, 1, 1, 0, 0;"
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;}"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7])
-        : "l"(a), "l"(b));
+        : "l"(a), "l"(b), "r"(scale_d));
   }
 };
 
 template <>
 struct Wgmma<32> {
-  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b) {
+  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b, int scale_d = 1) {
     asm volatile(
+        "{.reg .pred p; setp.ne.b32 p, %18, 0; "
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, 1, 1, "
-        "1, 0, 0;"
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, "
+        "1, 0, 0;}"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b));
+        : "l"(a), "l"(b), "r"(scale_d));
   }
 };
 
 template <>
 struct Wgmma<64> {
-  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b) {
+  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b, int scale_d = 1) {
     asm volatile(
+        "{.reg .pred p; setp.ne.b32 p, %34, 0; "
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1, 0, 0;"
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, "
+        "0;}"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
           "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
           "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(a), "l"(b));
+        : "l"(a), "l"(b), "r"(scale_d));
   }
 };
 
 template <>
 struct Wgmma<128> {
-  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b) {
+  static __device__ __forceinline__ void Run(float* d, uint64_t a, uint64_t b, int scale_d = 1) {
     asm volatile(
+        "{.reg .pred p; setp.ne.b32 p, %66, 0; "
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
         "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, "
         "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, "
-        "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1, 0, 0;"
+        "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;}"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
@@ -242,7 +248,7 @@ struct Wgmma<128> {
           "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
           "+f"(d[63])
-        : "l"(a), "l"(b));
+        : "l"(a), "l"(b), "r"(scale_d));
   }
 };
 
