@@ -48,8 +48,9 @@ absl::StatusOr<ServerEndpoint> ServerEndpointFromFlags(const Flags& a) {
       CheckServerAddress(a.Has("server") ? "server" : "server (TPSERVE_SERVER)", e.address));
   if (a.Has("api-key-file")) {
     // The server's own format: its first key (a server's key file works as it is).
-    TP_ASSIGN_OR_RETURN(std::vector<std::string> keys, ReadApiKeyFile(*a.Get("api-key-file")));
-    e.api_key = keys.front();
+    absl::StatusOr<std::vector<std::string>> keys = ReadApiKeyFile(*a.Get("api-key-file"));
+    if (!keys.ok()) return Annotate(keys.status(), "--api-key-file");
+    e.api_key = keys->front();
   } else {
     e.api_key = EnvString(env::kApiKey);
   }
@@ -59,12 +60,18 @@ absl::StatusOr<ServerEndpoint> ServerEndpointFromFlags(const Flags& a) {
   if (a.Has("tls-client-cert") && !a.Has("tls-ca")) {
     return absl::InvalidArgumentError("--tls-client-cert needs --tls-ca (mutual TLS is TLS)");
   }
+  // A PEM file's error names its flag, as the client commands' other flag errors do.
+  auto pem = [&](const std::string& flag) -> absl::StatusOr<std::string> {
+    absl::StatusOr<std::string> text = ReadPemFile(*a.Get(flag));
+    if (!text.ok()) return Annotate(text.status(), "--" + flag);
+    return text;
+  };
   if (a.Has("tls-ca")) {
-    TP_ASSIGN_OR_RETURN(e.tls_ca_pem, ReadPemFile(*a.Get("tls-ca")));
+    TP_ASSIGN_OR_RETURN(e.tls_ca_pem, pem("tls-ca"));
   }
   if (a.Has("tls-client-cert")) {
-    TP_ASSIGN_OR_RETURN(e.tls_cert_pem, ReadPemFile(*a.Get("tls-client-cert")));
-    TP_ASSIGN_OR_RETURN(e.tls_key_pem, ReadPemFile(*a.Get("tls-client-key")));
+    TP_ASSIGN_OR_RETURN(e.tls_cert_pem, pem("tls-client-cert"));
+    TP_ASSIGN_OR_RETURN(e.tls_key_pem, pem("tls-client-key"));
   }
   return e;
 }

@@ -473,6 +473,17 @@ TEST(ApiSecurityTest, ApiKeyChecksAndFiles) {
   EXPECT_THAT(std::string(ApiKeys::Load(empty, "").status().message()), HasSubstr("holds no key"));
   EXPECT_THAT(std::string(ApiKeys::Load("/nonexistent/keys", "").status().message()),
               HasSubstr("cannot read the API key file"));
+  // The client commands read the same files; their errors name the flag (before any connection).
+  const CommandResult client_keys = RunCommand(
+      absl::StrCat(TPSERVE_CLI_BIN, " info --server 127.0.0.1:1 --api-key-file ", empty));
+  EXPECT_EQ(client_keys.exit_code, 2) << client_keys.output;
+  EXPECT_THAT(client_keys.output, HasSubstr("--api-key-file: the API key file"))
+      << client_keys.output;
+  const CommandResult client_ca = RunCommand(
+      absl::StrCat(TPSERVE_CLI_BIN, " info --server 127.0.0.1:1 --tls-ca /nonexistent/ca.pem"));
+  EXPECT_EQ(client_ca.exit_code, 2) << client_ca.output;
+  EXPECT_THAT(client_ca.output, HasSubstr("--tls-ca: cannot read /nonexistent/ca.pem"))
+      << client_ca.output;
 }
 
 }  // namespace
