@@ -7,7 +7,9 @@
 //   the same with every decode-attention kernel and partition for each KV-cache dtype;
 //   --det-gemm: the GEMMs of deterministic mode against the default path at M = 1 .. 2048;
 //   --shards: one decode layer's GEMMs and attention at the shard shapes of TP = 1, 2, 4, 8;
-//   --split-k: cuBLASLt at M = 32 / 64 / 128 with split-K forced to 1..8; --chain: the chain GEMM
+//   --split-k: cuBLASLt at M = 32 / 64 / 128 with split-K forced to 1..8; --det-split-k: whether a
+//   fixed cuBLASLt algorithm made split (2, 4, 8; each reduction scheme) keeps a row's bits across
+//   M, and its speed at M = 1 and 64 (issue 22); --chain: the chain GEMM
 //   (deterministic mode's cuBLASLt bits, gemm_lt_chain.cu) in each pipeline configuration against
 //   the default and the fixed cuBLASLt algorithm at M = 1, 2, 8, 16; --stream: the weight-streaming
 //   wgmma GEMM, gemm_stream.cu, in each configuration against cuBLASLt at M = 3 .. 128, and its
@@ -386,6 +388,166 @@ void SplitKGemms(CudaOps& ops, double copy_gbs) {
   lt.set_split_k_override(0);
 }
 
+// Issue 22: whether a fixed cuBLASLt algorithm with split-K forced to 2, 4 or 8 (each reduction
+// scheme) keeps a row's bits whatever M is, as the unsplit one does, and what it costs. For each
+// 6.7B shape: the heuristic's first unsplit candidate at M = 64 (as deterministic mode picks it),
+// made split; y of M = 1, 2, 7, 16, 64 rows compared bit for bit with the same rows of a 256-row
+// product; then the weights-cold time at M = 1 and M = 64 (% of copy). If some split is
+// invariant and fast at M = 1, deterministic mode could take it at every M (a row-chunked
+// prefill keeps the workspace bounded) instead of the unsplit chain (1.35-1.38x at batch 1).
+void DetSplitK(CudaOps& ops, double copy_gbs) {
+  cudaStream_t s = ops.stream();
+  cublasLtHandle_t lt;
+  TP_CUBLAS_CHECK(cublasLtCreate(&lt));
+  constexpr int kRefRows = 256;
+  const size_t ws_bytes = size_t{kRefRows} * 32256 * 4 * 8 + (size_t{64} << 20);
+  void* ws = ops.Alloc(ws_bytes);
+  void* xbuf = ops.Alloc(size_t{2} * kRefRows * 11008);
+  void* yref = ops.Alloc(size_t{2} * kRefRows * 32256);
+  void* ybuf = ops.Alloc(size_t{2} * kRefRows * 32256);
+  FillRandom(xbuf, size_t{2} * kRefRows * 11008, 1.0f);
+  struct Desc {
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, c;
+  };
+  auto make = [&](int m, int n, int k) {
+    Desc d;
+    TP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    TP_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    TP_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    // As LtGemm lays them out: A = w [K, N], B = x [K, M], C = y^T [N, M], column-major.
+    TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_16BF, k, n, k));
+    TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_16BF, k, m, k));
+    TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, CUDA_R_16BF, n, m, n));
+    return d;
+  };
+  auto destroy = [](Desc& d) {
+    cublasLtMatrixLayoutDestroy(d.a);
+    cublasLtMatrixLayoutDestroy(d.b);
+    cublasLtMatrixLayoutDestroy(d.c);
+    cublasLtMatmulDescDestroy(d.op);
+  };
+  auto split_of = [](const cublasLtMatmulAlgo_t& algo) {
+    int32_t splits = 1;
+    size_t written = 0;
+    TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                         &splits, sizeof(splits), &written));
+    return splits;
+  };
+  struct Scheme {
+    const char* name;
+    uint32_t value;
+  };
+  const Scheme kSchemes[] = {{"compute", CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE},
+                             {"output", CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE},
+                             {"inplace", CUBLASLT_REDUCTION_SCHEME_INPLACE}};
+  const int kRows[] = {1, 2, 7, 16, 64};
+  for (const Shape& sh : kShapes) {
+    RotatingWeights rw(ops, sh);
+    // The base algorithm: the heuristic's first unsplit candidate at M = 64.
+    Desc ref = make(64, sh.n, sh.k);
+    cublasLtMatmulPreference_t pref;
+    TP_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    TP_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
+    std::vector<cublasLtMatmulHeuristicResult_t> results(16);
+    int found = 0;
+    TP_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, ref.op, ref.a, ref.b, ref.c, ref.c, pref, 16,
+                                                   results.data(), &found));
+    cublasLtMatmulPreferenceDestroy(pref);
+    destroy(ref);
+    const cublasLtMatmulAlgo_t* base = nullptr;
+    for (int i = 0; i < found && base == nullptr; ++i) {
+      if (results[i].state == CUBLAS_STATUS_SUCCESS && split_of(results[i].algo) == 1)
+        base = &results[i].algo;
+    }
+    if (base == nullptr) {
+      std::printf("det-split-k %s: no unsplit candidate among %d\n", sh.name, found);
+      continue;
+    }
+    std::printf("det-split-k %s: base %s\n", sh.name, cuda::LtGemm::DescribeAlgo(*base).c_str());
+    for (int split : {1, 2, 4, 8}) {
+      for (const Scheme& sc : kSchemes) {
+        if (split == 1 && sc.value != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) continue;
+        cublasLtMatmulAlgo_t algo = *base;
+        const int32_t sp = split;
+        const uint32_t scheme = split == 1 ? CUBLASLT_REDUCTION_SCHEME_NONE : sc.value;
+        TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                             &sp, sizeof(sp)));
+        TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(
+            &algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof(scheme)));
+        const std::string label = std::string("det-split-k ") + sh.name + " s" +
+                                  std::to_string(split) +
+                                  (split > 1 ? std::string(" ") + sc.name : "");
+        if (!Wanted(label)) continue;
+        auto run = [&](Desc& d, const void* w, void* y) {
+          const float alpha = 1.0f, beta = 0.0f;
+          TP_CUBLAS_CHECK(cublasLtMatmul(lt, d.op, &alpha, w, d.a, xbuf, d.b, &beta, y, d.c, y, d.c,
+                                         &algo, ws, ws_bytes, s));
+        };
+        bool accepted = true;
+        std::vector<Desc> descs;
+        for (int m : {kRefRows, 1, 2, 7, 16, 64}) {
+          descs.push_back(make(m, sh.n, sh.k));
+          cublasLtMatmulHeuristicResult_t check{};
+          const Desc& d = descs.back();
+          if (cublasLtMatmulAlgoCheck(lt, d.op, d.a, d.b, d.c, d.c, &algo, &check) !=
+                  CUBLAS_STATUS_SUCCESS ||
+              check.workspaceSize > ws_bytes) {
+            accepted = false;
+          }
+        }
+        if (!accepted) {
+          std::printf("%-48s refused by cuBLASLt at some M\n", label.c_str());
+          for (auto& d : descs) destroy(d);
+          continue;
+        }
+        const Tensor w0 = rw.At(0);
+        run(descs[0], w0.data, yref);
+        std::vector<uint16_t> ref_host(size_t{kRefRows} * sh.n), got(ref_host.size());
+        TP_CUDA_CHECK(
+            cudaMemcpyAsync(ref_host.data(), yref, ref_host.size() * 2, cudaMemcpyDeviceToHost, s));
+        std::string bits;
+        int64_t differ_total = 0;
+        for (size_t i = 1; i < descs.size(); ++i) {
+          const int m = kRows[i - 1];
+          run(descs[i], w0.data, ybuf);
+          TP_CUDA_CHECK(
+              cudaMemcpyAsync(got.data(), ybuf, size_t{2} * m * sh.n, cudaMemcpyDeviceToHost, s));
+          TP_CUDA_CHECK(cudaStreamSynchronize(s));
+          int64_t differ = 0;
+          for (size_t j = 0; j < size_t{1} * m * sh.n; ++j) differ += got[j] != ref_host[j];
+          differ_total += differ;
+          bits += " M" + std::to_string(m) + ":" + std::to_string(differ);
+        }
+        for (int t = 0; t < 2; ++t) {
+          const int m = t == 0 ? 1 : 64;
+          Desc& d = descs[t == 0 ? 1 : 5];
+          const double ms = MedianMs(s, 50, [&](int i) { run(d, rw.At(i).data, ybuf); });
+          const double gbs = rw.bytes / ms / 1e6;
+          char metric[256];
+          std::snprintf(metric, sizeof(metric),
+                        "%.0f GB/s = %.1f%% of copy; %s (outputs differing from the %d-row "
+                        "product:%s)",
+                        gbs, 100.0 * gbs / copy_gbs,
+                        differ_total == 0 ? "M-invariant" : "NOT M-invariant", kRefRows,
+                        bits.c_str());
+          Add(label + " M=" + std::to_string(m), ms, metric);
+        }
+        for (auto& d : descs) destroy(d);
+      }
+    }
+  }
+  ops.Free(ws);
+  ops.Free(xbuf);
+  ops.Free(yref);
+  ops.Free(ybuf);
+  cublasLtDestroy(lt);
+}
+
 // cuBLASLt's heuristic candidates (its first 32, as they come, split-K included) at the decode
 // graphs' batch sizes (M = 4 .. 256; M <= 2 runs the skinny kernel) and at prefill chunks (512,
 // 1024, 2048 rows; not lm_head, which a prefill runs on its last rows only), weights cold:
@@ -668,9 +830,12 @@ void StreamGemms(CudaOps& ops, double copy_gbs) {
   }
 }
 
-int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bool shards,
-         bool split_k, bool chain, bool stream, bool lt_sweep, bool pdl_gemm,
-         const std::string& table_out) {
+int Main(const std::string& mode, const std::string& table_out) {
+  const bool m1_only = mode == "--m1", decode_sweep = mode == "--decode";
+  const bool attention_only = mode == "--attention" || decode_sweep;
+  const bool det_gemm = mode == "--det-gemm", shards = mode == "--shards";
+  const bool split_k = mode == "--split-k", chain = mode == "--chain", stream = mode == "--stream";
+  const bool lt_sweep = mode == "--lt-sweep", pdl_gemm = mode == "--pdl-gemm";
   if (CudaDeviceCount() == 0) {
     std::printf("no CUDA device\n");
     return 0;
@@ -703,6 +868,10 @@ int Main(bool m1_only, bool attention_only, bool decode_sweep, bool det_gemm, bo
   }
   if (shards) {
     ShardShapes(ops, copy_gbs);
+    return PrintSummary(copy_gbs);
+  }
+  if (mode == "--det-split-k") {
+    DetSplitK(ops, copy_gbs);
     return PrintSummary(copy_gbs);
   }
   if (split_k) {
@@ -908,12 +1077,14 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if ((!mode.empty() && mode != "--m1" && mode != "--attention" && mode != "--decode" &&
        mode != "--det-gemm" && mode != "--shards" && mode != "--split-k" && mode != "--chain" &&
-       mode != "--stream" && mode != "--lt-sweep" && mode != "--pdl-gemm") ||
+       mode != "--stream" && mode != "--lt-sweep" && mode != "--pdl-gemm" &&
+       mode != "--det-split-k") ||
       argc > 3 || (!table_out.empty() && mode != "--lt-sweep")) {
     std::fprintf(
         stderr,
         "usage: tpserve-cuda-bench [--m1 | --attention | --decode | --det-gemm | --shards "
-        "| --split-k | --chain | --stream | --lt-sweep [--lt-table-out=FILE] | --pdl-gemm] "
+        "| --split-k | --det-split-k | --chain | --stream | --lt-sweep [--lt-table-out=FILE] "
+        "| --pdl-gemm] "
         "[ROW-REGEX]\n");
     return 2;
   }
@@ -925,8 +1096,5 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  return tpserve::Main(mode == "--m1", mode == "--attention" || mode == "--decode",
-                       mode == "--decode", mode == "--det-gemm", mode == "--shards",
-                       mode == "--split-k", mode == "--chain", mode == "--stream",
-                       mode == "--lt-sweep", mode == "--pdl-gemm", table_out);
+  return tpserve::Main(mode, table_out);
 }
