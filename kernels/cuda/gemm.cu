@@ -49,67 +49,68 @@ LtGemm::LtGemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
 }
 
 LtGemm::~LtGemm() {
-  for (auto& [key, plan] : plans_) DestroyDescriptors(plan);
+  for (auto& [key, plan] : plans_) DestroyProblem(plan);
   if (workspace_ != nullptr) cudaFree(workspace_);
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 
 void LtGemm::set_fixed_algorithm(bool on) {
   if (on == fixed_) return;
-  for (auto& [key, plan] : plans_) DestroyDescriptors(plan);
+  for (auto& [key, plan] : plans_) DestroyProblem(plan);
   plans_.clear();
   fixed_ = on;
 }
 
 void LtGemm::set_split_k_override(int split) {
   if (split == split_override_) return;
-  for (auto& [key, plan] : plans_) DestroyDescriptors(plan);
+  for (auto& [key, plan] : plans_) DestroyProblem(plan);
   plans_.clear();
   split_override_ = split;
 }
 
 void LtGemm::set_candidate_override(int index) {
   if (index == candidate_override_) return;
-  for (auto& [key, plan] : plans_) DestroyDescriptors(plan);
+  for (auto& [key, plan] : plans_) DestroyProblem(plan);
   plans_.clear();
   candidate_override_ = index;
 }
 
 void LtGemm::set_table(const LtTable* table) {
   if (table == table_) return;
-  for (auto& [key, plan] : plans_) DestroyDescriptors(plan);
+  for (auto& [key, plan] : plans_) DestroyProblem(plan);
   plans_.clear();
   table_ = table;
 }
 
-void LtGemm::MakeDescriptors(Plan& plan, int64_t m, int64_t n, int64_t k, bool bias) const {
-  TP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+LtGemm::Problem LtGemm::MakeProblem(int64_t m, int64_t n, int64_t k, bool bias) {
+  Problem p;
+  TP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
   TP_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
   TP_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
   if (bias) {
     cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    TP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
-                                                   sizeof(epi)));
+    TP_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
     cudaDataType_t bt = CUDA_R_16BF;
-    TP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                                                   &bt, sizeof(bt)));
+    TP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt,
+                                                   sizeof(bt)));
   }
   // Column-major: A = w viewed [K, N] (ld K), B = x viewed [K, M] (ld K), C = y^T [N, M] (ld N).
-  TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, k, n, k));
-  TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, k, m, k));
-  TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, n, m, n));
+  TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, k));
+  TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, k));
+  TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, n, m, n));
+  return p;
 }
 
-void LtGemm::DestroyDescriptors(Plan& plan) {
-  if (plan.a != nullptr) cublasLtMatrixLayoutDestroy(plan.a);
-  if (plan.b != nullptr) cublasLtMatrixLayoutDestroy(plan.b);
-  if (plan.c != nullptr) cublasLtMatrixLayoutDestroy(plan.c);
-  if (plan.desc != nullptr) cublasLtMatmulDescDestroy(plan.desc);
-  plan.a = plan.b = plan.c = nullptr;
-  plan.desc = nullptr;
+void LtGemm::DestroyProblem(Problem& p) {
+  if (p.a != nullptr) cublasLtMatrixLayoutDestroy(p.a);
+  if (p.b != nullptr) cublasLtMatrixLayoutDestroy(p.b);
+  if (p.c != nullptr) cublasLtMatrixLayoutDestroy(p.c);
+  if (p.desc != nullptr) cublasLtMatmulDescDestroy(p.desc);
+  p = Problem{};
 }
 
 std::vector<cublasLtMatmulHeuristicResult_t> LtGemm::Heuristic(const Plan& plan, int alignment,
@@ -140,10 +141,10 @@ const cublasLtMatmulAlgo_t& LtGemm::FixedAlgo(int64_t n, int64_t k, bool bias, i
   if (it != fixed_algos_.end()) return it->second;
   const int64_t ref_m = EnvInt(env::kDeterministicGemmM);
   Plan ref;
-  MakeDescriptors(ref, ref_m, n, k, bias);
+  static_cast<Problem&>(ref) = MakeProblem(ref_m, n, k, bias);
   constexpr int kCandidates = 16;
   std::vector<cublasLtMatmulHeuristicResult_t> results = Heuristic(ref, alignment, kCandidates);
-  DestroyDescriptors(ref);
+  DestroyProblem(ref);
   TP_CHECK(!results.empty()) << "deterministic GEMM: cuBLASLt has no algorithm for N=" << n
                              << " K=" << k << " at M=" << ref_m;
   // Split-K cuts K into parts whose sums are added afterwards, and other M would not pick the
@@ -173,11 +174,11 @@ const cublasLtMatmulAlgo_t& LtGemm::FixedAlgo(int64_t n, int64_t k, bool bias, i
     bool runs_everywhere = true;
     for (int64_t m : {int64_t{1}, int64_t{7}, ref_m, int64_t{4096}, int64_t{32768}}) {
       Plan probe;
-      MakeDescriptors(probe, m, n, k, bias);
+      static_cast<Problem&>(probe) = MakeProblem(m, n, k, bias);
       cublasLtMatmulHeuristicResult_t check{};
       const cublasStatus_t st = cublasLtMatmulAlgoCheck(handle_, probe.desc, probe.a, probe.b,
                                                         probe.c, probe.c, &algo, &check);
-      DestroyDescriptors(probe);
+      DestroyProblem(probe);
       if (st != CUBLAS_STATUS_SUCCESS || check.workspaceSize > workspace_bytes_) {
         runs_everywhere = false;
         break;
@@ -200,7 +201,7 @@ LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int al
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
   Plan plan;
-  MakeDescriptors(plan, m, n, k, bias);
+  static_cast<Problem&>(plan) = MakeProblem(m, n, k, bias);
   if (fixed_) {
     plan.algo = FixedAlgo(n, k, bias, alignment);
     cublasLtMatmulHeuristicResult_t check{};

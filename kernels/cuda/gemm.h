@@ -88,11 +88,18 @@ class LtGemm {
   // cuBLASLt table's "alignment".
   static int OperandAlignment(const void* x, const void* w, const void* y,
                               const void* bias = nullptr);
-
- private:
-  struct Plan {
+  // The cuBLASLt descriptor and layouts of y [m, n] = x [m, k] w [n, k]^T (+ bias) as every plan
+  // lays them out (bf16 in and out, fp32 compute): for tools that drive cuBLASLt themselves, such
+  // as tpserve-cuda-bench's probes. DestroyProblem frees them.
+  struct Problem {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  };
+  static Problem MakeProblem(int64_t m, int64_t n, int64_t k, bool bias);
+  static void DestroyProblem(Problem& problem);
+
+ private:
+  struct Plan : Problem {
     cublasLtMatmulAlgo_t algo;
     std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first
     bool tuned = false;
@@ -104,9 +111,6 @@ class LtGemm {
   // The first plan of (m, n, k), any bias and alignment, or nullptr.
   const Plan* FindPlan(int64_t m, int64_t n, int64_t k) const;
   Plan& GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int alignment);
-  // The descriptor and layouts of one problem (plan.algo untouched).
-  void MakeDescriptors(Plan& plan, int64_t m, int64_t n, int64_t k, bool bias) const;
-  static void DestroyDescriptors(Plan& plan);
   // The heuristic's best `max_results` algorithms for `plan`'s problem at this alignment.
   std::vector<cublasLtMatmulHeuristicResult_t> Heuristic(const Plan& plan, int alignment,
                                                          int max_results) const;

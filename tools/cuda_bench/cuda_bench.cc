@@ -406,30 +406,9 @@ void DetSplitK(CudaOps& ops, double copy_gbs) {
   void* yref = ops.Alloc(size_t{2} * kRefRows * 32256);
   void* ybuf = ops.Alloc(size_t{2} * kRefRows * 32256);
   FillRandom(xbuf, size_t{2} * kRefRows * 11008, 1.0f);
-  struct Desc {
-    cublasLtMatmulDesc_t op;
-    cublasLtMatrixLayout_t a, b, c;
-  };
-  auto make = [&](int m, int n, int k) {
-    Desc d;
-    TP_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    TP_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-    TP_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-    // As LtGemm lays them out: A = w [K, N], B = x [K, M], C = y^T [N, M], column-major.
-    TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_16BF, k, n, k));
-    TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_16BF, k, m, k));
-    TP_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, CUDA_R_16BF, n, m, n));
-    return d;
-  };
-  auto destroy = [](Desc& d) {
-    cublasLtMatrixLayoutDestroy(d.a);
-    cublasLtMatrixLayoutDestroy(d.b);
-    cublasLtMatrixLayoutDestroy(d.c);
-    cublasLtMatmulDescDestroy(d.op);
-  };
+  using Desc = cuda::LtGemm::Problem;
+  auto make = [](int m, int n, int k) { return cuda::LtGemm::MakeProblem(m, n, k, false); };
+  auto destroy = [](Desc& d) { cuda::LtGemm::DestroyProblem(d); };
   auto split_of = [](const cublasLtMatmulAlgo_t& algo) {
     int32_t splits = 1;
     size_t written = 0;
@@ -455,8 +434,8 @@ void DetSplitK(CudaOps& ops, double copy_gbs) {
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
     std::vector<cublasLtMatmulHeuristicResult_t> results(16);
     int found = 0;
-    TP_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, ref.op, ref.a, ref.b, ref.c, ref.c, pref, 16,
-                                                   results.data(), &found));
+    TP_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, ref.desc, ref.a, ref.b, ref.c, ref.c, pref,
+                                                   16, results.data(), &found));
     cublasLtMatmulPreferenceDestroy(pref);
     destroy(ref);
     const cublasLtMatmulAlgo_t* base = nullptr;
@@ -474,7 +453,8 @@ void DetSplitK(CudaOps& ops, double copy_gbs) {
         if (split == 1 && sc.value != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) continue;
         cublasLtMatmulAlgo_t algo = *base;
         const int32_t sp = split;
-        const uint32_t scheme = split == 1 ? CUBLASLT_REDUCTION_SCHEME_NONE : sc.value;
+        const uint32_t scheme =
+            split == 1 ? static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_NONE) : sc.value;
         TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
                                                              &sp, sizeof(sp)));
         TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(
@@ -485,8 +465,8 @@ void DetSplitK(CudaOps& ops, double copy_gbs) {
         if (!Wanted(label)) continue;
         auto run = [&](Desc& d, const void* w, void* y) {
           const float alpha = 1.0f, beta = 0.0f;
-          TP_CUBLAS_CHECK(cublasLtMatmul(lt, d.op, &alpha, w, d.a, xbuf, d.b, &beta, y, d.c, y, d.c,
-                                         &algo, ws, ws_bytes, s));
+          TP_CUBLAS_CHECK(cublasLtMatmul(lt, d.desc, &alpha, w, d.a, xbuf, d.b, &beta, y, d.c, y,
+                                         d.c, &algo, ws, ws_bytes, s));
         };
         bool accepted = true;
         std::vector<Desc> descs;
@@ -494,7 +474,7 @@ void DetSplitK(CudaOps& ops, double copy_gbs) {
           descs.push_back(make(m, sh.n, sh.k));
           cublasLtMatmulHeuristicResult_t check{};
           const Desc& d = descs.back();
-          if (cublasLtMatmulAlgoCheck(lt, d.op, d.a, d.b, d.c, d.c, &algo, &check) !=
+          if (cublasLtMatmulAlgoCheck(lt, d.desc, d.a, d.b, d.c, d.c, &algo, &check) !=
                   CUBLAS_STATUS_SUCCESS ||
               check.workspaceSize > ws_bytes) {
             accepted = false;
