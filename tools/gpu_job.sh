@@ -9,7 +9,8 @@
 #   test; `refs hf` needs no tpserve binary but `tpserve random-model`; kernels: the kernel
 #   benchmark tpserve-cuda-bench; ncu: Nsight Compute profiles of single kernels (NCU_ROWS, below);
 #   serve: tools/serve_check.sh, served vs engine tokens;
-#   presets: `tpserve bench` presets against `tpserve serve` in each SERVE_AB configuration)
+#   presets: `tpserve bench` presets against `tpserve serve` in each SERVE_AB configuration, a
+#   fresh server for each preset unless PRESETS_SHARE_SERVER=1)
 #   kvq: tiny-coder held-out perplexity with each --kv-cache-dtype (the files listed in
 #   .carry/heldout.txt, made by tools/tiny_coder_heldout.py --copy-to .carry/heldout), then the
 #   engine benchmark of the 6.7B shape with each KV dtype in KVQ_DTYPES (KVQ_BENCH_ARGS), then
@@ -247,14 +248,23 @@ if has presets; then
   # beside the engine figures of the `bench` step of the same
   # job. PRESETS names the default presets; PRESET_ARGS_<preset> adds `tpserve bench` arguments
   # (e.g. PRESET_ARGS_latency="--compare-engine /tmp/ds67 --engine-device cuda").
+  # Each preset runs against a server of its own, so that none starts with the prefix cache of
+  # another (batch128's first 128 prompts are batch64's: after it, half its prompt tokens were
+  # cache hits, 7,642 against 6,400 output tokens/s cold, H200 2026-12-06). PRESETS_SHARE_SERVER=1
+  # runs a configuration's presets on one server, as before.
   IFS=';' read -ra configs <<<"${SERVE_AB:-default:}"
   for c in "${configs[@]}"; do
     IFS=':' read -r label flags config_presets config_env <<<"$c"
     config_presets=${config_presets:-${PRESETS:-latency batch64 chat}}
     log "serve $label (${flags:-no extra flags}${config_env:+, env $config_env}): presets $config_presets"
-    # shellcheck disable=SC2086  # flags and config_env are word lists
-    SERVER_ENV="$config_env" start_server "$label" 50078 $flags
+    spid=
     for preset in $config_presets; do
+      if [ -z "$spid" ]; then
+        name=$label
+        [ "${PRESETS_SHARE_SERVER:-0}" != 1 ] && name=${label}_$preset
+        # shellcheck disable=SC2086  # flags and config_env are word lists
+        SERVER_ENV="$config_env" start_server "$name" 50078 $flags
+      fi
       extra_var="PRESET_ARGS_${preset//-/_}"
       timeout 400 "$stage/bin/tpserve" bench --server 127.0.0.1:50078 --preset $preset \
         --no-progress --label "$label" --json "$out/preset_${label}_$preset.json" \
@@ -272,9 +282,15 @@ keep.update({k: v for k, v in j.items()
              if k.startswith("prefix") or k.startswith("engine") or k == "server_steps"})
 print(json.dumps({"label": sys.argv[2], "preset": sys.argv[3], **keep}))
 PY
+      "$stage/bin/tpserve" info --server 127.0.0.1:50078 >"$out/info_$label.txt" 2>&1
+      if [ "${PRESETS_SHARE_SERVER:-0}" != 1 ]; then
+        kill -TERM $spid; wait $spid
+        spid=
+      fi
     done
-    "$stage/bin/tpserve" info --server 127.0.0.1:50078 >"$out/info_$label.txt" 2>&1
-    kill -TERM $spid; wait $spid
+    if [ -n "$spid" ]; then
+      kill -TERM $spid; wait $spid
+    fi
   done
 fi
 if has detserve; then
