@@ -116,12 +116,14 @@ const EnvVar kPrefillKernel = {"TPSERVE_PREFILL_KERNEL",
                                "same fed by a producer warp), wgmma-tma (its producer loading "
                                "the pages with TMA), wgmma-fa3 (a TMA producer warpgroup giving "
                                "its registers to the consumers: 128-key tiles; block sizes "
-                               "8/16/32/64/128, else wgmma) or wgmma-fa3pp (wgmma-fa3 with the "
-                               "consumers' MMAs in ping-pong turns); pipe, ws, tma, fa3 and "
-                               "fa3pp: bf16 caches, else wgmma; A/B runs",
+                               "8/16/32/64/128, else wgmma), wgmma-fa3pp (wgmma-fa3 with the "
+                               "consumers' MMAs in ping-pong turns) or wgmma-fa3p (wgmma-fa3 on "
+                               "a persistent grid: a block an SM over the work items); pipe, ws, "
+                               "tma, fa3, fa3pp and fa3p: bf16 caches, else wgmma; A/B runs",
                                0,
                                0,
-                               "mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-tma|wgmma-fa3|wgmma-fa3pp"};
+                               "mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-tma|wgmma-fa3|wgmma-fa3pp|"
+                               "wgmma-fa3p"};
 const EnvVar kDecodeKernel = {
     "TPSERVE_DECODE_KERNEL",
     EnvType::kChoice,

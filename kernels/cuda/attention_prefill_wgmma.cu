@@ -23,7 +23,8 @@
 // - TPSERVE_PREFILL_KERNEL=wgmma-fa3 (PrefillWgmmaFa3Kernel, bf16 caches): FlashAttention-3's
 //   structure, a producer warpgroup (TMA pages, block sizes that are multiples of 8 dividing 128)
 //   that gives its registers to two consumer warpgroups (setmaxnreg), which compute 128-key tiles
-//   from a 3-stage ring; wgmma-fa3pp: the same with the consumers' MMAs in ping-pong turns.
+//   from a 3-stage ring; wgmma-fa3pp: the same with the consumers' MMAs in ping-pong turns;
+//   wgmma-fa3p: wgmma-fa3 on a persistent grid (below).
 // - A quantized cache with one scale per key and head (fp8, int8): the codes and scales are
 //   staged with cp.async and decoded into the bf16 tiles (exact), the K scale multiplies each
 //   score and the V scale each softmax weight before its rounding, as in the mma.sync kernel.
@@ -31,6 +32,8 @@
 // Same inputs, masking and roundings as the mma.sync kernel (scores in fp32, P rounded once to
 // bf16), except that the sums run in another order and exp2's argument is one FFMA: results agree
 // with it to fp32 rounding, not bit for bit.
+#include <algorithm>
+
 #include "common/check.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/kv_read.cuh"
@@ -131,9 +134,12 @@ struct KvTileProducer {
   // by the warp with cp.async, zeros past ctx (a box would bring a page's stale rows, and 0 x NaN
   // is NaN in P V), so every `full` phase takes 33 arrivals: the warp's 32 cp.async arrivals and
   // lane 0's. Lane j < kKeys / block_size reads the block-table entry of page j of the next tile
-  // while this one is issued.
+  // while this one is issued. g0: the tiles this ring carried before (a persistent block's
+  // earlier work items), which place tile t at ring position g0 + t; drain: wait for the warp's
+  // copies at the end (before the warp exits).
   __device__ __forceinline__ void RunTma(const CUtensorMap* k_map, const CUtensorMap* v_map,
-                                         int num_tiles, int lane) const {
+                                         int num_tiles, int lane, int g0 = 0,
+                                         bool drain = true) const {
     const int pages = kKeys / block_size;  // <= 16
     auto table_entry = [&](int tile) {
       const int key = tile * kKeys + lane * block_size;
@@ -141,10 +147,10 @@ struct KvTileProducer {
     };
     int next = num_tiles > 0 ? table_entry(0) : 0;
     for (int t = 0; t < num_tiles; ++t) {
-      const int s = t % kStages;
+      const int s = (g0 + t) % kStages;
       const int entry = next;
       if (t + 1 < num_tiles) next = table_entry(t + 1);
-      AwaitStage(t);
+      AwaitStage(g0 + t);
       const int key0 = t * kKeys;
       const int whole = min(max((ctx - key0) / block_size, 0), pages);  // pages before ctx
       if (lane == 0) MbarExpectTx(&full[s], whole * 2 * block_size * kD * 2);
@@ -164,7 +170,7 @@ struct KvTileProducer {
       }
       CpAsyncArriveNoinc(&full[s]);
     }
-    asm volatile("cp.async.wait_all;" ::: "memory");  // the consumers wait for the TMA loads
+    if (drain) asm volatile("cp.async.wait_all;" ::: "memory");  // consumers wait for the TMA
   }
 };
 
@@ -215,6 +221,7 @@ struct WgConsumer {
   const float* ksc_s;
   const float* vsc_s;
   int lane, warp, wg_row0, qi0, qi1, prefix, ctx, wg_tiles;
+  int stage0;  // the ring position of tile 0 (a persistent block's earlier items; 0 from Init)
   float scale_log2;
   float
       s[kKeys / 2];  // S: s[4 n + e] is row 16 warp + lane / 4 + 8 (e / 2), key 8 n + 2 (lane % 4)
@@ -237,6 +244,7 @@ struct WgConsumer {
     const int wg_q_last = min(wg_row0 + 63, it.qlen - 1);
     wg_tiles = wg_q_last < wg_row0 ? 0 : min((prefix + wg_q_last) / kKeys + 1, it.num_tiles);
     q_wg = q_s + wg * 64 * 128;
+    stage0 = 0;
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
     m_row[0] = m_row[1] = -INFINITY;
@@ -246,7 +254,7 @@ struct WgConsumer {
   // S = Q K^T of tile t, issued and committed. The first step overwrites S (scale-d 0) instead
   // of adding to zeros, which saves the kKeys / 2 moves a thread that zeroed it.
   __device__ __forceinline__ void IssueS(int t) {
-    const uint8_t* kt = k_s + (t % kStages) * kTileBytes;
+    const uint8_t* kt = k_s + ((stage0 + t) % kStages) * kTileBytes;
 #pragma unroll
     for (int i = 0; i < kKeys / 2; ++i) FenceReg(s[i]);
     WgmmaFence();
@@ -260,7 +268,7 @@ struct WgConsumer {
   }
   // O += P V(t), issued and committed.
   __device__ __forceinline__ void IssuePv(int t) {
-    const uint8_t* vt = v_s + (t % kStages) * kTileBytes;
+    const uint8_t* vt = v_s + ((stage0 + t) % kStages) * kTileBytes;
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) FenceReg(o[i]);
     WgmmaFence();
@@ -756,6 +764,16 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
 // warpgroup's softmax runs while the other's MMAs have the tensor cores. Warpgroup 1 arrives on
 // barrier 1 once at the start (warpgroup 0 goes first) and not after its last turn, so both
 // barriers end with every phase complete.
+// kPersistent (wgmma-fa3p, without ping-pong): one block an SM loops over (work item, head)
+// pairs of PrefillGrid's heads-first order, one a round in snake order (index_of). At 2048 tokens
+// about a quarter of wgmma-fa3's warp time is once-a-block work (ncu, H200, 2026-12-06: the
+// consumers waiting for an empty ring, the producer's register release, the last P V and the
+// store) that no other block's MMAs overlap. Here the registers are reallocated once, warp 0's
+// ring runs on across items (tile t of an item with g earlier tiles is ring position g + t, for
+// the stages and for the `full` / `empty` phases), so the next item's first tiles load while the
+// consumers finish and store this one, and warps 1-3 stay to copy each item's Q once the
+// consumers arrive on `q_empty` (after their last wgmma of the previous item); `q_full`'s phase
+// is the item's parity.
 constexpr int kFa3ProducerRegs = 56;
 constexpr int kFa3ConsumerRegs = 224;
 static_assert(kWarpgroup * kFa3ProducerRegs + 2 * kWarpgroup * kFa3ConsumerRegs <= 65536,
@@ -775,7 +793,7 @@ constexpr int Fa3SmemBytes() {
 template <int kD, int kWgs>
 inline constexpr int kFa3Stages = Fa3SmemBytes<kD, kWgs, 3>() <= 226 * 1024 ? 3 : 2;
 
-template <int kD, int kWgs, bool kPingPong>
+template <int kD, int kWgs, bool kPingPong, bool kPersistent>
 __global__ void __launch_bounds__((kWgs + 1) * kWarpgroup, 1)
     PrefillWgmmaFa3Kernel(const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map,
@@ -786,15 +804,18 @@ __global__ void __launch_bounds__((kWgs + 1) * kWarpgroup, 1)
                           const int32_t* __restrict__ context_lens,
                           const int32_t* __restrict__ block_tables, int max_blocks_per_seq,
                           int block_size, int block_shift, int num_heads, int num_kv_heads,
-                          float scale_log2, __nv_bfloat16* __restrict__ out) {
+                          int num_items, float scale_log2, __nv_bfloat16* __restrict__ out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kConsumers = kWgs * kWarpgroup;
   constexpr int kBM = kWgs * 64;
   constexpr int kStages = kFa3Stages<kD, kWgs>;
   constexpr int kTileBytes = kBN * kD * 2;
   constexpr bool kRealloc = kWgs == 2;
+  // The persistent block's Q copiers: the producer warpgroup's warps 1-3 (warp 0 feeds the ring).
+  constexpr int kQCopiers = kPersistent ? kWarpgroup - 32 : kWarpgroup;
   static_assert(kD == 64 || kD == 128, "head_dim 64 or 128");
   static_assert(kWgs == 1 || kWgs == 2, "one or two consumer warpgroups");
+  static_assert(!(kPingPong && kPersistent), "the persistent grid runs without ping-pong");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                              ~static_cast<uintptr_t>(1023));
@@ -804,21 +825,51 @@ __global__ void __launch_bounds__((kWgs + 1) * kWarpgroup, 1)
   __shared__ __align__(8) uint64_t full[kStages];
   __shared__ __align__(8) uint64_t empty[kStages];
   __shared__ __align__(8) uint64_t q_full;
+  __shared__ __align__(8) uint64_t q_empty;  // kPersistent: the consumers are done with Q
 
-  const PrefillBlock blk = PrefillBlockOf();
-  const PrefillItem it = ReadItem<kBM, kBN>(work, blk.item, query_start, context_lens);
-  const int num_tiles = it.num_tiles, ctx = it.ctx;
-  const int head = blk.head;
+  // The block's work: its grid position's item and head (PrefillGrid), or, persistent, one
+  // (item, head) pair i of the heads-first order (item i / num_heads, head i % num_heads) in each
+  // round r of gridDim.x pairs, in snake order (block b takes pair b of an even round, pair
+  // gridDim.x - 1 - b of an odd one): over SetBatch's heaviest-first list that balances the
+  // blocks as the hardware's dispatch of a grid would (a list-scheduling model of a 2048-token
+  // prefill: 34 tile-times a block, ideal 33, where a plain stride gives 40). Index: the pair of
+  // round r, -2 when this round has none for the block (the last), -1 past the end.
+  auto index_of = [&](int r) {
+    if constexpr (!kPersistent) {
+      return r == 0 ? 0 : -1;
+    } else {
+      const int rows = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
+      const int base = r * rows;
+      if (base >= num_items) return -1;
+      const int i = base + ((r & 1) ? rows - 1 - b : b);
+      return i < num_items ? i : -2;
+    }
+  };
+  // f(item, head) for each of the block's work items, in order.
+  auto for_each_item = [&](auto&& f) {
+    for (int r = 0;; ++r) {
+      const int i = index_of(r);
+      if (i == -1) break;
+      if (i < 0) continue;
+      if constexpr (kPersistent) {
+        f(ReadItem<kBM, kBN>(work, i / num_heads, query_start, context_lens), i % num_heads);
+      } else {
+        const PrefillBlock blk = PrefillBlockOf();
+        f(ReadItem<kBM, kBN>(work, blk.item, query_start, context_lens), blk.head);
+      }
+    }
+  };
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       MbarInit(&full[s], 33);  // the producer warp's 32 cp.async arrivals and lane 0's expect_tx
       MbarInit(&empty[s], kConsumers);
     }
-    MbarInit(&q_full, kWarpgroup);
+    MbarInit(&q_full, kQCopiers);
+    if constexpr (kPersistent) MbarInit(&q_empty, kConsumers);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();  // the last block-wide barrier: the producer's warps 1-3 exit below
+  __syncthreads();  // the last block-wide barrier: the producer's warps exit below
 
   if (tid >= kConsumers) {
     if constexpr (kRealloc) WarpgroupRegDealloc<kFa3ProducerRegs>();
@@ -827,19 +878,32 @@ __global__ void __launch_bounds__((kWgs + 1) * kWarpgroup, 1)
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&k_map)) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&v_map)) : "memory");
     }
-    CopyQ<kD, kBM, kWarpgroup>(q, it, head, num_heads, q_s, ptid);
-    CpAsyncArriveNoinc(&q_full);
-    if (ptid >= 32) {  // warps 1-3: Q only
-      asm volatile("cp.async.wait_all;" ::: "memory");
-      return;
+    if (!kPersistent || ptid >= 32) {
+      // Q: the whole warpgroup once (then warps 1-3 exit), or, persistent, warps 1-3 for each
+      // item once the consumers are done with the previous one's.
+      int j = 0;
+      for_each_item([&](const PrefillItem& it, int head) {
+        if (j++ > 0) MbarWait(&q_empty, (j - 2) & 1);
+        CopyQ<kD, kBM, kQCopiers>(q, it, head, num_heads, q_s, kPersistent ? ptid - 32 : ptid);
+        CpAsyncArriveNoinc(&q_full);
+      });
+      if (ptid >= 32) {
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        return;
+      }
     }
     // Warp 0: the TMA feed over kBN-key tiles (page sizes that are multiples of 8 dividing kBN:
-    // up to 16 pages a tile).
-    const KvTileProducer<kD, kBN, kStages> producer(
-        k_cache, v_cache, block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq, ctx,
-        block_size, block_shift, num_kv_heads, head / (num_heads / num_kv_heads), k_s, v_s, full,
-        empty);
-    producer.RunTma(&k_map, &v_map, num_tiles, ptid);
+    // up to 16 pages a tile), every item's tiles through the one ring.
+    int g = 0;  // tiles fed before this item
+    for_each_item([&](const PrefillItem& it, int head) {
+      const KvTileProducer<kD, kBN, kStages> producer(
+          k_cache, v_cache, block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq,
+          it.ctx, block_size, block_shift, num_kv_heads, head / (num_heads / num_kv_heads), k_s,
+          v_s, full, empty);
+      producer.RunTma(&k_map, &v_map, it.num_tiles, ptid, g, /*drain=*/false);
+      g += it.num_tiles;
+    });
+    asm volatile("cp.async.wait_all;" ::: "memory");  // the consumers wait for the TMA loads
     return;
   }
 
@@ -851,33 +915,42 @@ __global__ void __launch_bounds__((kWgs + 1) * kWarpgroup, 1)
   c.ksc_s = nullptr;
   c.vsc_s = nullptr;
   c.scale_log2 = scale_log2;
-  c.Init(it, wg, q_s);
-  // The consumers' waits end in a fault, not a trap, past their deadline (MbarWaitNoTrap says
-  // why); a producer stuck on an `empty` barrier still traps.
-  MbarWaitNoTrap(&q_full, 0);
-  FenceProxyAsync();
-  // Every tile is waited for, also one the warpgroup skips (the wgmma-ws kernel says why).
-  auto acquire = [&](int t) {
-    MbarWaitNoTrap(&full[t % kStages], (t / kStages) & 1);
-    FenceProxyAsync();  // the tail rows came by cp.async, through the generic proxy
-  };
-  auto release = [&](int t) { MbarArrive(&empty[t % kStages]); };
-  if constexpr (kPingPong && kWgs == 2) {
-    // Named barriers 1 (warpgroup 0's turns) and 2 (warpgroup 1's). Both warpgroups take
-    // num_tiles + 1 turns (Run issues none when num_tiles is 0, and neither arrives then).
-    const int turns = num_tiles > 0 ? num_tiles + 1 : 0;
-    int turn = 0;
-    if (wg == 1 && turns > 0) NamedBarrierArrive(1, 2 * kWarpgroup);  // warpgroup 0 goes first
-    c.template Run<true>(
-        num_tiles, acquire, release, [&] { NamedBarrierSync(1 + wg, 2 * kWarpgroup); },
-        [&] {
-          ++turn;
-          if (wg == 0 || turn < turns) NamedBarrierArrive(2 - wg, 2 * kWarpgroup);
-        });
-  } else {
-    c.template Run<true>(num_tiles, acquire, release);
-  }
-  c.Store(it, head, num_heads, out);
+  int g = 0, j = 0;  // tiles consumed before this item, items before it
+  for_each_item([&](const PrefillItem& it, int head) {
+    const int num_tiles = it.num_tiles;
+    c.Init(it, wg, q_s);
+    c.stage0 = g % kStages;
+    // The consumers' waits end in a fault, not a trap, past their deadline (MbarWaitNoTrap says
+    // why); a producer stuck on an `empty` barrier still traps.
+    MbarWaitNoTrap(&q_full, j & 1);
+    FenceProxyAsync();
+    // Every tile is waited for, also one the warpgroup skips (the wgmma-ws kernel says why).
+    auto acquire = [&](int t) {
+      MbarWaitNoTrap(&full[(g + t) % kStages], ((g + t) / kStages) & 1);
+      FenceProxyAsync();  // the tail rows came by cp.async, through the generic proxy
+    };
+    auto release = [&](int t) { MbarArrive(&empty[(g + t) % kStages]); };
+    if constexpr (kPingPong && kWgs == 2) {
+      // Named barriers 1 (warpgroup 0's turns) and 2 (warpgroup 1's). Both warpgroups take
+      // num_tiles + 1 turns (Run issues none when num_tiles is 0, and neither arrives then).
+      const int turns = num_tiles > 0 ? num_tiles + 1 : 0;
+      int turn = 0;
+      if (wg == 1 && turns > 0) NamedBarrierArrive(1, 2 * kWarpgroup);  // warpgroup 0 goes first
+      c.template Run<true>(
+          num_tiles, acquire, release, [&] { NamedBarrierSync(1 + wg, 2 * kWarpgroup); },
+          [&] {
+            ++turn;
+            if (wg == 0 || turn < turns) NamedBarrierArrive(2 - wg, 2 * kWarpgroup);
+          });
+    } else {
+      c.template Run<true>(num_tiles, acquire, release);
+    }
+    // Run waited for every wgmma of the item: Q may be overwritten while this one is stored.
+    if constexpr (kPersistent) MbarArrive(&q_empty);
+    c.Store(it, head, num_heads, out);
+    g += num_tiles;
+    ++j;
+  });
 #else
   __trap();  // built for sm_90a only (WgmmaPrefillFits checks the device)
 #endif
@@ -910,13 +983,13 @@ bool TmaPages(int block_size) { return block_size % 8 == 0 && kWsKeys % block_si
 // Whether the FA3 kernel's producer reads pages of this size (a multiple of 8 rows dividing kBN).
 bool Fa3Pages(int block_size) { return block_size % 8 == 0 && kBN % block_size == 0; }
 
-template <int kD, int kWgs, bool kPingPong>
+template <int kD, int kWgs, bool kPingPong, bool kPersistent>
 void LaunchFa3Typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                     int num_kv_heads, float scale, const DeviceBatch& b, Tensor out,
                     cudaStream_t stream) {
   constexpr int kSmem = Fa3SmemBytes<kD, kWgs, kFa3Stages<kD, kWgs>>();
   static_assert(kSmem <= 227 * 1024 - 64, "shared memory of an sm_90 block");
-  auto kernel = PrefillWgmmaFa3Kernel<kD, kWgs, kPingPong>;
+  auto kernel = PrefillWgmmaFa3Kernel<kD, kWgs, kPingPong, kPersistent>;
   static bool configured = [&] {
     TP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     if constexpr (kWgs == 2) {
@@ -932,34 +1005,44 @@ void LaunchFa3Typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cach
   (void)configured;
   const CUtensorMap k_map = KvPageMap(k_cache, b.block_size, num_kv_heads, kD);
   const CUtensorMap v_map = KvPageMap(v_cache, b.block_size, num_kv_heads, kD);
-  kernel<<<PrefillGrid(b, num_heads), (kWgs + 1) * kWarpgroup, kSmem, stream>>>(
+  // Persistent: one block an SM (one fits: __launch_bounds__(..., 1) and the shared memory),
+  // fewer when there are fewer work items x heads.
+  const int num_items = b.num_prefill_work * num_heads;
+  dim3 grid = PrefillGrid(b, num_heads);
+  if constexpr (kPersistent) {
+    int device = 0, sms = 0;
+    TP_CUDA_CHECK(cudaGetDevice(&device));
+    TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    grid = dim3(std::min(num_items, sms));
+  }
+  kernel<<<grid, (kWgs + 1) * kWarpgroup, kSmem, stream>>>(
       k_map, v_map, q.ptr<const __nv_bfloat16>(), k_cache.ptr<const __nv_bfloat16>(),
       v_cache.ptr<const __nv_bfloat16>(), b.prefill_work, b.query_start, b.context_lens,
       b.block_tables, b.max_blocks_per_seq, b.block_size, KvBlockShift(b.block_size), num_heads,
-      num_kv_heads, scale * kLog2e, out.ptr<__nv_bfloat16>());
+      num_kv_heads, num_items, scale * kLog2e, out.ptr<__nv_bfloat16>());
   TP_CUDA_CHECK_LAUNCH();
 }
 
 // SetBatch cut the work list into tiles of PrefillTileM() rows: one consumer warpgroup per 64.
-template <bool kPingPong>
+template <bool kPingPong, bool kPersistent>
 void LaunchFa3For(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                   int num_kv_heads, int head_dim, float scale, const DeviceBatch& b, Tensor out,
                   cudaStream_t stream) {
   const bool tile64 = PrefillTileM() == 64;
   if (head_dim == 64) {
     if (tile64) {
-      LaunchFa3Typed<64, 1, kPingPong>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
-                                       stream);
+      LaunchFa3Typed<64, 1, kPingPong, kPersistent>(q, k_cache, v_cache, num_heads, num_kv_heads,
+                                                    scale, b, out, stream);
     } else {
-      LaunchFa3Typed<64, 2, kPingPong>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
-                                       stream);
+      LaunchFa3Typed<64, 2, kPingPong, kPersistent>(q, k_cache, v_cache, num_heads, num_kv_heads,
+                                                    scale, b, out, stream);
     }
   } else if (tile64) {
-    LaunchFa3Typed<128, 1, kPingPong>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
-                                      stream);
+    LaunchFa3Typed<128, 1, kPingPong, kPersistent>(q, k_cache, v_cache, num_heads, num_kv_heads,
+                                                   scale, b, out, stream);
   } else {
-    LaunchFa3Typed<128, 2, kPingPong>(q, k_cache, v_cache, num_heads, num_kv_heads, scale, b, out,
-                                      stream);
+    LaunchFa3Typed<128, 2, kPingPong, kPersistent>(q, k_cache, v_cache, num_heads, num_kv_heads,
+                                                   scale, b, out, stream);
   }
 }
 
@@ -1047,14 +1130,18 @@ void LaunchAttentionPrefillWgmma(const Tensor& q, const Tensor& k_cache, const T
       << head_dim << " (needs bf16, fp8 or int8 at head_dim 64 or 128 on an sm_90 device)";
   switch (k_cache.dtype) {
     case DType::kBF16:
-      if ((kernel == PrefillKernel::kWgmmaFa3 || kernel == PrefillKernel::kWgmmaFa3Pp) &&
+      if ((kernel == PrefillKernel::kWgmmaFa3 || kernel == PrefillKernel::kWgmmaFa3Pp ||
+           kernel == PrefillKernel::kWgmmaFa3P) &&
           Fa3Pages(b.block_size)) {
         if (kernel == PrefillKernel::kWgmmaFa3Pp) {
-          LaunchFa3For<true>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b, out,
-                             stream);
+          LaunchFa3For<true, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
+                                    b, out, stream);
+        } else if (kernel == PrefillKernel::kWgmmaFa3P) {
+          LaunchFa3For<false, true>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
+                                    b, out, stream);
         } else {
-          LaunchFa3For<false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b, out,
-                              stream);
+          LaunchFa3For<false, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
+                                     b, out, stream);
         }
       } else if (kernel == PrefillKernel::kWgmmaTma && TmaPages(b.block_size)) {
         LaunchFor<KvBf16, true, true, true>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
@@ -1065,7 +1152,7 @@ void LaunchAttentionPrefillWgmma(const Tensor& q, const Tensor& k_cache, const T
       } else if (kernel == PrefillKernel::kWgmmaPipe) {
         LaunchFor<KvBf16, true, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                                        scale, b, out, stream);
-      } else {  // wgmma, and wgmma-fa3 / -fa3pp at block sizes Fa3Pages does not take
+      } else {  // wgmma, and wgmma-fa3 / -fa3pp / -fa3p at block sizes Fa3Pages does not take
         LaunchFor<KvBf16, false, false>(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
                                         scale, b, out, stream);
       }

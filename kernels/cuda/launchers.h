@@ -27,10 +27,21 @@ inline constexpr int kPrefillTileMinM = 64;
 // registers to two consumer warpgroups (setmaxnreg) so that they compute 128-key tiles (bf16,
 // block sizes that are multiples of 8 dividing 128; other block sizes and 8-bit caches run
 // kWgmma); kWgmmaFa3Pp: kWgmmaFa3 with FlashAttention-3's ping-pong of the two consumer
-// warpgroups' MMAs (named barriers). Starts from TPSERVE_PREFILL_KERNEL
+// warpgroups' MMAs (named barriers); kWgmmaFa3P: kWgmmaFa3 on a persistent grid (a block an SM
+// looping over the work items, the K/V ring and Q's loads running on across items, so that a
+// block's prologue overlaps the previous item's end). Starts from TPSERVE_PREFILL_KERNEL
 // (default wgmma: 1.51x the mma kernel on an H100); SetPrefillKernel (benchmarks and tests) sets
 // it for every later launch of this process.
-enum class PrefillKernel { kMma, kWgmma, kWgmmaPipe, kWgmmaWs, kWgmmaTma, kWgmmaFa3, kWgmmaFa3Pp };
+enum class PrefillKernel {
+  kMma,
+  kWgmma,
+  kWgmmaPipe,
+  kWgmmaWs,
+  kWgmmaTma,
+  kWgmmaFa3,
+  kWgmmaFa3Pp,
+  kWgmmaFa3P
+};
 // Every prefill kernel with its TPSERVE_PREFILL_KERNEL name.
 struct PrefillKernelName {
   PrefillKernel kernel;
@@ -43,7 +54,9 @@ inline constexpr PrefillKernelName kPrefillKernels[] = {
     {PrefillKernel::kWgmmaWs, "wgmma-ws"},
     {PrefillKernel::kWgmmaTma, "wgmma-tma"},
     {PrefillKernel::kWgmmaFa3, "wgmma-fa3"},
-    {PrefillKernel::kWgmmaFa3Pp, "wgmma-fa3pp"}};
+    {PrefillKernel::kWgmmaFa3Pp, "wgmma-fa3pp"},
+    {PrefillKernel::kWgmmaFa3P, "wgmma-fa3p"},
+};
 void SetPrefillKernel(PrefillKernel kernel);
 PrefillKernel PrefillKernelChoice();
 // The prefill kernels' grid: (heads, work items), so that a work item's heads are neighbours in

@@ -932,7 +932,7 @@ int Main(const std::string& mode, const std::string& table_out) {
   auto batch = [&](int seqs, int qlen, int ctx) { return PagedBatch(seqs, qlen, ctx, bs); };
   // Prefill attention: the mma.sync kernel (the unsuffixed rows) and the wgmma kernels, over a
   // bf16 and an fp8 cache (one cache and q per dtype, for every kernel's row).
-  // 8192 tokens (bf16, the mma and wgmma kernels): four times the key tiles a block, so a
+  // 8192 tokens (bf16, the mma, wgmma and fa3 kernels): four times the key tiles a block, so a
   // fixed cost per block (its Q and first tiles' loads, its store, the tail of the grid) weighs a
   // quarter as much as at 2048.
   const cuda::PrefillKernel env_prefill = cuda::PrefillKernelChoice();
@@ -953,7 +953,7 @@ int Main(const std::string& mode, const std::string& table_out) {
       }
       if (T != 2048 && kernel != cuda::PrefillKernel::kMma &&
           kernel != cuda::PrefillKernel::kWgmma && kernel != cuda::PrefillKernel::kWgmmaFa3 &&
-          kernel != cuda::PrefillKernel::kWgmmaFa3Pp) {
+          kernel != cuda::PrefillKernel::kWgmmaFa3Pp && kernel != cuda::PrefillKernel::kWgmmaFa3P) {
         continue;
       }
       rows.emplace_back(kernel, label);

@@ -1440,6 +1440,53 @@ TEST_F(CudaAttentionTest, PrefillWgmmaKernel) {
   }
 }
 
+// The persistent FA3 kernel (wgmma-fa3p) computes each (query tile, head) as wgmma-fa3 does, so
+// its output has the same bits; PrefillWgmmaKernel's cases give it fewer work items than SMs,
+// these give it several a block (832 and 192 (query tile, head) items over at most 132 blocks):
+// every block's K/V ring and Q buffer run on across items of different sizes (a 16-tile prompt
+// tile, a chunk over a cached prefix, a decode row, a prompt of one partial tile), at head_dim 128
+// and 64.
+TEST_F(CudaAttentionTest, PrefillPersistentFa3MatchesFa3BitForBit) {
+  if (!cuda::WgmmaPrefillFits(DType::kBF16, 128)) GTEST_SKIP() << "needs an sm_90 device";
+  ScopedPrefillKernel restore(cuda::PrefillKernelChoice());
+  const std::vector<AttnCase> cases = {
+      {{{2048, 2048}, {700, 1500}, {1, 300}, {333, 333}}, 32, 8, 128, 16},
+      {{{1000, 1000}, {300, 900}, {77, 77}}, 16, 16, 64, 64},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE("case " + std::to_string(i));
+    const AttnCase& c = cases[i];
+    int total_blocks = 3;
+    for (auto [q, ctx] : c.seqs) total_blocks += (ctx + c.bs - 1) / c.bs;
+    BatchMeta m = MakeBatch(c.seqs, c.bs, total_blocks, rng_);
+    const int T = m.num_tokens, qw = c.hq * c.d, kvw = c.hk * c.d;
+    Tensor gk = Gpu(RandomBf16(rng_, size_t{1} * total_blocks * c.bs * kvw),
+                    {total_blocks, c.bs, c.hk, c.d});
+    Tensor gv = Gpu(RandomBf16(rng_, size_t{1} * total_blocks * c.bs * kvw),
+                    {total_blocks, c.bs, c.hk, c.d});
+    Tensor gq = Gpu(RandomBf16(rng_, size_t{1} * T * qw), {T, qw});
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+    SetBatch(m);
+    std::vector<float> outs[2];
+    for (int p = 0; p < 2; ++p) {
+      cuda::SetPrefillKernel(p == 0 ? cuda::PrefillKernel::kWgmmaFa3
+                                    : cuda::PrefillKernel::kWgmmaFa3P);
+      Tensor out = GpuOut({T, qw});
+      ops_->AttentionPrefill(gq, gk, gv, c.hq, c.hk, c.d, scale, out);
+      outs[p] = Host(out);
+    }
+    ASSERT_EQ(outs[0].size(), outs[1].size());
+    size_t differ = 0, nonzero = 0;
+    for (size_t j = 0; j < outs[0].size(); ++j) {
+      differ += std::memcmp(&outs[0][j], &outs[1][j], sizeof(float)) != 0;
+      nonzero += outs[0][j] != 0.0f;
+    }
+    EXPECT_EQ(differ, 0u) << "of " << outs[0].size() << " outputs";
+    EXPECT_GT(nonzero, outs[0].size() / 2) << "the outputs were computed";
+    bufs_.clear();
+  }
+}
+
 // Quantized caches through the kernels the batch picks: the sub-tile kernel (one and several
 // 64-key partitions merged in-kernel), from 128 sequence-head pairs the mma kernel (head_dim 64
 // and 128) or the two-phase kernel (head_dim 32; 16 elements a lane at G <= 2), with 512-key
