@@ -257,11 +257,19 @@ if has presets; then
     IFS=':' read -r label flags config_presets config_env <<<"$c"
     config_presets=${config_presets:-${PRESETS:-latency batch64 chat}}
     log "serve $label (${flags:-no extra flags}${config_env:+, env $config_env}): presets $config_presets"
+    share=${PRESETS_SHARE_SERVER:-0}
+    # stop_server NAME: the server's `tpserve info` into info_NAME.txt, then SIGTERM and wait.
+    stop_server() {
+      "$stage/bin/tpserve" info --server 127.0.0.1:50078 >"$out/info_$1.txt" 2>&1
+      kill -TERM $spid
+      wait $spid
+      spid=
+    }
     spid=
     for preset in $config_presets; do
       if [ -z "$spid" ]; then
         name=$label
-        [ "${PRESETS_SHARE_SERVER:-0}" != 1 ] && name=${label}_$preset
+        [ "$share" != 1 ] && name=${label}_$preset
         # shellcheck disable=SC2086  # flags and config_env are word lists
         SERVER_ENV="$config_env" start_server "$name" 50078 $flags
       fi
@@ -282,15 +290,9 @@ keep.update({k: v for k, v in j.items()
              if k.startswith("prefix") or k.startswith("engine") or k == "server_steps"})
 print(json.dumps({"label": sys.argv[2], "preset": sys.argv[3], **keep}))
 PY
-      "$stage/bin/tpserve" info --server 127.0.0.1:50078 >"$out/info_$label.txt" 2>&1
-      if [ "${PRESETS_SHARE_SERVER:-0}" != 1 ]; then
-        kill -TERM $spid; wait $spid
-        spid=
-      fi
+      [ "$share" != 1 ] && stop_server "$name"
     done
-    if [ -n "$spid" ]; then
-      kill -TERM $spid; wait $spid
-    fi
+    [ -n "$spid" ] && stop_server "$name"
   done
 fi
 if has detserve; then
