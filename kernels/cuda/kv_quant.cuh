@@ -128,8 +128,16 @@ __device__ __forceinline__ void RotateHalfWarp(float (&f)[kEpl], int lane,
   for (int e = 0; e < kEpl; ++e) {
     const float c = cos_s[i0 + e], s = sin_s[i0 + e];
     // (a, b) = elements (i, i + D/2): lanes 0-15 hold a and store a * c - b * s, lanes 16-31
-    // hold b and store b * c + a * s.
-    f[e] = lane < 16 ? f[e] * c - partner[e] * s : f[e] * c + partner[e] * s;
+    // hold b and store b * c + a * s, rounded as RopeRotate (no contraction into FMAs), so that
+    // every RoPE kernel (and the host's fp32 rotation) gives the same bits.
+    float ra, rb;
+    if (lane < 16) {
+      RopeRotate(f[e], partner[e], c, s, ra, rb);
+      f[e] = ra;
+    } else {
+      RopeRotate(partner[e], f[e], c, s, ra, rb);
+      f[e] = rb;
+    }
   }
 }
 

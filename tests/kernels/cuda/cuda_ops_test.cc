@@ -1117,6 +1117,68 @@ TEST_F(CudaOpsTest, RopeKvWriteQuantizedMatchesHostRotation) {
       }
 }
 
+// A token's codes, scales and rotated q do not depend on the batch's size: the same 300 tokens
+// written in one batch (kAllHeadsMinTokens or more: RopeKvWriteQuantWideKernel for fp8 and int8)
+// and in batches of 150 and 149 + 1 (the warp-a-head kernel) give the same bytes, so a prompt
+// computed in one chunk or several continues identically (deterministic mode relies on it).
+TEST_F(CudaOpsTest, RopeKvWriteQuantizedSameBytesOnEveryPath) {
+  struct Case {
+    int hq, hk, d;
+  };
+  for (DType t : kQuantKvTypes)
+    for (Case c : {Case{8, 2, 128}, Case{4, 4, 64}, Case{6, 2, 32}}) {
+      SCOPED_TRACE(testing::Message()
+                   << DTypeName(t) << " heads " << c.hq << "/" << c.hk << " d " << c.d);
+      const int bs = 16, blocks = 24, T = 300;
+      const BatchMeta whole = MakeBatch({{T, T}}, bs, blocks, rng_);
+      const int width = (c.hq + 2 * c.hk) * c.d;
+      RopeConfig rc;
+      rc.theta = 100000.0;
+      const auto inv = RopeInvFreq(rc, c.d);
+      auto qkv = RandomBf16(rng_, size_t{1} * T * width);
+      ScaleRuns(&qkv, c.d, rng_);
+      std::vector<uint8_t> codes0;
+      std::vector<float> scales0;
+      Tensor caches[2][2];  // [path][k, v]
+      std::vector<float> q_out[2];
+      for (int path = 0; path < 2; ++path) {
+        rng_.seed(7);  // the same starting bytes in both pools
+        for (int kv = 0; kv < 2; ++kv) {
+          caches[path][kv] = GpuQuantCache(t, blocks, bs, c.hk, c.d, &codes0, &scales0);
+        }
+        Tensor q = GpuOut({T, c.hq * c.d});
+        // Path 0: one batch; path 1: tokens [0, 150), [150, 299), [299, 300) of the same sequence.
+        std::vector<std::pair<int, int>> cuts =
+            path == 0 ? std::vector<std::pair<int, int>>{{0, T}}
+                      : std::vector<std::pair<int, int>>{{0, 150}, {150, 299}, {299, 300}};
+        for (auto [lo, hi] : cuts) {
+          BatchMeta m = whole;
+          m.num_tokens = hi - lo;
+          m.query_start = {0, hi - lo};
+          m.context_lens = {hi};
+          m.logits_rows = {hi - lo - 1};
+          m.positions.assign(whole.positions.begin() + lo, whole.positions.begin() + hi);
+          m.slot_mapping.assign(whole.slot_mapping.begin() + lo, whole.slot_mapping.begin() + hi);
+          m.token_ids.assign(whole.token_ids.begin() + lo, whole.token_ids.begin() + hi);
+          SetBatch(m);
+          std::vector<float> part(qkv.begin() + size_t{1} * lo * width,
+                                  qkv.begin() + size_t{1} * hi * width);
+          Tensor q_part(static_cast<uint16_t*>(q.data) + size_t{1} * lo * c.hq * c.d,
+                        {hi - lo, c.hq * c.d}, DType::kBF16, Device::kCuda);
+          ops_->RopeKvWrite(Gpu(part, {hi - lo, width}), GpuF32(inv, {c.d / 2}), c.hq, c.hk, c.d,
+                            q_part, caches[path][0], caches[path][1]);
+        }
+        q_out[path] = Host(q);
+      }
+      EXPECT_TRUE(SameFloatBits(q_out[0], q_out[1])) << "q";
+      for (int kv = 0; kv < 2; ++kv) {
+        EXPECT_TRUE(SameBytes(HostCodes(caches[0][kv]), HostCodes(caches[1][kv]))) << kv;
+        EXPECT_TRUE(SameFloatBits(HostScales(caches[0][kv]), HostScales(caches[1][kv]))) << kv;
+      }
+      bufs_.clear();
+    }
+}
+
 // Relative L2 error of a quantized cache's rows read back against the values quantized:
 // uniform rounding error over a step is step / sqrt(12) rms. int8: step = absmax / 127, a
 // Gaussian head's absmax ~3 sigma: ~0.007; fp8 e4m3 (3 mantissa bits): ~0.03; int4:
