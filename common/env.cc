@@ -124,6 +124,18 @@ const EnvVar kPrefillKernel = {"TPSERVE_PREFILL_KERNEL",
                                0,
                                "mma|wgmma|wgmma-pipe|wgmma-ws|wgmma-tma|wgmma-fa3|wgmma-fa3pp|"
                                "wgmma-fa3p"};
+const EnvVar kPrefillDequant = {
+    "TPSERVE_PREFILL_DEQUANT",
+    EnvType::kChoice,
+    "auto",
+    "prefill attention over fp8/int8 KV caches (sm_90): auto dequantizes the cache pages of "
+    "the sequences with enough query rows per key (at least 256 query-key pairs a key) into a "
+    "bf16 scratch once a layer and runs the bf16 kernel (TPSERVE_PREFILL_KERNEL) on them; 0 "
+    "decodes the codes inside the prefill kernel for every sequence; all takes every sequence "
+    "that fits the scratch (tests, A/B runs)",
+    0,
+    0,
+    "auto|0|all"};
 const EnvVar kDecodeKernel = {
     "TPSERVE_DECODE_KERNEL",
     EnvType::kChoice,
@@ -388,6 +400,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kLaunchAhead,
       &env::kPrefillTile,
       &env::kPrefillKernel,
+      &env::kPrefillDequant,
       &env::kDecodeKernel,
       &env::kDecodePartition,
       &env::kDecodeOrder,

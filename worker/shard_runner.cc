@@ -81,6 +81,14 @@ absl::StatusOr<std::unique_ptr<ShardRunner>> ShardRunner::Create(
       reserve = CudaGraphRunner::ReserveFor(config, model.shard(), options.model,
                                             options.block_size, table_blocks);
       cuda->Reserve(reserve);
+      if (options.kv_cache_dtype.has_value()) {
+        // Prefill over an fp8 / int8 cache: a bf16 scratch for a full batch of prompt tokens
+        // (and the partial last pages of 64 sequences); other dtypes and devices: none.
+        const int64_t pages =
+            (int64_t{reserve.max_tokens} + options.block_size - 1) / options.block_size + 64;
+        cuda->ReservePrefillScratch(*options.kv_cache_dtype, pages, options.block_size,
+                                    model.shard().num_kv_heads, reserve.head_dim);
+      }
     };
   }
 #endif

@@ -42,7 +42,120 @@ std::atomic<int>& PrefillKernelOverride() {
   }()};
   return kernel;
 }
+
+std::atomic<int>& PrefillDequantOverride() {
+  static std::atomic<int> mode{[] {
+    const std::string m = EnvString(env::kPrefillDequant);
+    return static_cast<int>(m == "0"     ? PrefillDequant::kOff
+                            : m == "all" ? PrefillDequant::kAll
+                                         : PrefillDequant::kAuto);
+  }()};
+  return mode;
+}
+
+// Scratch page blockIdx.x, elements [blockIdx.y, blockIdx.y + 1) * kDequantElems of it: a
+// thread decodes 8 codes (one 8-byte load) kDequantItems times, all loads first.
+constexpr int kDequantThreads = 256;
+constexpr int kDequantItems = 4;
+constexpr int kDequantElems = kDequantThreads * 8 * kDequantItems;
+
+template <typename Kv>
+__global__ void __launch_bounds__(kDequantThreads)
+    DequantizeKvPagesKernel(const uint8_t* __restrict__ k_codes,
+                            const uint8_t* __restrict__ v_codes, const float* __restrict__ k_scales,
+                            const float* __restrict__ v_scales, const int2* __restrict__ pages,
+                            int page_elems, int row_elems, int head_dim,
+                            __nv_bfloat16* __restrict__ k_out, __nv_bfloat16* __restrict__ v_out) {
+  static_assert(Kv::kBits == 8, "8-bit caches: one scale a token and head");
+  const int2 page = pages[blockIdx.x];  // (cache page, rows of the context in it)
+  const int64_t src = int64_t{page.x} * page_elems;
+  const int64_t dst = int64_t{blockIdx.x} * page_elems;
+  const int valid = page.y * row_elems;
+  const int first = blockIdx.y * kDequantElems + threadIdx.x * 8;
+  typename Kv::Vec8 kc[kDequantItems], vc[kDequantItems];
+  float ks[kDequantItems], vs[kDequantItems];
+#pragma unroll
+  for (int u = 0; u < kDequantItems; ++u) {
+    const int e = first + u * kDequantThreads * 8;
+    if (e < valid) {
+      kc[u] = Kv::Load8(k_codes + src + e);
+      vc[u] = Kv::Load8(v_codes + src + e);
+      ks[u] = k_scales[(src + e) / head_dim];
+      vs[u] = v_scales[(src + e) / head_dim];
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kDequantItems; ++u) {
+    const int e = first + u * kDequantThreads * 8;
+    if (e >= page_elems) break;
+    float kf[8], vf[8];
+    if (e < valid) {
+      Kv::Decode8(kc[u], kf);
+      Kv::Decode8(vc[u], vf);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        kf[i] *= ks[u];
+        vf[i] *= vs[u];
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) kf[i] = vf[i] = 0.0f;
+    }
+    *reinterpret_cast<Bf16x8*>(k_out + dst + e) = FloatToBf16x8(kf);
+    *reinterpret_cast<Bf16x8*>(v_out + dst + e) = FloatToBf16x8(vf);
+  }
+}
+
 }  // namespace
+
+void SetPrefillDequant(PrefillDequant mode) { PrefillDequantOverride() = static_cast<int>(mode); }
+PrefillDequant PrefillDequantChoice() {
+  return static_cast<PrefillDequant>(PrefillDequantOverride().load());
+}
+
+bool PrefillDequantTakes(PrefillDequant mode, int query_len, int context_len) {
+  if (mode == PrefillDequant::kOff || query_len <= 0 || context_len <= 0) return false;
+  if (mode == PrefillDequant::kAll) return true;
+  // Causal pairs: every query sees the prefix and the queries up to itself.
+  const int64_t prefix = context_len - query_len;
+  const int64_t pairs = int64_t{query_len} * prefix + int64_t{query_len} * (query_len + 1) / 2;
+  return pairs >= int64_t{kPrefillDequantPairsPerKey} * context_len;
+}
+
+void LaunchDequantizeKvPages(const Tensor& k_cache, const Tensor& v_cache, const DeviceBatch& b,
+                             Tensor k_scratch, Tensor v_scratch, cudaStream_t stream) {
+  CheckKvCaches("DequantizeKvPages", k_cache, v_cache);
+  TP_CHECK_CUDA_TENSOR(k_scratch, DType::kBF16);
+  TP_CHECK_CUDA_TENSOR(v_scratch, DType::kBF16);
+  TP_CHECK((k_cache.dtype == DType::kF8E4M3 || k_cache.dtype == DType::kI8) && k_cache.ndim == 4 &&
+           k_scratch.ndim == 4 && k_cache.dim(1) == b.block_size &&
+           k_scratch.dim(1) == b.block_size && k_scratch.dim(2) == k_cache.dim(2) &&
+           k_scratch.dim(3) == k_cache.dim(3) && k_cache.dim(3) % 8 == 0 &&
+           v_scratch.numel() == k_scratch.numel() && b.num_scratch_pages <= k_scratch.dim(0))
+      << "DequantizeKvPages: cache " << k_cache.ShapeString() << " (" << DTypeName(k_cache.dtype)
+      << "), scratch " << k_scratch.ShapeString() << ", " << b.num_scratch_pages << " pages of "
+      << b.block_size << " rows (needs an fp8 or int8 "
+      << "cache, head_dim a multiple of 8)";
+  if (b.num_scratch_pages == 0) return;
+  const int row_elems = static_cast<int>(k_cache.dim(2) * k_cache.dim(3));
+  const int page_elems = b.block_size * row_elems;
+  const dim3 grid(b.num_scratch_pages, CeilDiv(page_elems, kDequantElems));
+  TP_CHECK(grid.y <= 65535) << "DequantizeKvPages: a page of " << page_elems << " elements";
+  auto launch = [&](auto kv) {
+    using Kv = decltype(kv);
+    DequantizeKvPagesKernel<Kv><<<grid, kDequantThreads, 0, stream>>>(
+        k_cache.ptr<uint8_t>(), v_cache.ptr<uint8_t>(), static_cast<const float*>(k_cache.scales),
+        static_cast<const float*>(v_cache.scales), b.scratch_pages, page_elems, row_elems,
+        static_cast<int>(k_cache.dim(3)), k_scratch.ptr<__nv_bfloat16>(),
+        v_scratch.ptr<__nv_bfloat16>());
+  };
+  if (k_cache.dtype == DType::kF8E4M3) {
+    launch(KvF8E4M3{});
+  } else {
+    launch(KvI8{});
+  }
+  TP_CUDA_CHECK_LAUNCH();
+}
 
 void SetPrefillKernel(PrefillKernel kernel) { PrefillKernelOverride() = static_cast<int>(kernel); }
 PrefillKernel PrefillKernelChoice() {

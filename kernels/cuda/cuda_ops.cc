@@ -169,6 +169,8 @@ CudaOps::~CudaOps() {
   cudaFree(norm_records_);
   cudaFree(stream_ws_.partials);
   cudaFree(stream_ws_.counters);
+  cudaFree(scratch_.k);
+  cudaFree(scratch_.v);
   cudaStreamDestroy(stream_);
 }
 
@@ -305,6 +307,34 @@ void CudaOps::Reserve(const CudaReserve& r) {
   }
 }
 
+void CudaOps::ReservePrefillScratch(DType kv, int64_t pages, int block_size, int kv_heads,
+                                    int head_dim) {
+  TP_CHECK(pages >= 0 && block_size > 0 && kv_heads > 0 && head_dim > 0)
+      << "ReservePrefillScratch: " << pages << " pages of " << block_size << " x " << kv_heads
+      << " x " << head_dim;
+  if ((kv != DType::kF8E4M3 && kv != DType::kI8) || !cuda::WgmmaPrefillFits(kv, head_dim)) return;
+  const size_t half = size_t(pages) * block_size * kv_heads * head_dim * sizeof(uint16_t);
+  if (half > scratch_.bytes / 2) {
+    EnsureNotCapturing("growing the prefill scratch");
+    TP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cudaFree(scratch_.k);
+    cudaFree(scratch_.v);
+    scratch_.k = Alloc(half);
+    scratch_.v = Alloc(half);
+    scratch_.bytes = 2 * half;
+  }
+  scratch_.kv = kv;
+  scratch_.pages = pages;
+  scratch_.block_size = block_size;
+  scratch_.kv_heads = kv_heads;
+  scratch_.head_dim = head_dim;
+  GrowSection(sections_[kScratchPages], size_t(pages) * sizeof(int2));
+  // As large as the block tables Reserve sized, so that no batch grows it after warm-up.
+  GrowSection(sections_[kScratchTables], sections_[kBlockTables].cap);
+}
+
+int CudaOps::prefill_scratch_pages() const { return batch_ ? batch_->num_scratch_pages : 0; }
+
 void CudaOps::SetBatch(const BatchMeta& m) {
   EnsureNotCapturing("SetBatch");
   norm_records_used_ = 0;
@@ -344,6 +374,47 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   };
   std::stable_sort(work.begin(), work.end(),
                    [&](const int2& a, const int2& b) { return keys_of(a) > keys_of(b); });
+  // Prefill over an 8-bit cache: the sequences PrefillDequantTakes, longest query first while
+  // their pages fit the scratch, get scratch pages in order and their tiles first in the work
+  // list (each part still heaviest first). Deterministic mode runs no prefill kernel.
+  std::vector<int32_t> scratch_tables;
+  std::vector<int2> scratch_pages;
+  int scratch_work = 0;
+  scratch_seqs_ = 0;
+  const cuda::PrefillDequant dequant = cuda::PrefillDequantChoice();
+  if (scratch_.pages > 0 && scratch_.block_size == m.block_size && !deterministic_ &&
+      dequant != cuda::PrefillDequant::kOff &&
+      cuda::PrefillKernelChoice() != cuda::PrefillKernel::kMma &&
+      (max_q > 1 || dequant == cuda::PrefillDequant::kAll) && !work.empty()) {
+    std::vector<int> order;
+    for (int s = 0; s < S; ++s) {
+      const int qlen = m.query_start[s + 1] - m.query_start[s];
+      if (cuda::PrefillDequantTakes(dequant, qlen, m.context_lens[s])) order.push_back(s);
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return m.query_start[a + 1] - m.query_start[a] > m.query_start[b + 1] - m.query_start[b];
+    });
+    std::vector<char> takes(S, 0);
+    for (int s : order) {
+      const int ctx = m.context_lens[s];
+      const int pages = (ctx + m.block_size - 1) / m.block_size;
+      if (static_cast<int64_t>(scratch_pages.size()) + pages > scratch_.pages) continue;
+      if (scratch_tables.empty()) scratch_tables.assign(size_t{1} * S * m.max_blocks_per_seq, 0);
+      for (int j = 0; j < pages; ++j) {
+        scratch_tables[size_t{1} * s * m.max_blocks_per_seq + j] =
+            static_cast<int32_t>(scratch_pages.size());
+        scratch_pages.push_back({m.block_tables[size_t{1} * s * m.max_blocks_per_seq + j],
+                                 std::min(m.block_size, ctx - j * m.block_size)});
+      }
+      takes[s] = 1;
+      ++scratch_seqs_;
+    }
+    if (scratch_seqs_ > 0) {
+      auto first = std::stable_partition(work.begin(), work.end(),
+                                         [&](const int2& w) { return takes[w.x] != 0; });
+      scratch_work = static_cast<int>(first - work.begin());
+    }
+  }
   // Deterministic mode, a batch with prefill tokens: each token as a decode query of its own.
   const bool token_queries = deterministic_ && T != S;
   std::vector<int32_t> token_query_start, token_context_lens, token_table_rows;
@@ -389,6 +460,8 @@ void CudaOps::SetBatch(const BatchMeta& m) {
       {token_context_lens.data(), token_context_lens.size() * sizeof(int32_t)},
       {token_table_rows.data(), token_table_rows.size() * sizeof(int32_t)},
       {fed.data(), fed.size() * sizeof(int2)},
+      {scratch_tables.data(), scratch_tables.size() * sizeof(int32_t)},
+      {scratch_pages.data(), scratch_pages.size() * sizeof(int2)},
   };
   size_t total = 0;
   for (int i = 0; i < kNumSections; ++i) {
@@ -453,6 +526,11 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   b.token_query_start = token_queries ? ptr(kTokenQueryStart) : nullptr;
   b.token_context_lens = token_queries ? ptr(kTokenContextLens) : nullptr;
   b.token_table_rows = token_queries ? ptr(kTokenTableRows) : nullptr;
+  b.num_scratch_work = scratch_work;
+  b.num_scratch_pages = static_cast<int>(scratch_pages.size());
+  b.scratch_tables = scratch_work > 0 ? ptr(kScratchTables) : nullptr;
+  b.scratch_pages =
+      scratch_work > 0 ? static_cast<const int2*>(sections_[kScratchPages].dev) : nullptr;
 }
 
 void CudaOps::Embedding(const Tensor& table, int64_t row_offset, Tensor out) {
@@ -776,27 +854,60 @@ void CudaOps::QkvRopeKvWrite(const Tensor& x, const RowScale& x_scale, const Ten
 void CudaOps::AttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                int num_heads, int num_kv_heads, int head_dim, float scale,
                                Tensor out) {
+  const cuda::DeviceBatch& b = *batch_;
+  // SetBatch's scratch plan (ReservePrefillScratch), for the cache it was made for.
+  const bool scratch = !deterministic_ && b.num_scratch_work > 0 && k_cache.dtype == scratch_.kv &&
+                       k_cache.ndim == 4 && k_cache.dim(1) == scratch_.block_size &&
+                       k_cache.dim(2) == scratch_.kv_heads && k_cache.dim(3) == scratch_.head_dim &&
+                       num_kv_heads == scratch_.kv_heads &&
+                       cuda::PrefillKernelChoice() != cuda::PrefillKernel::kMma;
+  Tensor ks(scratch_.k, {b.num_scratch_pages, b.block_size, num_kv_heads, head_dim}, DType::kBF16,
+            Device::kCuda);
+  Tensor vs(scratch_.v, {b.num_scratch_pages, b.block_size, num_kv_heads, head_dim}, DType::kBF16,
+            Device::kCuda);
+  if (scratch) {
+    OpScope dq(
+        this, "DequantizeKvPages", [&] { return "pages=" + std::to_string(b.num_scratch_pages); },
+        double(b.num_scratch_pages) * b.block_size * num_kv_heads * head_dim * 2.0 *
+            (DTypeBits(k_cache.dtype) / 8.0 + 2.0));
+    cuda::LaunchDequantizeKvPages(k_cache, v_cache, b, ks, vs, stream_);
+  }
   OpScope scope(this, "AttentionPrefill", [&] {
-    return "T=" + std::to_string(batch_->num_tokens) + " seqs=" + std::to_string(batch_->num_seqs) +
+    return "T=" + std::to_string(b.num_tokens) + " seqs=" + std::to_string(b.num_seqs) +
            " h=" + std::to_string(num_heads) + "/" + std::to_string(num_kv_heads) +
-           " ctx<=" + std::to_string(batch_->max_context_len);
+           " ctx<=" + std::to_string(b.max_context_len);
   });
   if (deterministic_) {
     // One kernel for prefill and decode tokens, so that a token's attention does not depend
     // on whether it was computed in a prefill chunk (of any size) or as a decode step.
-    if (batch_->token_context_lens == nullptr) {
+    if (b.token_context_lens == nullptr) {
       AttentionDecode(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, out);
       return;
     }
-    cuda::DeviceBatch chunk = *batch_;
-    chunk.num_seqs = std::min(batch_->num_tokens, cuda::kDecodeQueryChunk);
+    cuda::DeviceBatch chunk = b;
+    chunk.num_seqs = std::min(b.num_tokens, cuda::kDecodeQueryChunk);
     GrowDecodeWorkspace(chunk, num_heads, num_kv_heads, head_dim);
-    cuda::LaunchAttentionDecode(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
-                                *batch_, decode_ws_, decode_counters_, out, stream_);
+    cuda::LaunchAttentionDecode(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b,
+                                decode_ws_, decode_counters_, out, stream_);
     return;
   }
-  cuda::LaunchAttentionPrefill(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
-                               *batch_, out, stream_);
+  if (scratch) {
+    // The scratch sequences' tiles (first in the work list) through the bf16 kernel over their
+    // pages in the scratch, the others over the cache itself.
+    cuda::DeviceBatch mine = b;
+    mine.num_prefill_work = b.num_scratch_work;
+    mine.block_tables = b.scratch_tables;
+    cuda::LaunchAttentionPrefillWgmma(q, ks, vs, num_heads, num_kv_heads, head_dim, scale, mine,
+                                      out, cuda::PrefillKernelChoice(), stream_);
+    cuda::DeviceBatch rest = b;
+    rest.prefill_work = b.prefill_work + b.num_scratch_work;
+    rest.num_prefill_work = b.num_prefill_work - b.num_scratch_work;
+    cuda::LaunchAttentionPrefill(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
+                                 rest, out, stream_);
+    return;
+  }
+  cuda::LaunchAttentionPrefill(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b,
+                               out, stream_);
 }
 
 void CudaOps::AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,

@@ -139,6 +139,16 @@ class CudaOps final : public Ops {
   cudaStream_t stream() const { return stream_; }
   int device_index() const { return device_; }
   void Reserve(const CudaReserve& r);
+  // The bf16 scratch of prefill attention over an fp8 / int8 cache (cuda::PrefillDequant):
+  // `pages` pages of block_size x kv_heads x head_dim, for K and for V. Only where the wgmma
+  // kernels run (sm_90, head_dim 64 or 128); a no-op elsewhere and for other dtypes. Batches
+  // set afterwards plan for it; a cache of another shape or dtype takes the in-kernel path.
+  void ReservePrefillScratch(DType kv, int64_t pages, int block_size, int kv_heads, int head_dim);
+  // The scratch's size in bytes (0: none), and the sequences and scratch pages the latest
+  // SetBatch gave it.
+  size_t prefill_scratch_bytes() const { return scratch_.bytes; }
+  int prefill_scratch_sequences() const { return scratch_seqs_; }
+  int prefill_scratch_pages() const;
   uint64_t layout_generation() const { return generation_; }
   // GEMMs with M <= this use the skinny kernel, larger ones cuBLASLt (0 = always cuBLASLt).
   void set_skinny_max_m(int m);
@@ -258,7 +268,9 @@ class CudaOps final : public Ops {
     kTokenQueryStart,  // deterministic mode: DeviceBatch::token_* (prefill as decode queries)
     kTokenContextLens,
     kTokenTableRows,
-    kFedTokens,  // BatchMeta::fed_tokens / fed_rows as int2 pairs
+    kFedTokens,      // BatchMeta::fed_tokens / fed_rows as int2 pairs
+    kScratchTables,  // DeviceBatch::scratch_tables / scratch_pages (ReservePrefillScratch)
+    kScratchPages,
     kNumSections
   };
   Section sections_[kNumSections];
@@ -276,6 +288,15 @@ class CudaOps final : public Ops {
   // (=stream: LaunchStreamGemmFixed wherever it fits, at every M).
   bool det_fixed_order_gemm_ = false;
   bool det_stream_gemm_ = false;
+  struct PrefillScratch {
+    void* k = nullptr;  // bf16 [pages, block_size, kv_heads, head_dim]
+    void* v = nullptr;
+    size_t bytes = 0;  // of k and v together
+    DType kv = DType::kBF16;
+    int64_t pages = 0;
+    int block_size = 0, kv_heads = 0, head_dim = 0;
+  } scratch_;
+  int scratch_seqs_ = 0;
   int reserve_heads_ = 0;
   int reserve_kv_heads_ = 0;
   int reserve_head_dim_ = 0;

@@ -59,6 +59,26 @@ inline constexpr PrefillKernelName kPrefillKernels[] = {
 };
 void SetPrefillKernel(PrefillKernel kernel);
 PrefillKernel PrefillKernelChoice();
+// Prefill attention over 8-bit caches (fp8, int8) through a bf16 scratch: the wgmma kernel that
+// decodes codes inside its tile loop reaches 183 TFLOP/s on a 2048-token prompt where the bf16
+// kernels reach 300-320 (H100): each query tile decodes every K/V tile it reads again, with one
+// stage in flight. With the scratch,
+// SetBatch picks the sequences whose attention reads each key often enough (PrefillDequantTakes),
+// LaunchDequantizeKvPages writes their pages as bf16 once a layer, and the bf16 kernel runs their
+// query tiles; the others keep the in-kernel decode. The scratch holds bf16(code * scale) (one
+// more rounding than the in-kernel path, which scales the fp32 scores and P: a relative 2^-9 on K
+// and V, 1/32 of fp8's own step). kAuto: PrefillDequantTakes; kOff: never; kAll: every
+// sequence whose pages fit (tests). From TPSERVE_PREFILL_DEQUANT; SetPrefillDequant sets it for
+// every later SetBatch of this process.
+enum class PrefillDequant { kOff, kAuto, kAll };
+void SetPrefillDequant(PrefillDequant mode);
+PrefillDequant PrefillDequantChoice();
+// kAuto's rule: the sequence's query-key pairs (causal) are at least kPrefillDequantPairsPerKey
+// times its keys (a key's dequantization then costs less than the in-kernel decode saves on
+// its reads; the break-even measured by the H100 rows is ~180).
+inline constexpr int kPrefillDequantPairsPerKey = 256;
+bool PrefillDequantTakes(PrefillDequant mode, int query_len, int context_len);
+
 // The prefill kernels' grid: (heads, work items), so that a work item's heads are neighbours in
 // dispatch order and, with SetBatch's heaviest-first work list, every head's heaviest query tiles
 // start before any lighter one (PrefillBlockOf reads it). The order before 2026-12-05, a head's
@@ -97,6 +117,15 @@ struct DeviceBatch {
   const int32_t* token_query_start = nullptr;
   const int32_t* token_context_lens = nullptr;
   const int32_t* token_table_rows = nullptr;
+  // Prefill over an 8-bit cache through the bf16 scratch (PrefillDequant): the first
+  // num_scratch_work entries of prefill_work are the query tiles of the sequences whose pages
+  // LaunchDequantizeKvPages copies, scratch_tables [num_seqs * max_blocks_per_seq] their pages
+  // in the scratch (other rows unused), scratch_pages [num_scratch_pages] for each scratch page
+  // (its cache page, the rows of the context in it).
+  int num_scratch_work = 0;
+  int num_scratch_pages = 0;
+  const int32_t* scratch_tables = nullptr;
+  const int2* scratch_pages = nullptr;
 };
 
 // Decode attention: query heads handled by one block (the largest of 8, 4, 2, 1 dividing the
@@ -211,6 +240,11 @@ void LaunchInterleaveShards(const Tensor& in, Tensor out, cudaStream_t stream);
 void LaunchAttentionPrefill(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                             int num_heads, int num_kv_heads, int head_dim, float scale,
                             const DeviceBatch& b, Tensor out, cudaStream_t stream);
+// Scratch page i of k_scratch / v_scratch (bf16 [pages, block_size, Hk, D]) := bf16(code *
+// scale) of the rows [0, b.scratch_pages[i].y) of cache page b.scratch_pages[i].x, zeros past
+// them (so that no stale code of a last page reaches a product); 8-bit caches (fp8, int8).
+void LaunchDequantizeKvPages(const Tensor& k_cache, const Tensor& v_cache, const DeviceBatch& b,
+                             Tensor k_scratch, Tensor v_scratch, cudaStream_t stream);
 // The wgmma kernels (WgmmaPrefillFits must hold; `kernel` not kMma); LaunchAttentionPrefill
 // calls it when one is chosen.
 void LaunchAttentionPrefillWgmma(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,

@@ -1549,6 +1549,85 @@ TEST_F(CudaAttentionTest, PrefillPersistentFa3MatchesFa3BitForBit) {
   }
 }
 
+// Prefill over fp8 / int8 caches through the bf16 scratch (cuda::PrefillDequant,
+// CudaOps::ReservePrefillScratch) with every wgmma kernel, against the CPU reference:
+// - kAll with room for every page, the unreached rows poisoned: every sequence with a context
+//   takes the scratch (decode rows and padding in the batch), so the kernels see only scratch
+//   pages, whose rows past a context are zeros (the poisoned codes never reach a product);
+//   block sizes 8-128 (24: the FA3 kernels fall back to wgmma), d 64 and 128, GQA and MQA;
+// - kAll with room for some pages: the longest queries that fit take it, the others keep the
+//   in-kernel decode, in one batch (two launches writing disjoint rows of `out`);
+// - kAuto: only the sequence with enough query-key pairs a key.
+// The tolerance is the bf16 one: the scratch holds bf16(code * scale), a relative 2^-9 from the
+// reference's dequantized value (the bf16 path's K and V carry the same rounding of fp32).
+TEST_F(CudaAttentionTest, PrefillDequantScratch) {
+  if (!cuda::WgmmaPrefillFits(DType::kF8E4M3, 128)) GTEST_SKIP() << "needs an sm_90 device";
+  ScopedPrefillKernel restore(cuda::PrefillKernelChoice());
+  struct Restore {
+    ~Restore() { cuda::SetPrefillDequant(before); }
+    cuda::PrefillDequant before = cuda::PrefillDequantChoice();
+  } restore_dequant;
+  const std::vector<AttnCase> all_fit = {
+      {{{77, 77}}, 4, 4, 128, 16},
+      {{{130, 300}, {1, 45}, {64, 64}, {3, 17}, {1, 0}}, 8, 2, 64, 16},  // padding: not taken
+      {{{200, 700}, {1, 1000}, {1, 33}}, 12, 4, 128, 16},
+      {{{65, 129}, {128, 128}}, 6, 1, 128, 32},
+      {{{150, 400}, {1, 30}}, 4, 2, 128, 24},
+      {{{200, 240}, {70, 70}}, 4, 2, 128, 8},
+      {{{150, 200}, {1, 90}}, 4, 1, 128, 64},
+      {{{260, 293}}, 4, 4, 64, 128},
+  };
+  const cuda::PrefillKernel kernels[] = {
+      cuda::PrefillKernel::kWgmma, cuda::PrefillKernel::kWgmmaFa3, cuda::PrefillKernel::kWgmmaFa3P};
+  for (DType kv : {DType::kF8E4M3, DType::kI8}) {
+    for (cuda::PrefillKernel kernel : kernels) {
+      cuda::SetPrefillKernel(kernel);
+      cuda::SetPrefillDequant(cuda::PrefillDequant::kAll);
+      for (size_t i = 0; i < all_fit.size(); ++i) {
+        const AttnCase& c = all_fit[i];
+        SCOPED_TRACE(std::string(KvCacheDTypeName(kv)) + " kernel " +
+                     std::to_string(static_cast<int>(kernel)) + " all, case " + std::to_string(i));
+        int pages = 0, with_context = 0;
+        for (auto [q, ctx] : c.seqs) {
+          pages += (ctx + c.bs - 1) / c.bs;
+          with_context += ctx > 0;
+        }
+        gpu_->ReservePrefillScratch(kv, pages, c.bs, c.hk, c.d);
+        Run(c, /*decode=*/false, kv, /*poison=*/true);
+        EXPECT_EQ(gpu_->prefill_scratch_sequences(), with_context);
+        EXPECT_EQ(gpu_->prefill_scratch_pages(), pages);
+      }
+      {
+        // 256 + 17 + 2 pages; room for 20: the 257-query prompt and the decode row.
+        SCOPED_TRACE(std::string(KvCacheDTypeName(kv)) + " some fit");
+        const AttnCase c{{{300, 4096}, {257, 257}, {1, 30}}, 4, 2, 128, 16};
+        gpu_->ReservePrefillScratch(kv, 20, c.bs, c.hk, c.d);
+        Run(c, /*decode=*/false, kv);
+        EXPECT_EQ(gpu_->prefill_scratch_sequences(), 2);
+        EXPECT_EQ(gpu_->prefill_scratch_pages(), 19);
+      }
+      {
+        // 600 x 601 / 2 query-key pairs >= 256 x 600 keys; 100 x 600 + 5050 < 256 x 700.
+        SCOPED_TRACE(std::string(KvCacheDTypeName(kv)) + " auto");
+        cuda::SetPrefillDequant(cuda::PrefillDequant::kAuto);
+        const AttnCase c{{{600, 600}, {100, 700}, {1, 500}}, 4, 2, 128, 16};
+        gpu_->ReservePrefillScratch(kv, 200, c.bs, c.hk, c.d);
+        Run(c, /*decode=*/false, kv);
+        EXPECT_EQ(gpu_->prefill_scratch_sequences(), 1);
+        EXPECT_EQ(gpu_->prefill_scratch_pages(), 38);
+      }
+    }
+  }
+  // Off: no plan, whatever the reservation.
+  cuda::SetPrefillDequant(cuda::PrefillDequant::kOff);
+  const AttnCase c{{{600, 600}}, 4, 2, 128, 16};
+  gpu_->ReservePrefillScratch(DType::kF8E4M3, 200, c.bs, c.hk, c.d);
+  Run(c, /*decode=*/false, DType::kF8E4M3);
+  EXPECT_EQ(gpu_->prefill_scratch_sequences(), 0);
+  EXPECT_FALSE(cuda::PrefillDequantTakes(cuda::PrefillDequant::kAuto, 510, 510));
+  EXPECT_TRUE(cuda::PrefillDequantTakes(cuda::PrefillDequant::kAuto, 511, 511));
+}
+
 // Quantized caches through the kernels the batch picks: the sub-tile kernel (one and several
 // 64-key partitions merged in-kernel), from 128 sequence-head pairs the mma kernel (head_dim 64
 // and 128) or the two-phase kernel (head_dim 32; 16 elements a lane at G <= 2), with 512-key
