@@ -108,7 +108,7 @@ const EnvVar kPrefillTile = {"TPSERVE_PREFILL_TILE",
                              "128|64"};
 const EnvVar kPrefillKernel = {"TPSERVE_PREFILL_KERNEL",
                                EnvType::kChoice,
-                               "wgmma",
+                               "wgmma-fa3p",
                                "prefill-attention kernel: mma (mma.sync, every cache dtype), "
                                "wgmma (Hopper warpgroup MMA: bf16, fp8 and int8 caches at "
                                "head_dim 64/128 on sm_90, else mma), wgmma-pipe (wgmma with a "
