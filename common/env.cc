@@ -136,6 +136,17 @@ const EnvVar kPrefillDequant = {
     0,
     0,
     "auto|0|all"};
+const EnvVar kMixedDecode = {
+    "TPSERVE_MIXED_DECODE",
+    EnvType::kChoice,
+    "auto",
+    "a step with prompt tokens beside decode rows (continuous batching): 1 runs the decode rows' "
+    "attention through the decode kernel (split over keys) and the prompt chunks' through the "
+    "prefill kernel; 0 runs every row through the prefill kernel; auto: 1 for fp8 / int8 / int4 "
+    "caches, 0 for bf16 (A/B runs; --deterministic keeps its own)",
+    0,
+    0,
+    "auto|1|0"};
 const EnvVar kDecodeKernel = {
     "TPSERVE_DECODE_KERNEL",
     EnvType::kChoice,
@@ -401,6 +412,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kPrefillTile,
       &env::kPrefillKernel,
       &env::kPrefillDequant,
+      &env::kMixedDecode,
       &env::kDecodeKernel,
       &env::kDecodePartition,
       &env::kDecodeOrder,

@@ -47,6 +47,7 @@ extern const EnvVar kLaunchAhead;
 extern const EnvVar kPrefillTile;
 extern const EnvVar kPrefillKernel;
 extern const EnvVar kPrefillDequant;
+extern const EnvVar kMixedDecode;
 extern const EnvVar kDecodeKernel;
 extern const EnvVar kDecodePartition;
 extern const EnvVar kDecodeOrder;

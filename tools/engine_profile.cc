@@ -20,13 +20,14 @@ namespace {
 // earlier benchmark steps left there (the timing does not depend on the values).
 BatchMeta ScenarioMeta(const OpProfileScenario& sc, int block_size) {
   const int per_seq = (sc.context + block_size - 1) / block_size;
-  const int qlen = sc.prefill ? sc.context : 1;
+  const int decode_qlen = sc.prefill ? sc.context : 1;
   BatchMeta m;
   m.num_seqs = sc.seqs;
   m.block_size = block_size;
   m.max_blocks_per_seq = per_seq;
   m.query_start.push_back(0);
   for (int s = 0; s < sc.seqs; ++s) {
+    const int qlen = sc.chunk > 0 && s == sc.seqs - 1 ? sc.chunk : decode_qlen;
     for (int b = 0; b < per_seq; ++b) m.block_tables.push_back(s * per_seq + b);
     for (int p = sc.context - qlen; p < sc.context; ++p) {
       m.token_ids.push_back((s * 7919 + p * 31) % 1000);
@@ -46,6 +47,7 @@ BatchMeta ScenarioMeta(const OpProfileScenario& sc, int block_size) {
 std::vector<OpProfileScenario> DefaultOpProfileScenarios(int prefill_len) {
   return {{"decode_b1_ctx768", 1, 768, false, 5},
           {"decode_b64_ctx1024", 64, 1024, false, 3},
+          {"mixed_b63_ctx1024_chunk449", 64, 1024, false, 3, 449},
           {absl::StrCat("prefill_", prefill_len), 1, prefill_len, true, 3}};
 }
 
@@ -93,8 +95,11 @@ absl::StatusOr<nlohmann::json> ProfileEngineOps(Engine& engine, int block_size,
     const std::vector<OpProfileRow> rows = cuda->TakeOpProfile();
     cuda->set_op_profiling(false);
     std::fprintf(stderr, "op profile %s (%d seqs, context %d, %s, %d eager steps, PDL %s):\n%s",
-                 sc.name.c_str(), sc.seqs, sc.context, sc.prefill ? "prefill" : "decode", sc.steps,
-                 CudaOps::programmatic_launch() ? "allowed" : "off",
+                 sc.name.c_str(), sc.seqs, sc.context,
+                 sc.prefill     ? "prefill"
+                 : sc.chunk > 0 ? "mixed"
+                                : "decode",
+                 sc.steps, CudaOps::programmatic_launch() ? "allowed" : "off",
                  FormatOpProfile(rows, sc.steps).c_str());
     nlohmann::json table = nlohmann::json::array();
     for (const OpProfileRow& r : rows) {
@@ -106,11 +111,8 @@ absl::StatusOr<nlohmann::json> ProfileEngineOps(Engine& engine, int block_size,
            {"us_per_call", r.calls > 0 ? r.total_us / r.calls : 0.0},
            {"GBps", r.bytes > 0 && r.total_us > 0 ? r.bytes / (r.total_us * 1e3) : 0.0}});
     }
-    out[sc.name] = {{"seqs", sc.seqs},
-                    {"context", sc.context},
-                    {"prefill", sc.prefill},
-                    {"steps", sc.steps},
-                    {"ops", table}};
+    out[sc.name] = {{"seqs", sc.seqs},   {"context", sc.context}, {"prefill", sc.prefill},
+                    {"chunk", sc.chunk}, {"steps", sc.steps},     {"ops", table}};
   }
   return out;
 #endif

@@ -15,9 +15,13 @@ struct OpProfileScenario {
   int context = 1;       // tokens in the cache after the step, per sequence
   bool prefill = false;  // one sequence, `context` query tokens; else one query per sequence
   int steps = 3;
+  // Decode only: the last sequence's last `chunk` tokens are queries (a prompt chunk beside the
+  // other sequences' decode rows, as continuous batching runs them); 0: none.
+  int chunk = 0;
 };
 
-// The default scenarios: decode batch 1 at context 768, decode batch 64 at context 1024,
+// The default scenarios: decode batch 1 at context 768, decode batch 64 at context 1024, 63
+// decode rows at context 1024 beside a 449-token prompt chunk (a served step of 512 tokens),
 // prefill of `prefill_len` tokens.
 std::vector<OpProfileScenario> DefaultOpProfileScenarios(int prefill_len);
 

@@ -1100,7 +1100,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   const auto* vc = static_cast<const uint8_t*>(v_cache.data);
   const auto* k_scales = static_cast<const float*>(k_cache.scales);
   const auto* v_scales = static_cast<const float*>(v_cache.scales);
-  if (b.num_tokens == b.num_seqs) {
+  if (b.token_context_lens == nullptr) {
     const dim3 grid = DecodeGrid(DecodeSplits(b, partition), num_heads / kG, b.num_seqs);
     LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
               k_scales, v_scales, b.query_start, b.context_lens, b.block_tables,
@@ -1113,9 +1113,12 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   // Every query token as a decode query of its own (deterministic mode): token t reads the
   // cache of its sequence up to its own position, in launches of kDecodeQueryChunk tokens
   // that share the workspace (stream order keeps them apart). SetBatch turned programmatic
-  // launch off for the step: a token reads K/V rows that the previous kernel writes.
-  for (int t0 = 0; t0 < b.num_tokens; t0 += kDecodeQueryChunk) {
-    const int n = std::min(kDecodeQueryChunk, b.num_tokens - t0);
+  // launch off for the step: a token reads K/V rows that the previous kernel writes. The decode
+  // rows of a mixed step (num_token_queries of them) read only their own sequences' rows, of
+  // which the previous kernel writes the last, as in an all-decode step: launched as that is.
+  const int queries = b.num_token_queries > 0 ? b.num_token_queries : b.num_tokens;
+  for (int t0 = 0; t0 < queries; t0 += kDecodeQueryChunk) {
+    const int n = std::min(kDecodeQueryChunk, queries - t0);
     DeviceBatch chunk = b;
     chunk.num_seqs = chunk.num_tokens = n;
     const dim3 grid = DecodeGrid(DecodeSplits(chunk, partition), num_heads / kG, n);

@@ -108,6 +108,24 @@ __global__ void __launch_bounds__(kDequantThreads)
 
 }  // namespace
 
+namespace {
+std::atomic<int>& MixedDecodeOverride() {
+  static std::atomic<int> mode{[] {
+    const std::string m = EnvString(env::kMixedDecode);
+    return static_cast<int>(m == "0"   ? MixedDecode::kOff
+                            : m == "1" ? MixedDecode::kOn
+                                       : MixedDecode::kAuto);
+  }()};
+  return mode;
+}
+}  // namespace
+
+void SetMixedDecode(MixedDecode mode) { MixedDecodeOverride() = static_cast<int>(mode); }
+MixedDecode MixedDecodeChoice() { return static_cast<MixedDecode>(MixedDecodeOverride().load()); }
+bool MixedDecodeSplits(MixedDecode mode, DType kv) {
+  return mode == MixedDecode::kOn || (mode == MixedDecode::kAuto && IsQuantizedKv(kv));
+}
+
 void SetPrefillDequant(PrefillDequant mode) { PrefillDequantOverride() = static_cast<int>(mode); }
 PrefillDequant PrefillDequantChoice() {
   return static_cast<PrefillDequant>(PrefillDequantOverride().load());

@@ -286,10 +286,11 @@ void CudaOps::Reserve(const CudaReserve& r) {
   GrowSection(sections_[kPrefillWork],
               (r.max_seqs + r.max_tokens / cuda::kPrefillTileMinM + 1) * sizeof(int2));
   GrowSection(sections_[kFedTokens], r.max_seqs * sizeof(int2));
-  if (deterministic_) {
-    for (int i : {kTokenQueryStart, kTokenContextLens, kTokenTableRows}) {
-      GrowSection(sections_[i], r.max_tokens * sizeof(int32_t));
-    }
+  // Deterministic mode: every token a decode query; otherwise the decode rows of a mixed step.
+  for (int i : {kTokenQueryStart, kTokenContextLens, kTokenTableRows}) {
+    GrowSection(
+        sections_[i],
+        size_t(deterministic_ ? std::max(r.max_tokens, r.max_seqs) : r.max_seqs) * sizeof(int32_t));
   }
   if (r.num_heads > 0) {
     reserve_heads_ = r.num_heads;
@@ -312,7 +313,10 @@ void CudaOps::ReservePrefillScratch(DType kv, int64_t pages, int block_size, int
   TP_CHECK(pages >= 0 && block_size > 0 && kv_heads > 0 && head_dim > 0)
       << "ReservePrefillScratch: " << pages << " pages of " << block_size << " x " << kv_heads
       << " x " << head_dim;
-  if ((kv != DType::kF8E4M3 && kv != DType::kI8) || !cuda::WgmmaPrefillFits(kv, head_dim)) return;
+  if ((kv != DType::kF8E4M3 && kv != DType::kI8) || !cuda::WgmmaPrefillFits(kv, head_dim)) {
+    scratch_.pages = 0;  // later batches plan for none
+    return;
+  }
   const size_t half = size_t(pages) * block_size * kv_heads * head_dim * sizeof(uint16_t);
   if (half > scratch_.bytes / 2) {
     EnsureNotCapturing("growing the prefill scratch");
@@ -334,6 +338,7 @@ void CudaOps::ReservePrefillScratch(DType kv, int64_t pages, int block_size, int
 }
 
 int CudaOps::prefill_scratch_pages() const { return batch_ ? batch_->num_scratch_pages : 0; }
+int CudaOps::mixed_decode_rows() const { return batch_ ? batch_->num_mixed_decode : 0; }
 
 void CudaOps::SetBatch(const BatchMeta& m) {
   EnsureNotCapturing("SetBatch");
@@ -374,6 +379,24 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   };
   std::stable_sort(work.begin(), work.end(),
                    [&](const int2& a, const int2& b) { return keys_of(a) > keys_of(b); });
+  // A mixed step (continuous batching, MixedDecodeChoice): the decode rows' tiles last, and
+  // the rows as token queries for the decode kernel (the token_* sections, which deterministic
+  // mode, the only other user, never shares a step with).
+  std::vector<char> mixed_row(S, 0);
+  std::vector<int32_t> mixed_rows, mixed_ctx, mixed_tables;
+  if (!deterministic_ && max_q > 1 && cuda::MixedDecodeChoice() != cuda::MixedDecode::kOff) {
+    for (int s = 0; s < S; ++s) {
+      if (m.query_start[s + 1] - m.query_start[s] != 1 || m.context_lens[s] == 0) continue;
+      mixed_row[s] = 1;
+      mixed_rows.push_back(m.query_start[s]);
+      mixed_ctx.push_back(m.context_lens[s]);
+      mixed_tables.push_back(s);
+    }
+    if (!mixed_rows.empty()) {
+      std::stable_partition(work.begin(), work.end(),
+                            [&](const int2& w) { return mixed_row[w.x] == 0; });
+    }
+  }
   // Prefill over an 8-bit cache: the sequences PrefillDequantTakes, longest query first while
   // their pages fit the scratch, get scratch pages in order and their tiles first in the work
   // list (each part still heaviest first). Deterministic mode runs no prefill kernel.
@@ -389,7 +412,9 @@ void CudaOps::SetBatch(const BatchMeta& m) {
     std::vector<int> order;
     for (int s = 0; s < S; ++s) {
       const int qlen = m.query_start[s + 1] - m.query_start[s];
-      if (cuda::PrefillDequantTakes(dequant, qlen, m.context_lens[s])) order.push_back(s);
+      if (!mixed_row[s] && cuda::PrefillDequantTakes(dequant, qlen, m.context_lens[s])) {
+        order.push_back(s);
+      }
     }
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
       return m.query_start[a + 1] - m.query_start[a] > m.query_start[b + 1] - m.query_start[b];
@@ -418,6 +443,12 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   // Deterministic mode, a batch with prefill tokens: each token as a decode query of its own.
   const bool token_queries = deterministic_ && T != S;
   std::vector<int32_t> token_query_start, token_context_lens, token_table_rows;
+  const int num_mixed = static_cast<int>(mixed_rows.size());
+  if (num_mixed > 0) {
+    token_query_start = std::move(mixed_rows);
+    token_context_lens = std::move(mixed_ctx);
+    token_table_rows = std::move(mixed_tables);
+  }
   if (token_queries) {
     token_query_start.resize(T);
     token_context_lens.resize(T);
@@ -526,6 +557,10 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   b.token_query_start = token_queries ? ptr(kTokenQueryStart) : nullptr;
   b.token_context_lens = token_queries ? ptr(kTokenContextLens) : nullptr;
   b.token_table_rows = token_queries ? ptr(kTokenTableRows) : nullptr;
+  b.num_mixed_decode = num_mixed;
+  b.mixed_query_rows = num_mixed > 0 ? ptr(kTokenQueryStart) : nullptr;
+  b.mixed_context_lens = num_mixed > 0 ? ptr(kTokenContextLens) : nullptr;
+  b.mixed_table_rows = num_mixed > 0 ? ptr(kTokenTableRows) : nullptr;
   b.num_scratch_work = scratch_work;
   b.num_scratch_pages = static_cast<int>(scratch_pages.size());
   b.scratch_tables = scratch_work > 0 ? ptr(kScratchTables) : nullptr;
@@ -891,23 +926,39 @@ void CudaOps::AttentionPrefill(const Tensor& q, const Tensor& k_cache, const Ten
                                 decode_ws_, decode_counters_, out, stream_);
     return;
   }
+  // The work list: [scratch sequences' tiles][other prompt tiles][mixed decode rows].
+  const bool split =
+      b.num_mixed_decode > 0 && cuda::MixedDecodeSplits(cuda::MixedDecodeChoice(), k_cache.dtype);
+  const int prompt_work = b.num_prefill_work - (split ? b.num_mixed_decode : 0);
   if (scratch) {
-    // The scratch sequences' tiles (first in the work list) through the bf16 kernel over their
-    // pages in the scratch, the others over the cache itself.
+    // The scratch sequences' tiles through the bf16 kernel over their pages in the scratch.
     cuda::DeviceBatch mine = b;
     mine.num_prefill_work = b.num_scratch_work;
     mine.block_tables = b.scratch_tables;
     cuda::LaunchAttentionPrefillWgmma(q, ks, vs, num_heads, num_kv_heads, head_dim, scale, mine,
                                       out, cuda::PrefillKernelChoice(), stream_);
+  }
+  const int first = scratch ? b.num_scratch_work : 0;
+  if (prompt_work > first) {
     cuda::DeviceBatch rest = b;
-    rest.prefill_work = b.prefill_work + b.num_scratch_work;
-    rest.num_prefill_work = b.num_prefill_work - b.num_scratch_work;
+    rest.prefill_work = b.prefill_work + first;
+    rest.num_prefill_work = prompt_work - first;
     cuda::LaunchAttentionPrefill(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
                                  rest, out, stream_);
-    return;
   }
-  cuda::LaunchAttentionPrefill(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, b,
-                               out, stream_);
+  if (split) {
+    // The decode rows as token queries, through the decode kernel.
+    cuda::DeviceBatch rows = b;
+    rows.token_query_start = b.mixed_query_rows;
+    rows.token_context_lens = b.mixed_context_lens;
+    rows.token_table_rows = b.mixed_table_rows;
+    rows.num_token_queries = b.num_mixed_decode;
+    cuda::DeviceBatch chunk = b;
+    chunk.num_seqs = std::min(b.num_mixed_decode, cuda::kDecodeQueryChunk);
+    GrowDecodeWorkspace(chunk, num_heads, num_kv_heads, head_dim);
+    cuda::LaunchAttentionDecode(q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, rows,
+                                decode_ws_, decode_counters_, out, stream_);
+  }
 }
 
 void CudaOps::AttentionDecode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,

@@ -141,14 +141,18 @@ class CudaOps final : public Ops {
   void Reserve(const CudaReserve& r);
   // The bf16 scratch of prefill attention over an fp8 / int8 cache (cuda::PrefillDequant):
   // `pages` pages of block_size x kv_heads x head_dim, for K and for V. Only where the wgmma
-  // kernels run (sm_90, head_dim 64 or 128); a no-op elsewhere and for other dtypes. Batches
-  // set afterwards plan for it; a cache of another shape or dtype takes the in-kernel path.
+  // kernels run (sm_90, head_dim 64 or 128); elsewhere and for other dtypes, none (a
+  // reservation made before is no longer planned for). Batches set afterwards plan for it; a
+  // cache of another shape or dtype takes the in-kernel path.
   void ReservePrefillScratch(DType kv, int64_t pages, int block_size, int kv_heads, int head_dim);
   // The scratch's size in bytes (0: none), and the sequences and scratch pages the latest
   // SetBatch gave it.
   size_t prefill_scratch_bytes() const { return scratch_.bytes; }
   int prefill_scratch_sequences() const { return scratch_seqs_; }
   int prefill_scratch_pages() const;
+  // The decode rows of the latest SetBatch planned for the decode kernel (cuda::MixedDecode;
+  // AttentionPrefill takes the plan where cuda::MixedDecodeSplits holds for the cache).
+  int mixed_decode_rows() const;
   uint64_t layout_generation() const { return generation_; }
   // GEMMs with M <= this use the skinny kernel, larger ones cuBLASLt (0 = always cuBLASLt).
   void set_skinny_max_m(int m);
@@ -265,7 +269,8 @@ class CudaOps final : public Ops {
     kBlockTables,
     kLogitsRows,
     kPrefillWork,
-    kTokenQueryStart,  // deterministic mode: DeviceBatch::token_* (prefill as decode queries)
+    kTokenQueryStart,  // deterministic mode: DeviceBatch::token_* (prefill as decode queries);
+                       // otherwise a mixed step's decode rows (DeviceBatch::mixed_*)
     kTokenContextLens,
     kTokenTableRows,
     kFedTokens,      // BatchMeta::fed_tokens / fed_rows as int2 pairs

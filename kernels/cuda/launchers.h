@@ -80,6 +80,22 @@ PrefillDequant PrefillDequantChoice();
 inline constexpr int kPrefillDequantPairsPerKey = 256;
 bool PrefillDequantTakes(PrefillDequant mode, int query_len, int context_len);
 
+// A step with prompt tokens beside decode rows (continuous batching): SetBatch puts the decode
+// rows' work items last (DeviceBatch::num_mixed_decode) and describes them as token queries
+// (mixed_*), so that CudaOps::AttentionPrefill can run them through the decode kernel (split
+// over keys, as in an all-decode step) and only the prompt chunks through the prefill kernel,
+// which gives each (row, head) one block over all its keys. kAuto splits for quantized caches:
+// there the prefill kernel decodes every tile of a decode row with one stage in flight (H100,
+// 63 decode rows at context 1024 beside a 449-token chunk, fp8: attention 247 against 566 us a
+// layer), while the bf16 FA3 kernel reads them as fast as the decode kernel (395 split against
+// 379 us). kOn / kOff: always / never (kOff plans nothing). From TPSERVE_MIXED_DECODE;
+// SetMixedDecode sets it for every later SetBatch of this process.
+enum class MixedDecode { kOff, kAuto, kOn };
+void SetMixedDecode(MixedDecode mode);
+MixedDecode MixedDecodeChoice();
+// Whether a planned step's decode rows take the decode kernel over a cache of dtype `kv`.
+bool MixedDecodeSplits(MixedDecode mode, DType kv);
+
 // The prefill kernels' grid: (heads, work items), so that a work item's heads are neighbours in
 // dispatch order and, with SetBatch's heaviest-first work list, every head's heaviest query tiles
 // start before any lighter one (PrefillBlockOf reads it). The order before 2026-12-05, a head's
@@ -124,6 +140,17 @@ struct DeviceBatch {
   // in the scratch (other rows unused), scratch_pages [num_scratch_pages] for each scratch page
   // (its cache page, the rows of the context in it).
   int num_scratch_work = 0;
+  // Continuous batching (MixedDecodeChoice): the last num_mixed_decode entries of prefill_work
+  // are decode rows (one query, a context), described for the decode kernel by mixed_query_rows
+  // (the row in q), mixed_context_lens and mixed_table_rows (the row of block_tables), each
+  // [num_mixed_decode]; 0 / null otherwise.
+  int num_mixed_decode = 0;
+  const int32_t* mixed_query_rows = nullptr;
+  const int32_t* mixed_context_lens = nullptr;
+  const int32_t* mixed_table_rows = nullptr;
+  // Token-query mode of the decode launcher (token_context_lens set): how many of the token_*
+  // entries to run (0: num_tokens).
+  int num_token_queries = 0;
   int num_scratch_pages = 0;
   const int32_t* scratch_tables = nullptr;
   const int2* scratch_pages = nullptr;

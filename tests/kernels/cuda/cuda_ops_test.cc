@@ -1564,9 +1564,14 @@ TEST_F(CudaAttentionTest, PrefillDequantScratch) {
   if (!cuda::WgmmaPrefillFits(DType::kF8E4M3, 128)) GTEST_SKIP() << "needs an sm_90 device";
   ScopedPrefillKernel restore(cuda::PrefillKernelChoice());
   struct Restore {
-    ~Restore() { cuda::SetPrefillDequant(before); }
+    ~Restore() {
+      cuda::SetPrefillDequant(before);
+      cuda::SetMixedDecode(mixed);
+    }
     cuda::PrefillDequant before = cuda::PrefillDequantChoice();
+    cuda::MixedDecode mixed = cuda::MixedDecodeChoice();
   } restore_dequant;
+  cuda::SetMixedDecode(cuda::MixedDecode::kOff);  // decode rows stay prefill work: kAll takes them
   const std::vector<AttnCase> all_fit = {
       {{{77, 77}}, 4, 4, 128, 16},
       {{{130, 300}, {1, 45}, {64, 64}, {3, 17}, {1, 0}}, 8, 2, 64, 16},  // padding: not taken
@@ -1626,6 +1631,65 @@ TEST_F(CudaAttentionTest, PrefillDequantScratch) {
   EXPECT_EQ(gpu_->prefill_scratch_sequences(), 0);
   EXPECT_FALSE(cuda::PrefillDequantTakes(cuda::PrefillDequant::kAuto, 510, 510));
   EXPECT_TRUE(cuda::PrefillDequantTakes(cuda::PrefillDequant::kAuto, 511, 511));
+}
+
+// Continuous batching: the decode rows of a step with prompt tokens go through the decode
+// kernel as token queries (cuda::MixedDecode: on, off, auto), the prompt chunks through the prefill
+// kernel (with the fp8 / int8 scratch where it takes them), and both write their rows of one
+// output; against the CPU reference for every cache dtype, with the split on and off, and the
+// number of rows planned. Cases: many decode rows beside one chunk (the served shape), GQA,
+// head_dim 32 / 64, padding rows (no context: left to the prefill kernel, which writes zeros),
+// a chunk long enough for the scratch (600 queries), 300 decode rows (two launches of
+// kDecodeQueryChunk token queries).
+TEST_F(CudaAttentionTest, PrefillMixedDecodeRows) {
+  struct Restore {
+    ~Restore() {
+      cuda::SetMixedDecode(mixed);
+      cuda::SetPrefillDequant(dequant);
+    }
+    cuda::MixedDecode mixed = cuda::MixedDecodeChoice();
+    cuda::PrefillDequant dequant = cuda::PrefillDequantChoice();
+  } restore;
+  cuda::SetPrefillDequant(cuda::PrefillDequant::kAuto);
+  std::vector<AttnCase> cases;
+  {
+    AttnCase c{{{200, 264}}, 8, 8, 128, 16};  // one chunk over a prefix, 31 decode rows
+    std::uniform_int_distribution<int> ctx(1, 1500);
+    for (int i = 0; i < 31; ++i) c.seqs.push_back({1, ctx(rng_)});
+    cases.push_back(c);
+  }
+  cases.push_back({{{1, 45}, {130, 300}, {1, 0}, {1, 1000}, {3, 17}, {1, 1}}, 8, 2, 64, 16});
+  cases.push_back({{{1, 700}, {119, 119}, {1, 33}, {1, 0}}, 8, 2, 32, 16});
+  cases.push_back({{{600, 600}, {1, 900}, {1, 77}}, 4, 2, 128, 16});
+  {
+    AttnCase c{{{64, 64}}, 4, 4, 64, 16};
+    std::uniform_int_distribution<int> ctx(1, 400);
+    for (int i = 0; i < 300; ++i) c.seqs.push_back({1, ctx(rng_)});
+    cases.push_back(c);
+  }
+  for (DType kv : {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4}) {
+    for (cuda::MixedDecode mode :
+         {cuda::MixedDecode::kOn, cuda::MixedDecode::kOff, cuda::MixedDecode::kAuto}) {
+      cuda::SetMixedDecode(mode);
+      const bool on = mode != cuda::MixedDecode::kOff;  // planned (kAuto: run for 8/4-bit caches)
+      for (size_t i = 0; i < cases.size(); ++i) {
+        const AttnCase& c = cases[i];
+        SCOPED_TRACE(std::string(KvCacheDTypeName(kv)) + (on ? " split" : " unsplit") + " case " +
+                     std::to_string(i));
+        int rows = 0, pages = 0;
+        for (auto [q, ctx] : c.seqs) {
+          rows += q == 1 && ctx > 0;
+          pages += (ctx + c.bs - 1) / c.bs;
+        }
+        gpu_->ReservePrefillScratch(kv, pages, c.bs, c.hk, c.d);
+        Run(c, /*decode=*/false, kv);
+        EXPECT_EQ(gpu_->mixed_decode_rows(), on ? rows : 0);
+        const bool scratch =
+            i == 3 && (kv == DType::kF8E4M3 || kv == DType::kI8) && cuda::WgmmaPrefillFits(kv, c.d);
+        EXPECT_EQ(gpu_->prefill_scratch_sequences(), scratch ? 1 : 0);
+      }
+    }
+  }
 }
 
 // Quantized caches through the kernels the batch picks: the sub-tile kernel (one and several
