@@ -78,6 +78,46 @@ __global__ void __launch_bounds__(kWarps * 32)
 // and keeps up to kItems such items' loads in flight before it rotates and stores any.
 constexpr int kItems = 4;
 
+// A wide kernel's block: token blockIdx.x's RoPE table in cos_s / sin_s, its cache slot, and its
+// items (item i: the chunk pair i % pairs of head i / pairs; a padding token has q heads only).
+struct WideToken {
+  int64_t slot;
+  int pairs, items;
+  const __nv_bfloat16* row;
+};
+__device__ __forceinline__ WideToken BeginWideToken(const __nv_bfloat16* __restrict__ qkv,
+                                                    const float* __restrict__ inv_freq,
+                                                    const int32_t* __restrict__ positions,
+                                                    const int32_t* __restrict__ slot_mapping,
+                                                    int num_q_heads, int num_kv_heads, int head_dim,
+                                                    int64_t num_slots, float* cos_s, float* sin_s) {
+  PdlLaunchDependents();
+  const int t = blockIdx.x;
+  WideToken w;
+  // Positions and slots come from SetBatch: safe to read before the wait.
+  w.slot = slot_mapping[t];
+  FillRopeTable(static_cast<float>(positions[t]), inv_freq, head_dim / 2, cos_s, sin_s);
+  PdlWait();  // qkv is the previous kernel's output
+  w.pairs = head_dim / 16;
+  const bool has_slot = w.slot >= 0 && w.slot < num_slots;
+  w.items = (has_slot ? num_q_heads + 2 * num_kv_heads : num_q_heads) * w.pairs;
+  w.row = qkv + static_cast<int64_t>(t) * (num_q_heads + 2 * num_kv_heads) * head_dim;
+  return w;
+}
+// The chunk pairs of items first + u * blockDim.x (u < kItems) that exist, all loads issued.
+__device__ __forceinline__ void LoadWideItems(const WideToken& w, int first, int head_dim,
+                                              uint4 (&a)[kItems], uint4 (&b)[kItems]) {
+#pragma unroll
+  for (int u = 0; u < kItems; ++u) {
+    const int i = first + u * blockDim.x;
+    if (i < w.items) {
+      const __nv_bfloat16* src = w.row + (i / w.pairs) * head_dim + (i % w.pairs) * 8;
+      a[u] = *reinterpret_cast<const uint4*>(src);
+      b[u] = *reinterpret_cast<const uint4*>(src + head_dim / 2);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kWarps * 32)
     RopeKvWriteWideKernel(const __nv_bfloat16* __restrict__ qkv, const float* __restrict__ inv_freq,
                           const int32_t* __restrict__ positions,
@@ -86,35 +126,17 @@ __global__ void __launch_bounds__(kWarps * 32)
                           __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_cache,
                           __nv_bfloat16* __restrict__ v_cache) {
   __shared__ float cos_s[kMaxHalf], sin_s[kMaxHalf];
-  PdlLaunchDependents();
-  const int t = blockIdx.x;
-  const int half = head_dim / 2;
-  const float pos = static_cast<float>(positions[t]);
-  const int64_t slot = slot_mapping[t];
-  FillRopeTable(pos, inv_freq, half, cos_s, sin_s);
-  PdlWait();  // qkv is the previous kernel's output
-
-  const int pairs = head_dim / 16;  // chunk pairs per head
-  const bool has_slot = slot >= 0 && slot < num_slots;
-  const int heads = has_slot ? num_q_heads + 2 * num_kv_heads : num_q_heads;  // padding: q only
-  const int items = heads * pairs;
-  const __nv_bfloat16* row =
-      qkv + static_cast<int64_t>(t) * (num_q_heads + 2 * num_kv_heads) * head_dim;
-  for (int first = threadIdx.x; first < items; first += kItems * blockDim.x) {
+  const WideToken w = BeginWideToken(qkv, inv_freq, positions, slot_mapping, num_q_heads,
+                                     num_kv_heads, head_dim, num_slots, cos_s, sin_s);
+  const int t = blockIdx.x, half = head_dim / 2, pairs = w.pairs;
+  const int64_t slot = w.slot;
+  for (int first = threadIdx.x; first < w.items; first += kItems * blockDim.x) {
     uint4 a[kItems], b[kItems];
+    LoadWideItems(w, first, head_dim, a, b);
 #pragma unroll
     for (int u = 0; u < kItems; ++u) {
       const int i = first + u * blockDim.x;
-      if (i < items) {
-        const __nv_bfloat16* src = row + (i / pairs) * head_dim + (i % pairs) * 8;
-        a[u] = *reinterpret_cast<const uint4*>(src);
-        b[u] = *reinterpret_cast<const uint4*>(src + half);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kItems; ++u) {
-      const int i = first + u * blockDim.x;
-      if (i >= items) continue;
+      if (i >= w.items) continue;
       const int head = i / pairs, c = i % pairs;
       __nv_bfloat16* dst;
       if (head < num_q_heads) {
@@ -244,39 +266,22 @@ __global__ void __launch_bounds__(kWarps * 32)
                                float* __restrict__ v_scales) {
   static_assert(kT == DType::kF8E4M3 || kT == DType::kI8, "one scale a token and head");
   __shared__ float cos_s[kMaxHalf], sin_s[kMaxHalf];
-  PdlLaunchDependents();
-  const int t = blockIdx.x;
-  const int half = head_dim / 2;
-  const float pos = static_cast<float>(positions[t]);
-  const int64_t slot = slot_mapping[t];
-  FillRopeTable(pos, inv_freq, half, cos_s, sin_s);
-  PdlWait();  // qkv is the previous kernel's output
-
-  const int pairs = head_dim / 16;  // chunk pairs per head: lanes per head (a power of two <= 32)
-  const bool has_slot = slot >= 0 && slot < num_slots;
-  const int heads = has_slot ? num_q_heads + 2 * num_kv_heads : num_q_heads;  // padding: q only
-  const int items = heads * pairs;
+  const WideToken w = BeginWideToken(qkv, inv_freq, positions, slot_mapping, num_q_heads,
+                                     num_kv_heads, head_dim, num_slots, cos_s, sin_s);
+  const int t = blockIdx.x, half = head_dim / 2;
+  const int pairs = w.pairs;  // lanes per head: a power of two <= 32
+  const int64_t slot = w.slot;
   const int lane = threadIdx.x % 32;
   // A head's lanes: `pairs` neighbours from a multiple of `pairs` (blockDim.x is a multiple).
   const unsigned head_lanes =
       pairs == 32 ? 0xffffffffu : ((1u << pairs) - 1u) << (lane & ~(pairs - 1));
-  const __nv_bfloat16* row =
-      qkv + static_cast<int64_t>(t) * (num_q_heads + 2 * num_kv_heads) * head_dim;
-  for (int first = threadIdx.x; first < items; first += kItems * blockDim.x) {
+  for (int first = threadIdx.x; first < w.items; first += kItems * blockDim.x) {
     uint4 a[kItems], b[kItems];
+    LoadWideItems(w, first, head_dim, a, b);
 #pragma unroll
     for (int u = 0; u < kItems; ++u) {
       const int i = first + u * blockDim.x;
-      if (i < items) {
-        const __nv_bfloat16* src = row + (i / pairs) * head_dim + (i % pairs) * 8;
-        a[u] = *reinterpret_cast<const uint4*>(src);
-        b[u] = *reinterpret_cast<const uint4*>(src + half);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kItems; ++u) {
-      const int i = first + u * blockDim.x;
-      if (i >= items) continue;  // a whole head's lanes alike
+      if (i >= w.items) continue;  // a whole head's lanes alike
       const int head = i / pairs, c = i % pairs;
       float fa[8], fb[8];
       Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&a[u]), fa);

@@ -1549,6 +1549,17 @@ TEST_F(CudaAttentionTest, PrefillPersistentFa3MatchesFa3BitForBit) {
   }
 }
 
+// Restores the process-wide prefill switches a test sets (cuda::SetPrefillDequant,
+// cuda::SetMixedDecode).
+struct ScopedPrefillModes {
+  ~ScopedPrefillModes() {
+    cuda::SetPrefillDequant(dequant);
+    cuda::SetMixedDecode(mixed);
+  }
+  cuda::PrefillDequant dequant = cuda::PrefillDequantChoice();
+  cuda::MixedDecode mixed = cuda::MixedDecodeChoice();
+};
+
 // Prefill over fp8 / int8 caches through the bf16 scratch (cuda::PrefillDequant,
 // CudaOps::ReservePrefillScratch) with every wgmma kernel, against the CPU reference:
 // - kAll with room for every page, the unreached rows poisoned: every sequence with a context
@@ -1563,14 +1574,7 @@ TEST_F(CudaAttentionTest, PrefillPersistentFa3MatchesFa3BitForBit) {
 TEST_F(CudaAttentionTest, PrefillDequantScratch) {
   if (!cuda::WgmmaPrefillFits(DType::kF8E4M3, 128)) GTEST_SKIP() << "needs an sm_90 device";
   ScopedPrefillKernel restore(cuda::PrefillKernelChoice());
-  struct Restore {
-    ~Restore() {
-      cuda::SetPrefillDequant(before);
-      cuda::SetMixedDecode(mixed);
-    }
-    cuda::PrefillDequant before = cuda::PrefillDequantChoice();
-    cuda::MixedDecode mixed = cuda::MixedDecodeChoice();
-  } restore_dequant;
+  ScopedPrefillModes restore_modes;
   cuda::SetMixedDecode(cuda::MixedDecode::kOff);  // decode rows stay prefill work: kAll takes them
   const std::vector<AttnCase> all_fit = {
       {{{77, 77}}, 4, 4, 128, 16},
@@ -1642,14 +1646,7 @@ TEST_F(CudaAttentionTest, PrefillDequantScratch) {
 // a chunk long enough for the scratch (600 queries), 300 decode rows (two launches of
 // kDecodeQueryChunk token queries).
 TEST_F(CudaAttentionTest, PrefillMixedDecodeRows) {
-  struct Restore {
-    ~Restore() {
-      cuda::SetMixedDecode(mixed);
-      cuda::SetPrefillDequant(dequant);
-    }
-    cuda::MixedDecode mixed = cuda::MixedDecodeChoice();
-    cuda::PrefillDequant dequant = cuda::PrefillDequantChoice();
-  } restore;
+  ScopedPrefillModes restore_modes;
   cuda::SetPrefillDequant(cuda::PrefillDequant::kAuto);
   std::vector<AttnCase> cases;
   {
