@@ -265,14 +265,19 @@ grpc::Status WorkerGroup::Control(
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (slot.registered || started_ || shutdown_) {
-      const std::string why = shutdown_ ? "the coordinator is shutting down"
-                              : started_
-                                  ? "the worker group is complete (registration is closed)"
-                                  : absl::StrCat("rank ", rank, " is already taken by ",
-                                                 slot.info.hostname(), " pid ", slot.info.pid());
+      // A group that failed and is not yet reset: a worker restarted at once by its launcher
+      // (--rejoin) arrives before Reset reopens registration; ABORTED tells it to register
+      // again (tpserve-worker does, until its --connect-timeout).
+      const bool replacing = started_ && !failure_.ok() && !shutdown_;
+      const std::string why =
+          shutdown_   ? "the coordinator is shutting down"
+          : replacing ? "the worker group is being replaced after a failure; register again"
+          : started_  ? "the worker group is complete (registration is closed)"
+                      : absl::StrCat("rank ", rank, " is already taken by ", slot.info.hostname(),
+                                     " pid ", slot.info.pid());
       TP_LOG(WARNING) << "refused a worker registration for rank " << rank << " from "
                       << context->peer() << ": " << why;
-      return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+      return grpc::Status(replacing ? grpc::StatusCode::ABORTED : grpc::StatusCode::ALREADY_EXISTS,
                           absl::StrCat("register refused: ", why));
     }
     slot.registered = true;

@@ -394,10 +394,16 @@ int Main(int argc, char** argv) {
     return 2;
   }
   int code = 0;
-  {
-    auto ops = MakeOps(device, gpu_index);
+  auto ops = MakeOps(device, gpu_index);
+  const auto connect_deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(connect_timeout_s);
+  // A refusal with ABORTED (the coordinator is replacing a failed group and has not reopened
+  // registration yet) is answered by registering again, until the connect deadline.
+  for (int attempt = 0;; ++attempt) {
+    const auto left = std::chrono::duration_cast<std::chrono::seconds>(
+        connect_deadline - std::chrono::steady_clock::now());
     auto client = ControlClient::Connect(*a.Get("coordinator"),
-                                         std::chrono::seconds(connect_timeout_s), *secret);
+                                         std::max(left, std::chrono::seconds(1)), *secret);
     absl::Status st = !ops.ok() ? ops.status() : client.status();
     if (st.ok()) {
       worker::WorkerMessage reg;
@@ -436,10 +442,17 @@ int Main(int argc, char** argv) {
         (*client)->Close();
       }
     }
+    if (absl::IsAborted(st) &&
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(200) < connect_deadline) {
+      TP_LOG(WARNING) << st.message() << " (attempt " << attempt + 1 << ")";
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      continue;
+    }
     if (!st.ok()) {
       TP_LOG(ERROR) << st.message();
       code = 1;
     }
+    break;
   }
   if (mpi) LeaveMpiAsWorker(&mpi_workers, /*failed=*/code != 0);
   return code;
