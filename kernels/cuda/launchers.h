@@ -63,20 +63,20 @@ PrefillKernel PrefillKernelChoice();
 // Prefill attention over 8-bit caches (fp8, int8) through a bf16 scratch: the wgmma kernel that
 // decodes codes inside its tile loop reaches 183 TFLOP/s on a 2048-token prompt where the bf16
 // kernels reach 300-320 (H100): each query tile decodes every K/V tile it reads again, with one
-// stage in flight. With the scratch,
-// SetBatch picks the sequences whose attention reads each key often enough (PrefillDequantTakes),
-// LaunchDequantizeKvPages writes their pages as bf16 once a layer, and the bf16 kernel runs their
-// query tiles; the others keep the in-kernel decode. The scratch holds bf16(code * scale) (one
-// more rounding than the in-kernel path, which scales the fp32 scores and P: a relative 2^-9 on K
-// and V, 1/32 of fp8's own step). kAuto: PrefillDequantTakes; kOff: never; kAll: every
-// sequence whose pages fit (tests). From TPSERVE_PREFILL_DEQUANT; SetPrefillDequant sets it for
-// every later SetBatch of this process.
+// stage in flight. With the scratch, SetBatch picks the sequences whose attention reads each key
+// often enough (PrefillDequantTakes), LaunchDequantizeKvPages writes their pages as bf16 once a
+// layer, and the bf16 kernel runs their query tiles; the others keep the in-kernel decode. The
+// scratch holds bf16(code * scale) (one more rounding than the in-kernel path, which scales the
+// fp32 scores and P: a relative 2^-9 on K and V, 1/32 of fp8's own step). kAuto:
+// PrefillDequantTakes; kOff: never; kAll: every sequence whose pages fit (tests). From
+// TPSERVE_PREFILL_DEQUANT; SetPrefillDequant sets it for every later SetBatch of this process.
 enum class PrefillDequant { kOff, kAuto, kAll };
 void SetPrefillDequant(PrefillDequant mode);
 PrefillDequant PrefillDequantChoice();
 // kAuto's rule: the sequence's query-key pairs (causal) are at least kPrefillDequantPairsPerKey
-// times its keys (a key's dequantization then costs less than the in-kernel decode saves on
-// its reads; the break-even measured by the H100 rows is ~180).
+// times its keys (a key's dequantization then costs less than the in-kernel decode would spend
+// on its reads: ~180 by a model from the H100 rows, 183 against 300+ TFLOP/s and ~24 KB of
+// copy a key and layer at ~3 TB/s; the rule itself was not swept).
 inline constexpr int kPrefillDequantPairsPerKey = 256;
 bool PrefillDequantTakes(PrefillDequant mode, int query_len, int context_len);
 
@@ -140,6 +140,9 @@ struct DeviceBatch {
   // in the scratch (other rows unused), scratch_pages [num_scratch_pages] for each scratch page
   // (its cache page, the rows of the context in it).
   int num_scratch_work = 0;
+  int num_scratch_pages = 0;
+  const int32_t* scratch_tables = nullptr;
+  const int2* scratch_pages = nullptr;
   // Continuous batching (MixedDecodeChoice): the last num_mixed_decode entries of prefill_work
   // are decode rows (one query, a context), described for the decode kernel by mixed_query_rows
   // (the row in q), mixed_context_lens and mixed_table_rows (the row of block_tables), each
@@ -151,9 +154,6 @@ struct DeviceBatch {
   // Token-query mode of the decode launcher (token_context_lens set): how many of the token_*
   // entries to run (0: num_tokens).
   int num_token_queries = 0;
-  int num_scratch_pages = 0;
-  const int32_t* scratch_tables = nullptr;
-  const int2* scratch_pages = nullptr;
 };
 
 // Decode attention: query heads handled by one block (the largest of 8, 4, 2, 1 dividing the
