@@ -53,6 +53,16 @@ std::atomic<int>& PrefillDequantOverride() {
   return mode;
 }
 
+std::atomic<int>& MixedDecodeOverride() {
+  static std::atomic<int> mode{[] {
+    const std::string m = EnvString(env::kMixedDecode);
+    return static_cast<int>(m == "0"   ? MixedDecode::kOff
+                            : m == "1" ? MixedDecode::kOn
+                                       : MixedDecode::kAuto);
+  }()};
+  return mode;
+}
+
 // Scratch page blockIdx.x, elements [blockIdx.y, blockIdx.y + 1) * kDequantElems of it: a
 // thread decodes 8 codes (one 8-byte load) kDequantItems times, all loads first.
 constexpr int kDequantThreads = 256;
@@ -106,18 +116,6 @@ __global__ void __launch_bounds__(kDequantThreads)
   }
 }
 
-}  // namespace
-
-namespace {
-std::atomic<int>& MixedDecodeOverride() {
-  static std::atomic<int> mode{[] {
-    const std::string m = EnvString(env::kMixedDecode);
-    return static_cast<int>(m == "0"   ? MixedDecode::kOff
-                            : m == "1" ? MixedDecode::kOn
-                                       : MixedDecode::kAuto);
-  }()};
-  return mode;
-}
 }  // namespace
 
 void SetMixedDecode(MixedDecode mode) { MixedDecodeOverride() = static_cast<int>(mode); }

@@ -135,11 +135,10 @@ struct KvTileProducer {
   // is NaN in P V), so every `full` phase takes 33 arrivals: the warp's 32 cp.async arrivals and
   // lane 0's. Lane j < kKeys / block_size reads the block-table entry of page j of the next tile
   // while this one is issued. g0: the tiles this ring carried before (a persistent block's
-  // earlier work items), which place tile t at ring position g0 + t; drain: wait for the warp's
-  // copies at the end (before the warp exits).
+  // earlier work items), which place tile t at ring position g0 + t. The caller waits for the
+  // warp's copies (cp.async.wait_all) before the warp exits.
   __device__ __forceinline__ void RunTma(const CUtensorMap* k_map, const CUtensorMap* v_map,
-                                         int num_tiles, int lane, int g0 = 0,
-                                         bool drain = true) const {
+                                         int num_tiles, int lane, int g0 = 0) const {
     const int pages = kKeys / block_size;  // <= 16
     auto table_entry = [&](int tile) {
       const int key = tile * kKeys + lane * block_size;
@@ -170,7 +169,6 @@ struct KvTileProducer {
       }
       CpAsyncArriveNoinc(&full[s]);
     }
-    if (drain) asm volatile("cp.async.wait_all;" ::: "memory");  // consumers wait for the TMA
   }
 };
 
@@ -694,6 +692,7 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
         empty);
     if constexpr (kTma) {
       producer.RunTma(&k_map, &v_map, num_tiles, ptid);
+      asm volatile("cp.async.wait_all;" ::: "memory");  // the consumers wait for the TMA loads
       return;
     }
     constexpr int kRowsPerPass = 32 / kChunks;
@@ -900,7 +899,7 @@ __global__ void __launch_bounds__((kWgs + 1) * kWarpgroup, 1)
           k_cache, v_cache, block_tables + static_cast<int64_t>(it.seq) * max_blocks_per_seq,
           it.ctx, block_size, block_shift, num_kv_heads, head / (num_heads / num_kv_heads), k_s,
           v_s, full, empty);
-      producer.RunTma(&k_map, &v_map, it.num_tiles, ptid, g, /*drain=*/false);
+      producer.RunTma(&k_map, &v_map, it.num_tiles, ptid, g);
       g += it.num_tiles;
     });
     asm volatile("cp.async.wait_all;" ::: "memory");  // the consumers wait for the TMA loads
