@@ -1,6 +1,8 @@
 // Small random models for worker tests, written once per test binary into the temp dir.
 #pragma once
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -34,11 +36,14 @@ inline ModelConfig AwkwardConfig() {
   return c;
 }
 
-// Writes a random model for `config` under the temp dir and returns the directory.
+// Writes a random model for `config` under the temp dir and returns the directory: one per
+// process, since ctest runs test binaries (and one binary under several environments) at once,
+// and a writer removes the old weight files first.
 inline std::string WriteTestModel(const ModelConfig& config, const std::string& name,
                                   uint64_t seed = 7, DType dtype = DType::kF32) {
   namespace fs = std::filesystem;
-  fs::path dir = fs::path(::testing::TempDir()) / "tpserve_models" / name;
+  fs::path dir =
+      fs::path(::testing::TempDir()) / "tpserve_models" / (name + "." + std::to_string(::getpid()));
   fs::create_directories(dir);
   const fs::path config_path = dir / "source_config.json";
   std::ofstream(config_path) << ModelConfigToJson(config);
