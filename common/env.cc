@@ -228,6 +228,15 @@ const EnvVar kDeterministicPartition = {
     0,
     0,
     "128|64|256"};
+const EnvVar kDeterministicTokenGroups = {
+    "TPSERVE_DETERMINISTIC_TOKEN_GROUPS",
+    EnvType::kBool,
+    "1",
+    "--deterministic on CUDA: a prefill's query tokens share a block's K/V reads, up to 8 tokens "
+    "of a sequence (the same bits as one token a block, which 0 runs)",
+    0,
+    0,
+    ""};
 const EnvVar kLoadThreads = {"TPSERVE_LOAD_THREADS",
                              EnvType::kInt,
                              "0",
@@ -423,6 +432,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kDeterministicGemm,
       &env::kDeterministicGemmM,
       &env::kDeterministicPartition,
+      &env::kDeterministicTokenGroups,
       &env::kLoadThreads,
       &env::kOpProfile,
       &env::kFusedSkinny,

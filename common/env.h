@@ -58,6 +58,7 @@ extern const EnvVar kStreamGemmMaxM;
 extern const EnvVar kDeterministicGemm;
 extern const EnvVar kDeterministicGemmM;
 extern const EnvVar kDeterministicPartition;
+extern const EnvVar kDeterministicTokenGroups;
 extern const EnvVar kLoadThreads;
 // Benchmarks only (kernels/cuda/bench_knobs.h, applied by tpserve-engine-bench).
 extern const EnvVar kOpProfile;

@@ -29,6 +29,7 @@ constexpr int kThreads = 128;
 constexpr int kSub = 64;  // keys whose K and V are in flight at once (sub-tile kernel)
 constexpr int kMaxTwoPhasePartition = 512;
 constexpr int kMaxMmaPartition = 1024;
+constexpr int kTokenGroup = kDecodeTokenGroup;  // tokens a group (deterministic prefill)
 // The mma kernel's largest split for kG heads a block (its scores and the int4 V scales of a
 // split are in static shared memory: 48 KB).
 constexpr int MmaMaxPartition(int g) { return g <= 4 ? kMaxMmaPartition : kMaxTwoPhasePartition; }
@@ -112,56 +113,75 @@ __device__ __forceinline__ void SumTokenLanes(float (&acc)[kG][kE], float (*o_s)
   __syncthreads();
 }
 
-// The end of every split: o_s holds sum_t p_t v_t (p relative to m_s), l_s the sum of p.
-// A context of one partition is normalized and written directly. Otherwise the partial goes to
-// the workspace record [seq][head][split]; the block that arrives last at its (sequence, head
-// group) counter merges all `used` partials and resets the counter for the next launch
-// (threadfence reduction: each block's records are visible before its arrival is counted).
-template <int kD, int kG>
-__device__ void FinishSplit(const float (&o_s)[kG][kD], const float* m_s, const float* l_s,
-                            int used, int split, int num_splits, int seq, int group, int num_heads,
-                            int64_t q_row, unsigned* __restrict__ counters,
-                            float* __restrict__ records, __nv_bfloat16* __restrict__ out) {
+// The query tokens of a block. A decode launch has one (kQ = 1): the block's sequence. A
+// token-group launch (deterministic mode's prefill, DeviceBatch::token_groups) has up to kQ
+// consecutive query tokens of one sequence, each with its own context: the block's columns are
+// (token i, head g) = column i kG + g, and every column's arithmetic is the one a decode block
+// of that single token does. For token i: its row in q and out, its record slot in the
+// workspace, its context and its splits (`used`; 0 for a missing token).
+template <int kQ>
+struct SplitTokens {
+  int64_t q_row[kQ];
+  int slot[kQ];
+  int ctx[kQ];
+  int used[kQ];
+  int used_max;       // splits of the longest context: the blocks that arrive at `counter`
+  unsigned* counter;  // the (tokens, head group) arrival counter
+};
+
+// The end of every split: o_s holds sum_t p_t v_t (p relative to m_s), l_s the sum of p, per
+// column. A token whose context fits one partition is normalized and written directly.
+// Otherwise the partial goes to the workspace record [slot][head][split]; the block that arrives
+// last at the counter merges each token's `used` partials and resets the counter for the next
+// launch (threadfence reduction: each block's records are visible before its arrival is
+// counted).
+template <int kD, int kG, int kQ>
+__device__ void FinishSplit(const float (&o_s)[kG * kQ][kD], const float* m_s, const float* l_s,
+                            const SplitTokens<kQ>& tk, int split, int num_splits, int head0,
+                            int num_heads, float* __restrict__ records,
+                            __nv_bfloat16* __restrict__ out) {
+  constexpr int kC = kG * kQ;
   __shared__ bool last_s;
   const int tid = threadIdx.x;
-  const int head0 = group * kG;
-  if (used == 1) {
-    for (int i = tid; i < kG * kD; i += kThreads) {
-      int g = i / kD, d = i % kD;
-      float l = l_s[g];
-      out[(q_row * num_heads + head0 + g) * kD + d] =
-          __float2bfloat16(l > 0.0f ? o_s[g][d] / l : 0.0f);
-    }
-    return;
+  for (int i = tid; i < kC * kD; i += kThreads) {
+    const int c = i / kD, d = i % kD, t = kQ == 1 ? 0 : c / kG, g = c % kG;
+    if (tk.used[t] != 1 || split != 0) continue;
+    const float l = l_s[c];
+    out[(tk.q_row[t] * num_heads + head0 + g) * kD + d] =
+        __float2bfloat16(l > 0.0f ? o_s[c][d] / l : 0.0f);
   }
-  for (int i = tid; i < kG * (kD + 2); i += kThreads) {
-    int g = i / (kD + 2), j = i % (kD + 2);
-    int64_t rec = (static_cast<int64_t>(seq) * num_heads + head0 + g) * num_splits + split;
-    float v = j < kD ? o_s[g][j] : (j == kD ? m_s[g] : l_s[g]);
+  if (tk.used_max <= 1) return;
+  for (int i = tid; i < kC * (kD + 2); i += kThreads) {
+    const int c = i / (kD + 2), j = i % (kD + 2), t = kQ == 1 ? 0 : c / kG, g = c % kG;
+    if (tk.used[t] <= 1 || split >= tk.used[t]) continue;
+    const int64_t rec =
+        (static_cast<int64_t>(tk.slot[t]) * num_heads + head0 + g) * num_splits + split;
+    const float v = j < kD ? o_s[c][j] : (j == kD ? m_s[c] : l_s[c]);
     records[rec * (kD + 2) + j] = v;
   }
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    unsigned* counter = counters + static_cast<int64_t>(seq) * (num_heads / kG) + group;
-    unsigned arrived = atomicAdd(counter, 1u) + 1;
-    last_s = arrived == static_cast<unsigned>(used);
-    if (last_s) atomicExch(counter, 0u);
+    unsigned arrived = atomicAdd(tk.counter, 1u) + 1;
+    last_s = arrived == static_cast<unsigned>(tk.used_max);
+    if (last_s) atomicExch(tk.counter, 0u);
   }
   __syncthreads();
   if (!last_s) return;
   __threadfence();
-  // Merge, one head at a time: warp w folds splits w, w + 4, ... (online softmax rescaling, the
-  // loads of several splits in flight), lane l holds elements [l * kVec, (l + 1) * kVec); then
-  // the four warps' results are combined through shared memory.
+  // Merge, one column at a time: warp w folds splits w, w + 4, ... (online softmax rescaling,
+  // the loads of several splits in flight), lane l holds elements [l * kVec, (l + 1) * kVec);
+  // then the four warps' results are combined through shared memory.
   constexpr int kWarpsPerBlock = kThreads / 32;
   constexpr int kVec = kD / 32;
   __shared__ float warp_m[kWarpsPerBlock], warp_den[kWarpsPerBlock];
   __shared__ float warp_num[kWarpsPerBlock][kD];
   const int warp = tid / 32, lane = tid % 32;
-  for (int g = 0; g < kG; ++g) {
-    const float* rec =
-        records + (static_cast<int64_t>(seq) * num_heads + head0 + g) * num_splits * (kD + 2);
+  for (int c = 0; c < kC; ++c) {
+    const int t = kQ == 1 ? 0 : c / kG, g = c % kG, used = tk.used[t];
+    if (used <= 1) continue;  // block-uniform
+    const float* rec = records + (static_cast<int64_t>(tk.slot[t]) * num_heads + head0 + g) *
+                                     num_splits * (kD + 2);
     float m_run = -INFINITY, den = 0.0f, num[kVec];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) num[e] = 0.0f;
@@ -197,11 +217,56 @@ __device__ void FinishSplit(const float (&o_s)[kG][kD], const float* m_s, const 
         total_num += warp_num[w][d] * f;
         total_den += warp_den[w] * f;
       }
-      out[(q_row * num_heads + head0 + g) * kD + d] =
+      out[(tk.q_row[t] * num_heads + head0 + g) * kD + d] =
           __float2bfloat16(total_den > 0.0f ? total_num / total_den : 0.0f);
     }
-    __syncthreads();  // warp_* are rewritten for the next head
+    __syncthreads();  // warp_* are rewritten for the next column
   }
+}
+
+// A token-group block's tokens (grid (splits, head groups x kTokenGroup / kQ, groups of the
+// launch)): tokens first .. first + kQ - 1 of group z, first = (y % (kTokenGroup / kQ)) kQ. The
+// token arrays and the groups' first tokens are local to the launch's chunk of token queries,
+// so a token's index is its record slot; the counter is its first token's. False: the block has
+// no token (a short group).
+template <int kQ>
+__device__ __forceinline__ bool GroupTokens(const int2* __restrict__ groups, int y, int z,
+                                            const int32_t* __restrict__ query_start,
+                                            const int32_t* __restrict__ context_lens, int partition,
+                                            int num_groups, unsigned* __restrict__ counters,
+                                            SplitTokens<kQ>& tk, int& group, int& seq) {
+  constexpr int kSubs = kTokenGroup / kQ;
+  static_assert(kTokenGroup % kQ == 0, "a group is whole blocks");
+  group = y / kSubs;
+  const int2 grp = groups[z];
+  const int first = (y % kSubs) * kQ;  // of the group's tokens
+  seq = grp.x + first;
+  tk.used_max = 0;
+#pragma unroll
+  for (int i = 0; i < kQ; ++i) {
+    const bool has = first + i < grp.y;
+    const int t = seq + i;
+    tk.q_row[i] = has ? query_start[t] : 0;
+    tk.slot[i] = t;
+    tk.ctx[i] = has ? context_lens[t] : -1;
+    tk.used[i] = has ? (tk.ctx[i] + partition - 1) / partition : 0;
+    tk.used_max = max(tk.used_max, tk.used[i]);
+  }
+  tk.counter = counters + static_cast<int64_t>(seq) * num_groups + group;
+  return first < grp.y;
+}
+
+// A decode block's one token: sequence `seq` of the launch, its (sequence, head group) counter.
+__device__ __forceinline__ SplitTokens<1> OneToken(int64_t q_row, int seq, int ctx, int partition,
+                                                   int group, int num_groups,
+                                                   unsigned* __restrict__ counters) {
+  SplitTokens<1> tk;
+  tk.q_row[0] = q_row;
+  tk.slot[0] = seq;
+  tk.ctx[0] = ctx;
+  tk.used[0] = tk.used_max = (ctx + partition - 1) / partition;
+  tk.counter = counters + static_cast<int64_t>(seq) * num_groups + group;
+  return tk;
 }
 
 // Elements of a row per lane in the two-phase kernel: 16 for a quantized cache when the
@@ -214,10 +279,24 @@ inline constexpr int kTwoPhaseLaneElems = (Kv::kQuantized && kG <= 2 && kKvGroup
                                               ? 16
                                               : 8;
 
+// Tokens a block of a token-group launch takes (deterministic mode's prefill): kQ tokens x kG
+// heads = kC columns, each a query that shares the block's K/V loads, at most 8 (4 with 16
+// elements a lane) so that q and the accumulators (kC x kE floats a lane) stay in registers.
+// Every group has at most kTokenGroup tokens, so a group is kTokenGroup / kQ blocks a head group.
+// Head size 32 (tiny models) keeps one token a block: fewer kernels in the binary.
+template <typename Kv, int kD, int kG>
+inline constexpr int kTwoPhaseGroupTokens =
+    kD < 64 ? 1 : std::max(1, (kTwoPhaseLaneElems<Kv, kD, kG> == 16 ? 4 : 8) / kG);
+
 // Large batches: one block per split of up to kMaxTwoPhasePartition keys, three phases (all
 // scores, softmax, PV) with few registers, so that many blocks stay resident and their loads
 // overlap. `block_shift`: KvBlockShift(block_size).
-template <typename Kv, int kD, int kG>
+// kQ > 1: a token-group launch (`groups`: [first token, count] of each group, grid (splits,
+// head groups x kTokenGroup / kQ, groups), split-major): the block's kQ tokens of one sequence
+// (token_* arrays: query_start, context_lens and table_rows indexed by token) share its K/V
+// loads; a column's scores, softmax, products and merge are the kQ = 1 block's for that token
+// alone (other columns only add work beside it), so a token's bits do not depend on the group.
+template <typename Kv, int kD, int kG, int kQ>
 __global__ void __launch_bounds__(kThreads)
     DecodeTwoPhaseKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
                          const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
@@ -225,11 +304,12 @@ __global__ void __launch_bounds__(kThreads)
                          const int32_t* __restrict__ query_start,
                          const int32_t* __restrict__ context_lens,
                          const int32_t* __restrict__ block_tables,
-                         const int32_t* __restrict__ table_rows, int max_blocks_per_seq,
-                         int block_size, int num_heads, int num_kv_heads, int partition,
-                         float scale_log2, unsigned* __restrict__ counters,
+                         const int32_t* __restrict__ table_rows, const int2* __restrict__ groups,
+                         int max_blocks_per_seq, int block_size, int num_heads, int num_kv_heads,
+                         int partition, float scale_log2, unsigned* __restrict__ counters,
                          float* __restrict__ records, __nv_bfloat16* __restrict__ out,
                          int block_shift, int order, int prefetch) {
+  constexpr int kC = kG * kQ;
   constexpr int kE = kTwoPhaseLaneElems<Kv, kD, kG>;
   using Lane = KvLane<Kv, kE>;
   constexpr int kLanesPerToken = kD / kE;                    // kE-element chunks per row
@@ -238,27 +318,47 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kUnroll = Kv::kQuantized ? 8 : 4;
   constexpr int kGroup = kKvGroup<Kv, kD>;
   static_assert(kGroup % kE == 0, "a lane's elements lie in one scale group");
-  __shared__ float q_s[kG][kD];
-  __shared__ float p_s[kG][kMaxTwoPhasePartition];
-  __shared__ float o_s[kG][kD];
-  __shared__ float m_s[kG], l_s[kG];
+  static_assert(kQ == 1 || kTokenGroup % kQ == 0, "a group is whole blocks");
+  __shared__ float q_s[kC][kD];
+  __shared__ float p_s[kC][kMaxTwoPhasePartition];
+  __shared__ float o_s[kC][kD];
+  __shared__ float m_s[kC], l_s[kC];
 
   PdlLaunchDependents();
   const DecodeBlock blk = DecodeBlockIndex(order);
-  const int split = blk.split, group = blk.group, seq = blk.seq, num_splits = blk.num_splits;
-  const int ctx = context_lens[seq];
+  const int split = blk.split, num_splits = blk.num_splits;
   const int start = split * partition;
-  const int head0 = group * kG;
-  const int64_t q_row = query_start[seq];
-  if (start >= ctx) {
-    if (ctx == 0 && split == 0) {
-      PdlWait();
-      WriteZeroRows<kD, kG>(q_row, num_heads, head0, out);
+  SplitTokens<kQ> tk;
+  int group, seq;  // head group; the token (kQ = 1: sequence) whose table row the block reads
+  if constexpr (kQ == 1) {
+    group = blk.group;
+    seq = blk.seq;
+    tk = OneToken(query_start[seq], seq, context_lens[seq], partition, group, num_heads / kG,
+                  counters);
+  } else {
+    if (!GroupTokens<kQ>(groups, blk.group, blk.seq, query_start, context_lens, partition,
+                         num_heads / kG, counters, tk, group, seq)) {
+      return;
     }
-    return;
   }
-  const int n = min(partition, ctx - start);
-  const int used = (ctx + partition - 1) / partition;
+  const int head0 = group * kG;
+  int ctx_max = 0;
+#pragma unroll
+  for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
+  if (split == 0) {
+#pragma unroll
+    for (int i = 0; i < kQ; ++i) {
+      if (tk.ctx[i] == 0) {
+        PdlWait();
+        WriteZeroRows<kD, kG>(tk.q_row[i], num_heads, head0, out);
+      }
+    }
+  }
+  if (start >= ctx_max) return;
+  const int n = min(partition, ctx_max - start);
+  int n_tok[kQ];  // keys of the split in each token's context
+#pragma unroll
+  for (int i = 0; i < kQ; ++i) n_tok[i] = min(partition, tk.ctx[i] - start);
   const int kv_head = head0 / (num_heads / num_kv_heads);
   const int tid = threadIdx.x;
   const int32_t* table =
@@ -266,10 +366,12 @@ __global__ void __launch_bounds__(kThreads)
       static_cast<int64_t>(table_rows != nullptr ? table_rows[seq] : seq) * max_blocks_per_seq;
 
   PdlWait();  // q and this step's K/V rows come from the previous kernels
-  for (int i = tid; i < kG * kD; i += kThreads) {
-    int g = i / kD, d = i % kD;
-    q_s[g][d] = __bfloat162float(q[(q_row * num_heads + head0 + g) * kD + d]) * scale_log2;
-    o_s[g][d] = 0.0f;
+  for (int i = tid; i < kC * kD; i += kThreads) {
+    const int c = i / kD, d = i % kD, t = kQ == 1 ? 0 : c / kG, g = c % kG;
+    q_s[c][d] = n_tok[t] > 0 ? __bfloat162float(q[(tk.q_row[t] * num_heads + head0 + g) * kD + d]) *
+                                   scale_log2
+                             : 0.0f;
+    o_s[c][d] = 0.0f;
   }
   __syncthreads();
 
@@ -281,11 +383,11 @@ __global__ void __launch_bounds__(kThreads)
   };
 
   // Phase 1: scores (log2 domain) of the partition's keys.
-  float qf[kG][kE];
+  float qf[kC][kE];
 #pragma unroll
-  for (int g = 0; g < kG; ++g) {
+  for (int c = 0; c < kC; ++c) {
 #pragma unroll
-    for (int e = 0; e < kE; ++e) qf[g][e] = q_s[g][chunk * kE + e];
+    for (int e = 0; e < kE; ++e) qf[c][e] = q_s[c][chunk * kE + e];
   }
   for (int base = 0; base < n; base += kTokensPerStep * kUnroll) {
     Lane kv[kUnroll];
@@ -307,45 +409,47 @@ __global__ void __launch_bounds__(kThreads)
       float kf[kE];
       kv[u].Decode(kf);
 #pragma unroll
-      for (int g = 0; g < kG; ++g) {
+      for (int c = 0; c < kC; ++c) {
         float s = 0.0f;
 #pragma unroll
-        for (int e = 0; e < kE; ++e) s = fmaf(qf[g][e], kf[e], s);
+        for (int e = 0; e < kE; ++e) s = fmaf(qf[c][e], kf[e], s);
         if constexpr (Kv::kQuantized) s *= ks[u];  // the chunk lies in one scale group
 #pragma unroll
         for (int o = kLanesPerToken / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (chunk == 0 && tok < n) p_s[g][tok] = s;
+        if (chunk == 0 && tok < n) p_s[c][tok] = s;
       }
     }
   }
   __syncthreads();
 
-  // Phase 2: softmax numerators of the partition, per head (one warp per head).
+  // Phase 2: softmax numerators of the partition, per column (one warp per column), over the
+  // keys of its token's context.
   const int warp = tid / 32, lane = tid % 32;
-  for (int g = warp; g < kG; g += kThreads / 32) {
+  for (int c = warp; c < kC; c += kThreads / 32) {
+    const int nc = n_tok[kQ == 1 ? 0 : c / kG];
     float m = -INFINITY;
-    for (int i = lane; i < n; i += 32) m = fmaxf(m, p_s[g][i]);
+    for (int i = lane; i < nc; i += 32) m = fmaxf(m, p_s[c][i]);
     m = WarpMax(m);
     float l = 0.0f;
-    for (int i = lane; i < n; i += 32) {
-      float p = exp2f(p_s[g][i] - m);
-      p_s[g][i] = p;
+    for (int i = lane; i < nc; i += 32) {
+      float p = exp2f(p_s[c][i] - m);
+      p_s[c][i] = p;
       l += p;
     }
     l = WarpSum(l);
     if (lane == 0) {
-      m_s[g] = m;
-      l_s[g] = l;
+      m_s[c] = m;
+      l_s[c] = l;
     }
   }
   __syncthreads();
 
   // Phase 3: o = sum_t p_t v_t; token groups accumulate in registers, then in shared memory.
-  float acc[kG][kE];
+  float acc[kC][kE];
 #pragma unroll
-  for (int g = 0; g < kG; ++g) {
+  for (int c = 0; c < kC; ++c) {
 #pragma unroll
-    for (int e = 0; e < kE; ++e) acc[g][e] = 0.0f;
+    for (int e = 0; e < kE; ++e) acc[c][e] = 0.0f;
   }
   for (int base = 0; base < n; base += kTokensPerStep * kUnroll) {
     Lane vv[kUnroll];
@@ -368,18 +472,18 @@ __global__ void __launch_bounds__(kThreads)
         float vf[kE];
         vv[u].Decode(vf);
 #pragma unroll
-        for (int g = 0; g < kG; ++g) {
-          float p = p_s[g][tok];
+        for (int c = 0; c < kC; ++c) {
+          if (kQ > 1 && tok >= n_tok[c / kG]) continue;  // past this column's context
+          float p = p_s[c][tok];
           if constexpr (Kv::kQuantized) p *= vs[u];  // p v = (p scale) code
 #pragma unroll
-          for (int e = 0; e < kE; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
+          for (int e = 0; e < kE; ++e) acc[c][e] = fmaf(p, vf[e], acc[c][e]);
         }
       }
     }
   }
-  SumTokenLanes<kD, kG, kE>(acc, o_s, q_s);  // q_s is dead: q is in registers
-  FinishSplit<kD, kG>(o_s, m_s, l_s, used, split, num_splits, seq, group, num_heads, q_row,
-                      counters, records, out);
+  SumTokenLanes<kD, kC, kE>(acc, o_s, q_s);  // q_s is dead: q is in registers
+  FinishSplit<kD, kG, kQ>(o_s, m_s, l_s, tk, split, num_splits, head0, num_heads, records, out);
 }
 
 // The tensor-core decode kernel (fp8, int8 and int4 caches at head_dim 64 and 128): the
@@ -482,10 +586,11 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
                     const float* __restrict__ v_scales, const int32_t* __restrict__ query_start,
                     const int32_t* __restrict__ context_lens,
                     const int32_t* __restrict__ block_tables,
-                    const int32_t* __restrict__ table_rows, int max_blocks_per_seq, int block_size,
-                    int num_heads, int num_kv_heads, int partition, float scale_log2,
-                    unsigned* __restrict__ counters, float* __restrict__ records,
-                    __nv_bfloat16* __restrict__ out, int block_shift, int order, int prefetch) {
+                    const int32_t* __restrict__ table_rows, const int2* __restrict__ /*groups*/,
+                    int max_blocks_per_seq, int block_size, int num_heads, int num_kv_heads,
+                    int partition, float scale_log2, unsigned* __restrict__ counters,
+                    float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift,
+                    int order, int prefetch) {
   if constexpr (kMmaDecodeSupported<Kv, kD> && kG <= 8) {
     constexpr bool kI4 = Kv::kBits == 4;
     constexpr int kSteps = kD / 16;   // k steps of a score tile = dim blocks of an output tile
@@ -526,7 +631,6 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
       return;
     }
     const int n = min(partition, ctx - start);
-    const int used = (ctx + partition - 1) / partition;
     const int num_tiles = (n + 15) / 16;
     const int kv_head = head0 / (num_heads / num_kv_heads);
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = lane / 4, c = lane % 4;
@@ -818,8 +922,9 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
       o_s[g][d] = s * vmax_s;
     }
     __syncthreads();
-    FinishSplit<kD, kG>(o_s, m_s, l_s, used, split, num_splits, seq, group, num_heads, q_row,
-                        counters, records, out);
+    FinishSplit<kD, kG, 1>(o_s, m_s, l_s,
+                           OneToken(q_row, seq, ctx, partition, group, num_heads / kG, counters),
+                           split, num_splits, head0, num_heads, records, out);
   }
 }
 
@@ -828,18 +933,15 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
 // sub-tile before using any (32 KB in flight per block at head_dim 128), scores go to shared
 // memory, and the softmax is online across sub-tiles.
 template <typename Kv, int kD, int kG>
-__global__ void __launch_bounds__(kThreads)
-    DecodePartitionKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
-                          const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
-                          const float* __restrict__ v_scales,
-                          const int32_t* __restrict__ query_start,
-                          const int32_t* __restrict__ context_lens,
-                          const int32_t* __restrict__ block_tables,
-                          const int32_t* __restrict__ table_rows, int max_blocks_per_seq,
-                          int block_size, int num_heads, int num_kv_heads, int partition,
-                          float scale_log2, unsigned* __restrict__ counters,
-                          float* __restrict__ records, __nv_bfloat16* __restrict__ out,
-                          int block_shift, int order, int prefetch) {
+__global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
+    const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
+    const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
+    const float* __restrict__ v_scales, const int32_t* __restrict__ query_start,
+    const int32_t* __restrict__ context_lens, const int32_t* __restrict__ block_tables,
+    const int32_t* __restrict__ table_rows, const int2* __restrict__ /*groups*/,
+    int max_blocks_per_seq, int block_size, int num_heads, int num_kv_heads, int partition,
+    float scale_log2, unsigned* __restrict__ counters, float* __restrict__ records,
+    __nv_bfloat16* __restrict__ out, int block_shift, int order, int prefetch) {
   constexpr int kLanesPerToken = kD / 8;                     // 8-element chunks per row
   constexpr int kTokensPerStep = kThreads / kLanesPerToken;  // rows read per block step
   constexpr int kUnroll = kSub / kTokensPerStep;
@@ -864,7 +966,6 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   const int n = min(partition, ctx - start);
-  const int used = (ctx + partition - 1) / partition;
   const int kv_head = head0 / (num_heads / num_kv_heads);
   const int tid = threadIdx.x;
   const int32_t* table =
@@ -1000,8 +1101,9 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // s_s is rewritten by the next sub-tile
   }
   SumTokenLanes<kD, kG>(acc, o_s, q_s);  // q_s is dead: q is in registers
-  FinishSplit<kD, kG>(o_s, m_s, l_s, used, split, num_splits, seq, group, num_heads, q_row,
-                      counters, records, out);
+  FinishSplit<kD, kG, 1>(o_s, m_s, l_s,
+                         OneToken(q_row, seq, ctx, partition, group, num_heads / kG, counters),
+                         split, num_splits, head0, num_heads, records, out);
 }
 
 // Calls f(std::integral_constant<int, D>{}) with the head size D (32, 64 or 128; the launcher
@@ -1094,7 +1196,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
                 : plan.kernel == DecodeKernel::kMma
                     ? (DecodePrefetchOf() > 0 ? DecodeMmaKernel<Kv, kD, kG, true>
                                               : DecodeMmaKernel<Kv, kD, kG, false>)
-                    : DecodeTwoPhaseKernel<Kv, kD, kG>;
+                    : DecodeTwoPhaseKernel<Kv, kD, kG, 1>;
   const int block_shift = KvBlockShift(b.block_size);
   const auto* kc = static_cast<const uint8_t*>(k_cache.data);
   const auto* vc = static_cast<const uint8_t*>(v_cache.data);
@@ -1104,11 +1206,38 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     const dim3 grid = DecodeGrid(DecodeSplits(b, partition), num_heads / kG, b.num_seqs);
     LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
               k_scales, v_scales, b.query_start, b.context_lens, b.block_tables,
-              static_cast<const int32_t*>(nullptr), b.max_blocks_per_seq, b.block_size, num_heads,
-              num_kv_heads, partition, scale * kLog2e, counters, workspace,
-              out.ptr<__nv_bfloat16>(), block_shift, DecodeOrderOf(), DecodePrefetchOf());
+              static_cast<const int32_t*>(nullptr), static_cast<const int2*>(nullptr),
+              b.max_blocks_per_seq, b.block_size, num_heads, num_kv_heads, partition,
+              scale * kLog2e, counters, workspace, out.ptr<__nv_bfloat16>(), block_shift,
+              DecodeOrderOf(), DecodePrefetchOf());
     TP_CUDA_CHECK_LAUNCH();
     return;
+  }
+  // Deterministic mode's prefill in token groups: a block of the two-phase kernel reads a
+  // split's K/V once for kQ tokens of a group (each token's bits as in a launch of its own,
+  // below); one launch per chunk of kDecodeQueryChunk token queries (its groups; the chunks
+  // share the workspace).
+  constexpr int kQ = kTwoPhaseGroupTokens<Kv, kD, kG>;
+  if constexpr (kQ > 1) {
+    if (b.token_groups != nullptr && plan.kernel == DecodeKernel::kTwoPhase) {
+      const int queries = b.num_token_queries > 0 ? b.num_token_queries : b.num_tokens;
+      const int splits = DecodeSplits(b, partition);
+      for (int k = 0; k * kDecodeQueryChunk < queries; ++k) {
+        const int g0 = b.token_group_chunks[k], groups = b.token_group_chunks[k + 1] - g0;
+        const int t0 = k * kDecodeQueryChunk;
+        if (groups == 0) continue;
+        const dim3 grid(splits, num_heads / kG * (kTokenGroup / kQ), groups);
+        LaunchPdl(DecodeTwoPhaseKernel<Kv, kD, kG, kQ>, grid, dim3(kThreads), 0, stream,
+                  q.ptr<const __nv_bfloat16>(), kc, vc, k_scales, v_scales,
+                  b.token_query_start + t0, b.token_context_lens + t0, b.block_tables,
+                  b.token_table_rows + t0, b.token_groups + g0, b.max_blocks_per_seq, b.block_size,
+                  num_heads, num_kv_heads, partition, scale * kLog2e, counters, workspace,
+                  out.ptr<__nv_bfloat16>(), block_shift, static_cast<int>(kDecodeSplitMajor),
+                  DecodePrefetchOf());
+        TP_CUDA_CHECK_LAUNCH();
+      }
+      return;
+    }
   }
   // Every query token as a decode query of its own (deterministic mode): token t reads the
   // cache of its sequence up to its own position, in launches of kDecodeQueryChunk tokens
@@ -1124,9 +1253,10 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     const dim3 grid = DecodeGrid(DecodeSplits(chunk, partition), num_heads / kG, n);
     LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
               k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
-              b.block_tables, b.token_table_rows + t0, b.max_blocks_per_seq, b.block_size,
-              num_heads, num_kv_heads, partition, scale * kLog2e, counters, workspace,
-              out.ptr<__nv_bfloat16>(), block_shift, DecodeOrderOf(), DecodePrefetchOf());
+              b.block_tables, b.token_table_rows + t0, static_cast<const int2*>(nullptr),
+              b.max_blocks_per_seq, b.block_size, num_heads, num_kv_heads, partition,
+              scale * kLog2e, counters, workspace, out.ptr<__nv_bfloat16>(), block_shift,
+              DecodeOrderOf(), DecodePrefetchOf());
     TP_CUDA_CHECK_LAUNCH();
   }
 }

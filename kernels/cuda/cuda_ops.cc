@@ -270,6 +270,7 @@ void CudaOps::SetDeterministic(bool on) {
       on && EnvString(env::kDeterministicGemm) == "stream" && cuda::StreamGemmSupported();
   if (det_stream_gemm_) AllocateStreamWorkspace();
   det_partition_ = on ? static_cast<int>(std::stoi(EnvString(env::kDeterministicPartition))) : 0;
+  det_token_groups_ = on && EnvBool(env::kDeterministicTokenGroups);
   ++generation_;  // graphs captured before bake in the other kernels
 }
 
@@ -291,6 +292,11 @@ void CudaOps::Reserve(const CudaReserve& r) {
     GrowSection(
         sections_[i],
         size_t(deterministic_ ? std::max(r.max_tokens, r.max_seqs) : r.max_seqs) * sizeof(int32_t));
+  }
+  // At most one group per sequence plus one per kDecodeTokenGroup tokens.
+  if (deterministic_) {
+    GrowSection(sections_[kTokenGroups],
+                size_t(r.max_seqs + r.max_tokens / cuda::kDecodeTokenGroup + 1) * sizeof(int2));
   }
   if (r.num_heads > 0) {
     reserve_heads_ = r.num_heads;
@@ -443,6 +449,8 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   // Deterministic mode, a batch with prefill tokens: each token as a decode query of its own.
   const bool token_queries = deterministic_ && T != S;
   std::vector<int32_t> token_query_start, token_context_lens, token_table_rows;
+  std::vector<int2> token_groups;
+  token_group_chunks_.clear();
   const int num_mixed = static_cast<int>(mixed_rows.size());
   if (num_mixed > 0) {
     token_query_start = std::move(mixed_rows);
@@ -461,7 +469,22 @@ void CudaOps::SetBatch(const BatchMeta& m) {
         token_context_lens[q0 + i] = m.context_lens[s] == 0 ? 0 : m.context_lens[s] - qlen + i + 1;
         token_table_rows[q0 + i] = s;
       }
+      // Groups of consecutive tokens of this sequence; none crosses a launch's token chunk.
+      if (det_token_groups_) {
+        for (int i = 0; i < qlen;) {
+          const int t = q0 + i;
+          const int chunk = t / cuda::kDecodeQueryChunk;
+          while (static_cast<int>(token_group_chunks_.size()) <= chunk) {
+            token_group_chunks_.push_back(static_cast<int>(token_groups.size()));
+          }
+          const int room = cuda::kDecodeQueryChunk - t % cuda::kDecodeQueryChunk;
+          const int count = std::min({cuda::kDecodeTokenGroup, qlen - i, room});
+          token_groups.push_back({t % cuda::kDecodeQueryChunk, count});
+          i += count;
+        }
+      }
     }
+    token_group_chunks_.push_back(static_cast<int>(token_groups.size()));
   }
 
   // Fed tokens: (token index, row of the latest SampleAsync), applied after the upload.
@@ -490,6 +513,7 @@ void CudaOps::SetBatch(const BatchMeta& m) {
       {token_query_start.data(), token_query_start.size() * sizeof(int32_t)},
       {token_context_lens.data(), token_context_lens.size() * sizeof(int32_t)},
       {token_table_rows.data(), token_table_rows.size() * sizeof(int32_t)},
+      {token_groups.data(), token_groups.size() * sizeof(int2)},
       {fed.data(), fed.size() * sizeof(int2)},
       {scratch_tables.data(), scratch_tables.size() * sizeof(int32_t)},
       {scratch_pages.data(), scratch_pages.size() * sizeof(int2)},
@@ -557,6 +581,9 @@ void CudaOps::SetBatch(const BatchMeta& m) {
   b.token_query_start = token_queries ? ptr(kTokenQueryStart) : nullptr;
   b.token_context_lens = token_queries ? ptr(kTokenContextLens) : nullptr;
   b.token_table_rows = token_queries ? ptr(kTokenTableRows) : nullptr;
+  b.token_groups =
+      token_groups.empty() ? nullptr : static_cast<const int2*>(sections_[kTokenGroups].dev);
+  b.token_group_chunks = token_groups.empty() ? nullptr : token_group_chunks_.data();
   b.num_mixed_decode = num_mixed;
   b.mixed_query_rows = num_mixed > 0 ? ptr(kTokenQueryStart) : nullptr;
   b.mixed_context_lens = num_mixed > 0 ? ptr(kTokenContextLens) : nullptr;

@@ -273,6 +273,7 @@ class CudaOps final : public Ops {
                        // otherwise a mixed step's decode rows (DeviceBatch::mixed_*)
     kTokenContextLens,
     kTokenTableRows,
+    kTokenGroups,    // deterministic mode: DeviceBatch::token_groups
     kFedTokens,      // BatchMeta::fed_tokens / fed_rows as int2 pairs
     kScratchTables,  // DeviceBatch::scratch_tables / scratch_pages (ReservePrefillScratch)
     kScratchPages,
@@ -288,6 +289,10 @@ class CudaOps final : public Ops {
   unsigned* decode_counters_ = nullptr;  // their arrival counters (zero between launches)
   size_t decode_counters_cap_ = 0;
   int det_partition_ = 0;  // deterministic mode: keys per decode-attention split (else 0)
+  // Deterministic mode: prefill tokens in groups (DeviceBatch::token_groups;
+  // TPSERVE_DETERMINISTIC_TOKEN_GROUPS).
+  bool det_token_groups_ = false;
+  std::vector<int> token_group_chunks_;  // DeviceBatch::token_group_chunks of the current batch
   // Deterministic mode's GEMM: cuBLASLt's fixed algorithm (the default), the fixed-order
   // kernel (TPSERVE_DETERMINISTIC_GEMM=fixed-order) or the stream GEMM on a fixed grid
   // (=stream: LaunchStreamGemmFixed wherever it fits, at every M).

@@ -154,6 +154,14 @@ struct DeviceBatch {
   // Token-query mode of the decode launcher (token_context_lens set): how many of the token_*
   // entries to run (0: num_tokens).
   int num_token_queries = 0;
+  // Deterministic mode's prefill: the token queries in groups of consecutive tokens of one
+  // sequence, so that a block reads a split's K/V once for several of them (null: one token a
+  // block). A group has at most kDecodeTokenGroup tokens and lies in one kDecodeQueryChunk of
+  // token queries: [first token - the chunk's first, count]; those of chunk k are
+  // [token_group_chunks[k], token_group_chunks[k + 1]) (HOST memory, owned by the ops, valid
+  // until the next SetBatch).
+  const int2* token_groups = nullptr;
+  const int* token_group_chunks = nullptr;
 };
 
 // Decode attention: query heads handled by one block (the largest of 8, 4, 2, 1 dividing the
@@ -205,6 +213,9 @@ int DecodeLaunchPartition(const DeviceBatch& b, int num_heads, int num_kv_heads,
 // Deterministic mode: query tokens per launch when every token of a prefill is run as a decode
 // query (bounds the workspace: the launches reuse it).
 inline constexpr int kDecodeQueryChunk = 256;
+// Deterministic mode's token groups (DeviceBatch::token_groups): at most this many tokens a
+// group.
+inline constexpr int kDecodeTokenGroup = 8;
 // Splits of `partition` keys that cover the batch's block-table capacity.
 inline int DecodeSplits(const DeviceBatch& b, int partition) {
   const int cap = b.max_blocks_per_seq * b.block_size;
