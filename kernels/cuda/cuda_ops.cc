@@ -980,6 +980,7 @@ void CudaOps::AttentionPrefill(const Tensor& q, const Tensor& k_cache, const Ten
     rows.token_context_lens = b.mixed_context_lens;
     rows.token_table_rows = b.mixed_table_rows;
     rows.num_token_queries = b.num_mixed_decode;
+    rows.token_groups = nullptr;  // the decode rows run one a block
     cuda::DeviceBatch chunk = b;
     chunk.num_seqs = std::min(b.num_mixed_decode, cuda::kDecodeQueryChunk);
     GrowDecodeWorkspace(chunk, num_heads, num_kv_heads, head_dim);
