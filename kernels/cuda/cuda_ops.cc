@@ -293,10 +293,13 @@ void CudaOps::Reserve(const CudaReserve& r) {
         sections_[i],
         size_t(deterministic_ ? std::max(r.max_tokens, r.max_seqs) : r.max_seqs) * sizeof(int32_t));
   }
-  // At most one group per sequence plus one per kDecodeTokenGroup tokens.
+  // At most one group per sequence, plus one per kDecodeTokenGroup tokens and one per launch
+  // chunk boundary (a group never crosses one).
   if (deterministic_) {
     GrowSection(sections_[kTokenGroups],
-                size_t(r.max_seqs + r.max_tokens / cuda::kDecodeTokenGroup + 1) * sizeof(int2));
+                size_t(r.max_seqs + r.max_tokens / cuda::kDecodeTokenGroup +
+                       r.max_tokens / cuda::kDecodeQueryChunk + 1) *
+                    sizeof(int2));
   }
   if (r.num_heads > 0) {
     reserve_heads_ = r.num_heads;
