@@ -151,12 +151,12 @@ const EnvVar kDecodeKernel = {
     "TPSERVE_DECODE_KERNEL",
     EnvType::kChoice,
     "auto",
-    "decode-attention kernel: auto (by the batch), subtile, twophase or mma "
-    "(A/B runs; mma: fp8, int8, int4 caches at head_dim 64/128, else twophase; "
-    "--deterministic keeps its own)",
+    "decode-attention kernel: auto (by the batch), subtile, twophase, mma or mma-bf16 "
+    "(A/B runs; mma: fp8, int8, int4 caches at head_dim 64/128, mma-bf16: bf16 caches at "
+    "head_dim 64/128, else twophase; --deterministic keeps its own)",
     0,
     0,
-    "auto|subtile|twophase|mma"};
+    "auto|subtile|twophase|mma|mma-bf16"};
 const EnvVar kDecodePartition = {"TPSERVE_DECODE_PARTITION",
                                  EnvType::kChoice,
                                  "0",
@@ -207,6 +207,16 @@ const EnvVar kDeterministicGemmM = {
     "GEMM of that shape uses, whatever its M",
     1,
     8192};
+const EnvVar kDeterministicGemmPrefill = {
+    "TPSERVE_DETERMINISTIC_GEMM_PREFILL",
+    EnvType::kBool,
+    "1",
+    "--deterministic on CUDA: a GEMM of more than 256 rows takes the unsplit cuBLASLt algorithm "
+    "cuBLASLt picks at M = 2048 when a probe on the weights finds it bit-identical to the one of "
+    "TPSERVE_DETERMINISTIC_GEMM_M (else that one)",
+    0,
+    0,
+    ""};
 const EnvVar kDeterministicGemm = {
     "TPSERVE_DETERMINISTIC_GEMM",
     EnvType::kChoice,
@@ -237,6 +247,15 @@ const EnvVar kDeterministicTokenGroups = {
     0,
     0,
     ""};
+const EnvVar kDeterministicDecode = {
+    "TPSERVE_DETERMINISTIC_DECODE",
+    EnvType::kChoice,
+    "mma",
+    "--deterministic on CUDA, bf16 KV cache at head_dim 64/128: the attention kernel, mma (tensor "
+    "cores: a prefill's tokens are MMA columns) or twophase (CUDA cores); they give other bits",
+    0,
+    0,
+    "mma|twophase"};
 const EnvVar kLoadThreads = {"TPSERVE_LOAD_THREADS",
                              EnvType::kInt,
                              "0",
@@ -431,8 +450,10 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kStreamGemmMaxM,
       &env::kDeterministicGemm,
       &env::kDeterministicGemmM,
+      &env::kDeterministicGemmPrefill,
       &env::kDeterministicPartition,
       &env::kDeterministicTokenGroups,
+      &env::kDeterministicDecode,
       &env::kLoadThreads,
       &env::kOpProfile,
       &env::kFusedSkinny,

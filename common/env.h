@@ -59,6 +59,8 @@ extern const EnvVar kDeterministicGemm;
 extern const EnvVar kDeterministicGemmM;
 extern const EnvVar kDeterministicPartition;
 extern const EnvVar kDeterministicTokenGroups;
+extern const EnvVar kDeterministicDecode;
+extern const EnvVar kDeterministicGemmPrefill;
 extern const EnvVar kLoadThreads;
 // Benchmarks only (kernels/cuda/bench_knobs.h, applied by tpserve-engine-bench).
 extern const EnvVar kOpProfile;

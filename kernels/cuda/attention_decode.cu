@@ -928,6 +928,269 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
   }
 }
 
+// Deterministic mode's decode kernel for bf16 caches at head_dim 64 and 128 (DecodeKernel::
+// kMmaBf16): both products on mma.m16n8k16 (bf16 operands, f32 accumulation), so that a
+// prefill's tokens can be the MMA's columns and share a block's K/V reads at tensor-core cost.
+// The two-phase kernel's CUDA-core arithmetic took ~0.9 G warp instructions a layer for a
+// 2048-token deterministic prefill even in token groups (kernels/cuda/NOTES.md, session 26).
+// A block: one split of `partition` (<= kMmaBf16MaxPartition) keys, columns (token i, head g) =
+// i kG + g, at most 8 (one n8 fragment); a warp takes 16-key tiles. Lane (r, c) = (lane / 4,
+// lane % 4):
+// - scores, S^T[16 keys, 8 columns] = K q^T: K is the A operand straight from the cache rows in
+//   registers: the lane loads keys r and r + 8 at dims kD / 4 c + [0, kD / 4), and k step s takes
+//   dims kD / 4 c + 4 s + [0, 4) as the fragment's columns (2c, 2c + 1, 2c + 8, 2c + 9); q (the
+//   B operand, column r) puts the same dims in the same places. Each score is scaled after the
+//   product (q enters unrounded).
+// - output, O^T[kD, 8 columns] = V^T P^T: V^T is the A operand, its rows the dims: block j's
+//   fragment rows r and r + 8 are dims kD / 8 r + 2j and + 1, its columns (2c, 2c + 1, 2c + 8,
+//   2c + 9) the keys 4c .. 4c + 3 (the lane loads kD / 8 dims of each of its 4 keys; byte
+//   permutes pair two keys' elements of one dim). P, rounded to bf16, is the B operand.
+// Why a column's bits do not depend on the others (so a token gives the same bits alone, in a
+// batch of any size, and as a column of a prefill group): an MMA computes each output from its
+// own row of A and column of B (the chain-GEMM and stream-GEMM tests showed it, NOTES.md);
+// the softmax of a column runs over its own keys in a fixed order; a key past a column's
+// context has p = +0 (its V is a real row of the group's chunk, so the product is an exact
+// zero, which leaves an accumulator unchanged); the warps' partial outputs are added in warp
+// order; FinishSplit merges a token's splits as for any kernel.
+constexpr int kMmaBf16MaxPartition = 512;
+template <typename Kv, int kD>
+inline constexpr bool kMmaBf16Supported = !Kv::kQuantized && (kD == 64 || kD == 128);
+template <typename Kv, int kD, int kG>
+inline constexpr int kMmaBf16GroupTokens = kMmaBf16Supported<Kv, kD> ? std::max(1, 8 / kG) : 1;
+
+template <typename Kv, int kD, int kG, int kQ>
+__global__ void __launch_bounds__(kThreads, 4)
+    DecodeMmaBf16Kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
+                        const uint8_t* __restrict__ v_cache, const float* __restrict__ /*ks*/,
+                        const float* __restrict__ /*vs*/, const int32_t* __restrict__ query_start,
+                        const int32_t* __restrict__ context_lens,
+                        const int32_t* __restrict__ block_tables,
+                        const int32_t* __restrict__ table_rows, const int2* __restrict__ groups,
+                        int max_blocks_per_seq, int block_size, int num_heads, int num_kv_heads,
+                        int partition, float scale_log2, unsigned* __restrict__ counters,
+                        float* __restrict__ records, __nv_bfloat16* __restrict__ out,
+                        int block_shift, int order, int /*prefetch*/) {
+  if constexpr (kMmaBf16Supported<Kv, kD> && kG * kQ <= 8) {
+    constexpr int kC = kG * kQ;
+    constexpr int kSteps = kD / 16;  // k steps of a score tile = dim blocks of an output tile
+    constexpr int kKDims = kD / 4;   // dims of a K row a lane loads
+    constexpr int kVDims = kD / 8;   // dims of a V row a lane loads
+    constexpr int kRowBytes = kD * 2;
+    constexpr int kWarps = kThreads / 32;
+    constexpr int kUnroll = 2;  // tiles in flight per warp
+    constexpr int kMaxP = kMmaBf16MaxPartition;
+    static_assert(kWarps * kD <= kMaxP, "the warps' outputs fit in p_s");
+    __shared__ __align__(16) float p_s[kC][kMaxP];
+    __shared__ int32_t row_s[kMaxP];
+    __shared__ float o_s[kC][kD];
+    __shared__ float m_s[kC], l_s[kC];
+
+    PdlLaunchDependents();
+    const DecodeBlock blk = DecodeBlockIndex(order);
+    const int split = blk.split, num_splits = blk.num_splits;
+    const int start = split * partition;
+    SplitTokens<kQ> tk;
+    int group, seq;  // head group; the token (kQ = 1: sequence) whose table row the block reads
+    if constexpr (kQ == 1) {
+      group = blk.group;
+      seq = blk.seq;
+      tk = OneToken(query_start[seq], seq, context_lens[seq], partition, group, num_heads / kG,
+                    counters);
+    } else {
+      if (!GroupTokens<kQ>(groups, blk.group, blk.seq, query_start, context_lens, partition,
+                           num_heads / kG, counters, tk, group, seq)) {
+        return;
+      }
+    }
+    const int head0 = group * kG;
+    int ctx_max = 0;
+#pragma unroll
+    for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
+    if (split == 0) {
+#pragma unroll
+      for (int i = 0; i < kQ; ++i) {
+        if (tk.ctx[i] == 0) {
+          PdlWait();
+          WriteZeroRows<kD, kG>(tk.q_row[i], num_heads, head0, out);
+        }
+      }
+    }
+    if (start >= ctx_max) return;
+    const int n = min(partition, ctx_max - start);
+    const int num_tiles = (n + 15) / 16;
+    int n_tok[kQ];  // keys of the split in each token's context
+#pragma unroll
+    for (int i = 0; i < kQ; ++i) n_tok[i] = min(partition, tk.ctx[i] - start);
+    const int kv_head = head0 / (num_heads / num_kv_heads);
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = lane / 4, c = lane % 4;
+    const int32_t* table =
+        block_tables +
+        static_cast<int64_t>(table_rows != nullptr ? table_rows[seq] : seq) * max_blocks_per_seq;
+
+    PdlWait();  // q and this step's K/V rows come from the previous kernels
+    // q of column r as the score MMAs' B operand: step s takes dims kKDims c + 4s + [0, 4).
+    uint32_t qb[kSteps][2];
+    {
+      const int t = kQ == 1 ? 0 : min(r, kC - 1) / kG, g = min(r, kC - 1) % kG;
+      const bool live = r < kC && n_tok[t] > 0;
+      const __nv_bfloat16* qrow = q + (tk.q_row[t] * num_heads + head0 + g) * kD + kKDims * c;
+#pragma unroll
+      for (int u = 0; u < kKDims / 8; ++u) {
+        const uint4 w = live ? __ldg(reinterpret_cast<const uint4*>(qrow) + u) : uint4{0, 0, 0, 0};
+        qb[2 * u][0] = w.x;
+        qb[2 * u][1] = w.y;
+        qb[2 * u + 1][0] = w.z;
+        qb[2 * u + 1][1] = w.w;
+      }
+    }
+
+    // Phase 1: scores (log2 domain); the lanes of column 0 also keep each key's pool row.
+    for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnroll) {
+      uint4 kw[kUnroll][2][kKDims / 8];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int tok = (t0 + u * kWarps) * 16 + r + 8 * h;
+          if (tok < n) {  // also false for a tile past the last
+            const int64_t row =
+                KvPoolRow(table, start + tok, block_size, block_shift, num_kv_heads, kv_head);
+            const uint8_t* p = k_cache + row * kRowBytes + c * (kKDims * 2);
+#pragma unroll
+            for (int i = 0; i < kKDims / 8; ++i) kw[u][h][i] = LoadStreaming(p + 16 * i);
+            if (c == 0) row_s[tok] = static_cast<int32_t>(row);
+          } else {
+#pragma unroll
+            for (int i = 0; i < kKDims / 8; ++i) kw[u][h][i] = uint4{0, 0, 0, 0};
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int tile = t0 + u * kWarps;
+        if (tile >= num_tiles) continue;  // warp-uniform
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < kKDims / 8; ++i) {
+          const uint4 k0 = kw[u][0][i], k1 = kw[u][1][i];
+          Mma16816(acc, k0.x, k1.x, k0.y, k1.y, qb[2 * i][0], qb[2 * i][1]);
+          Mma16816(acc, k0.z, k1.z, k0.w, k1.w, qb[2 * i + 1][0], qb[2 * i + 1][1]);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = tile * 16 + r + 8 * (e / 2), col = 2 * c + e % 2;
+          if (col < kC && tok < n) p_s[col][tok] = acc[e] * scale_log2;
+        }
+      }
+    }
+    __syncthreads();
+
+    // The first V tiles of phase 3 load while the softmax runs: keys 4c .. 4c + 3 of a tile,
+    // dims kVDims r + [0, kVDims) (zeros past the split's keys).
+    uint4 vw[kUnroll][4][kVDims / 8];
+    auto load_v = [&](int t0) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = (t0 + u * kWarps) * 16 + 4 * c + e;
+          const uint8_t* p = v_cache + static_cast<int64_t>(tok < n ? row_s[tok] : 0) * kRowBytes +
+                             r * (kVDims * 2);
+#pragma unroll
+          for (int i = 0; i < kVDims / 8; ++i) {
+            vw[u][e][i] = tok < n ? LoadStreaming(p + 16 * i) : uint4{0, 0, 0, 0};
+          }
+        }
+      }
+    };
+    load_v(warp);
+
+    // Phase 2: softmax numerators per column (one warp per column) over its token's keys;
+    // zero for the keys past them up to the last tile's end.
+    for (int col = warp; col < kC; col += kWarps) {
+      const int nc = n_tok[kQ == 1 ? 0 : col / kG];
+      float m = -INFINITY;
+      for (int i = lane; i < nc; i += 32) m = fmaxf(m, p_s[col][i]);
+      m = WarpMax(m);
+      float l = 0.0f;
+      for (int i = lane; i < num_tiles * 16; i += 32) {
+        float p = 0.0f;
+        if (i < nc) {
+          p = exp2f(p_s[col][i] - m);
+          l += p;
+        }
+        p_s[col][i] = p;
+      }
+      l = WarpSum(l);
+      if (lane == 0) {
+        m_s[col] = m;
+        l_s[col] = l;
+      }
+    }
+    __syncthreads();
+
+    // Phase 3: O^T += V^T P^T per tile.
+    float acc[kSteps][4];
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    }
+    for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnroll) {
+      if (t0 != warp) load_v(t0);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int tile = t0 + u * kWarps;
+        if (tile >= num_tiles) continue;  // warp-uniform
+        // P of column r, keys 4c .. 4c + 3.
+        uint32_t b0 = 0u, b1 = 0u;
+        if (r < kC) {
+          const float4 p = *reinterpret_cast<const float4*>(&p_s[r][tile * 16 + 4 * c]);
+          b0 = PackBf16(p.x, p.y);
+          b1 = PackBf16(p.z, p.w);
+        }
+#pragma unroll
+        for (int i = 0; i < kVDims / 8; ++i) {
+          const uint32_t w0[4] = {vw[u][0][i].x, vw[u][0][i].y, vw[u][0][i].z, vw[u][0][i].w};
+          const uint32_t w1[4] = {vw[u][1][i].x, vw[u][1][i].y, vw[u][1][i].z, vw[u][1][i].w};
+          const uint32_t w2[4] = {vw[u][2][i].x, vw[u][2][i].y, vw[u][2][i].z, vw[u][2][i].w};
+          const uint32_t w3[4] = {vw[u][3][i].x, vw[u][3][i].y, vw[u][3][i].z, vw[u][3][i].w};
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            // Word x: dims 2j and 2j + 1 of the lane's run, j = 4i + x; a key pair's element
+            // of one dim per register.
+            Mma16816(acc[4 * i + x], __byte_perm(w0[x], w1[x], 0x5410),
+                     __byte_perm(w0[x], w1[x], 0x7632), __byte_perm(w2[x], w3[x], 0x5410),
+                     __byte_perm(w2[x], w3[x], 0x7632), b0, b1);
+          }
+        }
+      }
+    }
+    // The warps' partial outputs (in p_s, now dead), summed in warp order.
+    __syncthreads();
+    auto* ow = reinterpret_cast<float(*)[kC][kD]>(&p_s[0][0]);
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      const int d0 = kVDims * r + 2 * j;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 2 * c + e % 2;
+        if (col < kC) ow[warp][col][d0 + e / 2] = acc[j][e];
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < kC * kD; i += kThreads) {
+      const int col = i / kD, d = i % kD;
+      float s = ow[0][col][d];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) s += ow[w][col][d];
+      o_s[col][d] = s;
+    }
+    __syncthreads();
+    FinishSplit<kD, kG, kQ>(o_s, m_s, l_s, tk, split, num_splits, head0, num_heads, records, out);
+  }
+}
+
 // Small batches: one block per split of `partition` keys, kG query heads of one KV head, one
 // sequence. Keys are processed 64 at a time: every thread issues all its K and V loads of the
 // sub-tile before using any (32 KB in flight per block at head_dim 128), scores go to shared
@@ -1132,11 +1395,21 @@ struct DecodePlan {
 template <typename Kv, int kD>
 DecodePlan PlanDecode(const DeviceBatch& b, int num_heads, int num_kv_heads) {
   if (b.decode_partition > 0) {
+    // Deterministic mode: the bf16 tensor-core kernel where it applies (DeterministicDecodeMma:
+    // TPSERVE_DETERMINISTIC_DECODE), else the two-phase or, at 64-key splits, the sub-tile kernel.
+    if (kMmaBf16Supported<Kv, kD> && DeterministicDecodeMma()) {
+      return {DecodeKernel::kMmaBf16, b.decode_partition};
+    }
     return {b.decode_partition == kSub ? DecodeKernel::kSubTile : DecodeKernel::kTwoPhase,
             b.decode_partition};
   }
   const int auto_p = DecodePartition(b.num_seqs, num_heads, num_kv_heads);
   const DecodeKernel named = DecodeKernelOverride();
+  if (named == DecodeKernel::kMmaBf16) {  // by name only (A/B runs and tests)
+    const int p = DecodePartitionOverride();
+    return {kMmaBf16Supported<Kv, kD> ? DecodeKernel::kMmaBf16 : DecodeKernel::kTwoPhase,
+            std::min(p > 0 ? p : auto_p, kMmaBf16MaxPartition)};
+  }
   DecodeKernel kernel = named;
   if (kernel == DecodeKernel::kAuto) {
     kernel = auto_p == kSub ? DecodeKernel::kSubTile : DecodeKernel::kTwoPhase;
@@ -1196,7 +1469,8 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
                 : plan.kernel == DecodeKernel::kMma
                     ? (DecodePrefetchOf() > 0 ? DecodeMmaKernel<Kv, kD, kG, true>
                                               : DecodeMmaKernel<Kv, kD, kG, false>)
-                    : DecodeTwoPhaseKernel<Kv, kD, kG, 1>;
+                : plan.kernel == DecodeKernel::kMmaBf16 ? DecodeMmaBf16Kernel<Kv, kD, kG, 1>
+                                                        : DecodeTwoPhaseKernel<Kv, kD, kG, 1>;
   const int block_shift = KvBlockShift(b.block_size);
   const auto* kc = static_cast<const uint8_t*>(k_cache.data);
   const auto* vc = static_cast<const uint8_t*>(v_cache.data);
@@ -1213,29 +1487,39 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     TP_CUDA_CHECK_LAUNCH();
     return;
   }
-  // Deterministic mode's prefill in token groups: a block of the two-phase kernel reads a
-  // split's K/V once for kQ tokens of a group (each token's bits as in a launch of its own,
-  // below); one launch per chunk of kDecodeQueryChunk token queries (its groups; the chunks
-  // share the workspace).
+  // Deterministic mode's prefill in token groups: a block of the two-phase or the bf16 mma
+  // kernel reads a split's K/V once for kQ tokens of a group (each token's bits as in a launch
+  // of its own, below); one launch per chunk of kDecodeQueryChunk token queries (its groups;
+  // the chunks share the workspace).
+  auto launch_groups = [&](auto group_kernel, auto q_tokens) {
+    constexpr int kQ = decltype(q_tokens)::value;
+    const int queries = b.num_token_queries > 0 ? b.num_token_queries : b.num_tokens;
+    const int splits = DecodeSplits(b, partition);
+    for (int k = 0; k * kDecodeQueryChunk < queries; ++k) {
+      const int g0 = b.token_group_chunks[k], groups = b.token_group_chunks[k + 1] - g0;
+      const int t0 = k * kDecodeQueryChunk;
+      if (groups == 0) continue;
+      const dim3 grid(splits, num_heads / kG * (kTokenGroup / kQ), groups);
+      LaunchPdl(group_kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
+                k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
+                b.block_tables, b.token_table_rows + t0, b.token_groups + g0, b.max_blocks_per_seq,
+                b.block_size, num_heads, num_kv_heads, partition, scale * kLog2e, counters,
+                workspace, out.ptr<__nv_bfloat16>(), block_shift,
+                static_cast<int>(kDecodeSplitMajor), DecodePrefetchOf());
+      TP_CUDA_CHECK_LAUNCH();
+    }
+  };
+  constexpr int kQm = kMmaBf16GroupTokens<Kv, kD, kG>;
+  if constexpr (kQm > 1) {
+    if (b.token_groups != nullptr && plan.kernel == DecodeKernel::kMmaBf16) {
+      launch_groups(DecodeMmaBf16Kernel<Kv, kD, kG, kQm>, std::integral_constant<int, kQm>{});
+      return;
+    }
+  }
   constexpr int kQ = kTwoPhaseGroupTokens<Kv, kD, kG>;
   if constexpr (kQ > 1) {
     if (b.token_groups != nullptr && plan.kernel == DecodeKernel::kTwoPhase) {
-      const int queries = b.num_token_queries > 0 ? b.num_token_queries : b.num_tokens;
-      const int splits = DecodeSplits(b, partition);
-      for (int k = 0; k * kDecodeQueryChunk < queries; ++k) {
-        const int g0 = b.token_group_chunks[k], groups = b.token_group_chunks[k + 1] - g0;
-        const int t0 = k * kDecodeQueryChunk;
-        if (groups == 0) continue;
-        const dim3 grid(splits, num_heads / kG * (kTokenGroup / kQ), groups);
-        LaunchPdl(DecodeTwoPhaseKernel<Kv, kD, kG, kQ>, grid, dim3(kThreads), 0, stream,
-                  q.ptr<const __nv_bfloat16>(), kc, vc, k_scales, v_scales,
-                  b.token_query_start + t0, b.token_context_lens + t0, b.block_tables,
-                  b.token_table_rows + t0, b.token_groups + g0, b.max_blocks_per_seq, b.block_size,
-                  num_heads, num_kv_heads, partition, scale * kLog2e, counters, workspace,
-                  out.ptr<__nv_bfloat16>(), block_shift, static_cast<int>(kDecodeSplitMajor),
-                  DecodePrefetchOf());
-        TP_CUDA_CHECK_LAUNCH();
-      }
+      launch_groups(DecodeTwoPhaseKernel<Kv, kD, kG, kQ>, std::integral_constant<int, kQ>{});
       return;
     }
   }
@@ -1277,6 +1561,7 @@ DecodeKernel ParseDecodeKernel(const std::string& name) {
   return name == "subtile"    ? DecodeKernel::kSubTile
          : name == "twophase" ? DecodeKernel::kTwoPhase
          : name == "mma"      ? DecodeKernel::kMma
+         : name == "mma-bf16" ? DecodeKernel::kMmaBf16
                               : DecodeKernel::kAuto;
 }
 
@@ -1289,6 +1574,11 @@ DecodeOverrides& Overrides() {
   static DecodeOverrides o{{static_cast<int>(ParseDecodeKernel(EnvString(env::kDecodeKernel)))},
                            {std::stoi(EnvString(env::kDecodePartition))}};
   return o;
+}
+
+std::atomic<bool>& DeterministicMmaFlag() {
+  static std::atomic<bool> mma{EnvString(env::kDeterministicDecode) != "twophase"};
+  return mma;
 }
 
 std::atomic<int>& PrefetchOverride() {
@@ -1312,6 +1602,8 @@ void SetDecodeOverride(DecodeKernel kernel, int partition) {
   Overrides().partition = partition;
 }
 void SetDecodePrefetch(int distance) { PrefetchOverride() = distance; }
+void SetDeterministicDecodeMma(bool mma) { DeterministicMmaFlag() = mma; }
+bool DeterministicDecodeMma() { return DeterministicMmaFlag().load(); }
 int DecodePrefetch() { return DecodePrefetchOf(); }
 
 DecodeKernel DecodeKernelOverride() { return static_cast<DecodeKernel>(Overrides().kernel.load()); }

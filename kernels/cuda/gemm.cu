@@ -5,10 +5,13 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <cmath>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "common/bf16.h"
 #include "common/env.h"
 #include "common/logging.h"
 #include "kernels/cuda/cuda_util.cuh"
@@ -29,6 +32,7 @@ LtGemm::LtGemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   TP_CUBLAS_CHECK(cublasLtCreate(&handle_));
   TP_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
   autotune_ = EnvBool(env::kCublasLtAutotune);
+  fixed_large_ = EnvBool(env::kDeterministicGemmPrefill);
   int device = 0;
   TP_CUDA_CHECK(cudaGetDevice(&device));
   cudaDeviceProp prop{};
@@ -194,6 +198,110 @@ const cublasLtMatmulAlgo_t& LtGemm::FixedAlgo(int64_t n, int64_t k, bool bias, i
                               << " runs unsplit at every M; set TPSERVE_DETERMINISTIC_GEMM_M to "
                                  "another batch size or serve without --deterministic";
   return fixed_algos_.emplace(key, algo).first->second;
+}
+
+bool LtGemm::SameBits(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b, const Tensor& w,
+                      const Tensor* bias, cudaStream_t stream) {
+  // Rows of normal values (exponents spread by a per-row factor) against the real weight: a
+  // different K order or split changes some of the outputs' last bits.
+  constexpr int64_t kProbeRows = 320;  // more than kFixedLargeM, not a multiple of a tile
+  const int64_t n = w.dim(0), k = w.dim(1);
+  std::mt19937 rng(12345);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<uint16_t> xh(kProbeRows * k);
+  for (int64_t r = 0; r < kProbeRows; ++r) {
+    const float row_scale = std::ldexp(1.0f, static_cast<int>(r % 9) - 4);
+    for (int64_t i = 0; i < k; ++i) xh[r * k + i] = F32ToBf16(dist(rng) * row_scale);
+  }
+  const size_t x_bytes = xh.size() * 2, y_bytes = static_cast<size_t>(kProbeRows * n) * 2;
+  void *x = nullptr, *y0 = nullptr, *y1 = nullptr;
+  bool same = false;
+  if (cudaMalloc(&x, x_bytes) == cudaSuccess && cudaMalloc(&y0, y_bytes) == cudaSuccess &&
+      cudaMalloc(&y1, y_bytes) == cudaSuccess) {
+    TP_CUDA_CHECK(cudaMemcpyAsync(x, xh.data(), x_bytes, cudaMemcpyHostToDevice, stream));
+    Plan probe;
+    static_cast<Problem&>(probe) = MakeProblem(kProbeRows, n, k, bias != nullptr);
+    if (bias != nullptr) {
+      const void* bp = bias->data;
+      TP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(probe.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                     &bp, sizeof(bp)));
+    }
+    cublasLtMatmulHeuristicResult_t check{};
+    bool runs = true;
+    for (const cublasLtMatmulAlgo_t* algo : {&a, &b}) {
+      runs = runs &&
+             cublasLtMatmulAlgoCheck(handle_, probe.desc, probe.a, probe.b, probe.c, probe.c, algo,
+                                     &check) == CUBLAS_STATUS_SUCCESS &&
+             check.workspaceSize <= workspace_bytes_;
+    }
+    if (runs) {
+      Tensor tx(x, {kProbeRows, k}, DType::kBF16, Device::kCuda);
+      Launch(probe, a, tx, w, Tensor(y0, {kProbeRows, n}, DType::kBF16, Device::kCuda), stream);
+      Launch(probe, b, tx, w, Tensor(y1, {kProbeRows, n}, DType::kBF16, Device::kCuda), stream);
+      std::vector<uint16_t> h0(kProbeRows * n), h1(kProbeRows * n);
+      TP_CUDA_CHECK(cudaMemcpyAsync(h0.data(), y0, y_bytes, cudaMemcpyDeviceToHost, stream));
+      TP_CUDA_CHECK(cudaMemcpyAsync(h1.data(), y1, y_bytes, cudaMemcpyDeviceToHost, stream));
+      TP_CUDA_CHECK(cudaStreamSynchronize(stream));
+      same = h0 == h1;
+    }
+    DestroyProblem(probe);
+  }
+  cudaGetLastError();  // a failed allocation leaves an error behind: not this stream's
+  for (void* p : {x, y0, y1}) {
+    if (p != nullptr) cudaFree(p);
+  }
+  return same;
+}
+
+const cublasLtMatmulAlgo_t* LtGemm::FixedLargeAlgo(const Tensor& w, const Tensor* bias,
+                                                   int alignment, cudaStream_t stream) {
+  const int64_t n = w.dim(0), k = w.dim(1);
+  auto key = std::make_tuple(n, k, bias != nullptr, alignment);
+  auto it = fixed_large_algos_.find(key);
+  if (it != fixed_large_algos_.end()) return it->second ? &*it->second : nullptr;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TP_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) return nullptr;  // decided at an eager call
+  const cublasLtMatmulAlgo_t& small = FixedAlgo(n, k, bias != nullptr, alignment);
+  std::optional<cublasLtMatmulAlgo_t> chosen;
+  Plan ref;
+  static_cast<Problem&>(ref) = MakeProblem(2048, n, k, bias != nullptr);
+  std::vector<cublasLtMatmulHeuristicResult_t> results = Heuristic(ref, alignment, 4);
+  DestroyProblem(ref);
+  for (const auto& r : results) {
+    if (r.state != CUBLAS_STATUS_SUCCESS) continue;
+    int32_t splits = 1;
+    size_t written = 0;
+    TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                         &splits, sizeof(splits), &written));
+    if (splits > 1) continue;  // a split K adds parts in another order
+    if (DescribeAlgo(r.algo) == DescribeAlgo(small)) break;  // the same: nothing to gain
+    bool runs_everywhere = true;
+    for (int64_t m : {kFixedLargeM + 1, int64_t{2048}, int64_t{32768}}) {
+      Plan probe;
+      static_cast<Problem&>(probe) = MakeProblem(m, n, k, bias != nullptr);
+      cublasLtMatmulHeuristicResult_t check{};
+      const cublasStatus_t st = cublasLtMatmulAlgoCheck(handle_, probe.desc, probe.a, probe.b,
+                                                        probe.c, probe.c, &r.algo, &check);
+      DestroyProblem(probe);
+      runs_everywhere =
+          runs_everywhere && st == CUBLAS_STATUS_SUCCESS && check.workspaceSize <= workspace_bytes_;
+    }
+    if (runs_everywhere && SameBits(small, r.algo, w, bias, stream)) {
+      chosen = r.algo;
+      break;
+    }
+  }
+  TP_LOG(INFO) << "deterministic GEMM N=" << n << " K=" << k << ": more than " << kFixedLargeM
+               << " rows take "
+               << (chosen ? "'" + DescribeAlgo(*chosen) + "' (the same bits as '" +
+                                DescribeAlgo(small) + "' on a probe)"
+                          : "'" + DescribeAlgo(small) +
+                                "' too (no unsplit algorithm of M = 2048 "
+                                "with its bits)");
+  auto& slot = fixed_large_algos_[key];
+  slot = chosen;
+  return slot ? &*slot : nullptr;
 }
 
 LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int alignment) {
@@ -372,6 +480,21 @@ void LtGemm::RunImpl(const Tensor& x, const Tensor& w, const Tensor* bias, Tenso
   // Fixed-algorithm mode: every alignment of 16 bytes or more gets the same algorithm.
   if (fixed_) alignment = std::min(alignment, 16);
   Plan& plan = GetPlan(m, n, k, bias != nullptr, alignment);
+  if (fixed_ && fixed_large_ && m > kFixedLargeM && !plan.large_checked) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    TP_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    if (status == cudaStreamCaptureStatusNone) {
+      plan.large_checked = true;
+      const cublasLtMatmulAlgo_t* large = FixedLargeAlgo(w, bias, alignment, stream);
+      cublasLtMatmulHeuristicResult_t check{};
+      if (large != nullptr &&
+          cublasLtMatmulAlgoCheck(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c, large,
+                                  &check) == CUBLAS_STATUS_SUCCESS &&
+          check.workspaceSize <= workspace_bytes_) {
+        plan.algo = *large;
+      }
+    }
+  }
   if (bias != nullptr) {
     const void* bp = bias->data;
     TP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,

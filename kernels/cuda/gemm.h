@@ -11,6 +11,11 @@
 // Fixed-algorithm mode (deterministic serving): one algorithm per (N, K, bias), the heuristic's
 // choice at M = TPSERVE_DETERMINISTIC_GEMM_M without split-K, for every M, so that a row's
 // result does not depend on how many rows are beside it (one kernel, one tile, one K order).
+// GEMMs of more than kFixedLargeM rows (prefill chunks) may take a second algorithm, the
+// heuristic's unsplit choice at M = 2048 (TPSERVE_DETERMINISTIC_GEMM_PREFILL): only when a
+// probe (random rows against the real weight, before the first such GEMM) gives every output
+// the same bits through both, which holds when both compute an output as one chain of
+// tensor-core k16 steps over K in order (kernels/cuda/NOTES.md, session 27).
 #pragma once
 
 #include <cublasLt.h>
@@ -18,6 +23,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -106,6 +112,7 @@ class LtGemm {
     int split_k = 0;     // set_split_k_override's value when taken
     int candidate = -1;  // set_candidate_override's index when taken
     bool from_table = false;
+    bool large_checked = false;  // fixed mode: FixedLargeAlgo was asked (outside capture)
   };
   using Key = std::tuple<int64_t, int64_t, int64_t, bool, int>;
   // The first plan of (m, n, k), any bias and alignment, or nullptr.
@@ -116,6 +123,14 @@ class LtGemm {
                                                          int max_results) const;
   // Fixed-algorithm mode: the algorithm of every plan of (n, k, bias, alignment).
   const cublasLtMatmulAlgo_t& FixedAlgo(int64_t n, int64_t k, bool bias, int alignment);
+  // Fixed-algorithm mode, GEMMs of more than kFixedLargeM rows: the faster algorithm with
+  // FixedAlgo's bits (probed on `w` and `bias` on `stream`), or nullptr: FixedAlgo's. Decided
+  // once per (n, k, bias, alignment), outside stream capture (nullptr while capturing).
+  const cublasLtMatmulAlgo_t* FixedLargeAlgo(const Tensor& w, const Tensor* bias, int alignment,
+                                             cudaStream_t stream);
+  // Whether algorithms a and b give y = x w^T (+ bias) the same bits for kProbeRows random rows.
+  bool SameBits(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b, const Tensor& w,
+                const Tensor* bias, cudaStream_t stream);
   // Times the candidates on these operands and keeps the fastest in plan.algo.
   void Tune(Plan& plan, const Tensor& x, const Tensor& w, Tensor y, cudaStream_t stream);
   void Launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const Tensor& x, const Tensor& w,
@@ -136,6 +151,14 @@ class LtGemm {
   int device_sms_ = 0;
   int cublaslt_version_ = 0;
   std::map<std::tuple<int64_t, int64_t, bool, int>, cublasLtMatmulAlgo_t> fixed_algos_;
+  // FixedLargeAlgo's decisions: the algorithm, or none (FixedAlgo's for every M).
+  std::map<std::tuple<int64_t, int64_t, bool, int>, std::optional<cublasLtMatmulAlgo_t>>
+      fixed_large_algos_;
+  bool fixed_large_ = true;  // TPSERVE_DETERMINISTIC_GEMM_PREFILL
+
+ public:
+  // Fixed-algorithm mode: GEMMs of more rows than this may take FixedLargeAlgo's algorithm.
+  static constexpr int64_t kFixedLargeM = 256;
 };
 
 }  // namespace tpserve::cuda

@@ -184,13 +184,20 @@ inline int DecodePartition(int num_seqs, int num_heads, int num_kv_heads) {
 // kernel's phases on the tensor cores, for quantized caches (fp8, int8, int4) at head_dim 64
 // and 128; elsewhere it runs the two-phase kernel. Auto picks it wherever it would pick the
 // two-phase kernel for such a cache.
-enum class DecodeKernel { kAuto, kSubTile, kTwoPhase, kMma };
+// kMmaBf16: deterministic mode's tensor-core kernel for bf16 caches at head_dim 64 and 128
+// (other bits than the two-phase kernel); by name it runs in any mode (tests, A/B runs).
+enum class DecodeKernel { kAuto, kSubTile, kTwoPhase, kMma, kMmaBf16 };
 // Benchmarks and tests: every later decode launch of this process uses `kernel` (kAuto: by the
 // batch) and `partition` keys per split (0: by the batch; else 64, 128, 256, 512 or 1024; the
 // two-phase kernel takes at most 512, the mma kernel 1024 when asked for by name, else 512). Starts
 // from TPSERVE_DECODE_KERNEL and TPSERVE_DECODE_PARTITION. Deterministic mode's fixed partition is
 // not overridden.
 void SetDecodeOverride(DecodeKernel kernel, int partition);
+// Deterministic mode's kernel for bf16 caches at head_dim 64 and 128: the tensor-core one
+// (true) or the two-phase one, for every later launch of this process. Starts from
+// TPSERVE_DETERMINISTIC_DECODE (mma). Every process of a deployment must use the same choice.
+void SetDeterministicDecodeMma(bool mma);
+bool DeterministicDecodeMma();
 // Benchmarks: the mma decode kernel's L2 prefetch distance in loop iterations for every later
 // launch (0 = none; starts from TPSERVE_DECODE_PREFETCH).
 void SetDecodePrefetch(int distance);

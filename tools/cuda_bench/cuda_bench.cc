@@ -997,6 +997,8 @@ int Main(const std::string& mode, const std::string& table_out) {
     variants.push_back({"mma p512 prefetch 1", cuda::DecodeKernel::kMma, 512, 1});
     variants.push_back({"mma p512 prefetch 2", cuda::DecodeKernel::kMma, 512, 2});
     variants.push_back({"mma p512 prefetch 4", cuda::DecodeKernel::kMma, 512, 4});
+    variants.push_back({"mma-bf16 p128", cuda::DecodeKernel::kMmaBf16, 128});
+    variants.push_back({"mma-bf16 p256", cuda::DecodeKernel::kMmaBf16, 256});
   }
   const DType kv_dtypes[] = {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4};
   for (auto [B, ctx] :

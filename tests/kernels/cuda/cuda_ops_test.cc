@@ -1720,7 +1720,8 @@ TEST_F(CudaAttentionTest, DecodeQuantizedKvCache) {
 // must not change a result) at forced partitions, for each cache dtype (the
 // two-phase kernel reads 16 elements a lane from a quantized cache at G <= 2, 8 at G = 8; the
 // mma kernel runs for fp8, int8 and int4 at head_dim 64 and 128, G = 1, 2 and 8, and falls back
-// to the two-phase kernel for the other cases):
+// to the two-phase kernel for the other cases; so does mma-bf16, deterministic mode's kernel
+// for bf16 caches at head_dim 64 and 128):
 // contexts of one key, of part of a partition and of many, padding, a block size that is not
 // a power of two (page math by division instead of shifts).
 TEST_F(CudaAttentionTest, DecodeEveryKernelAndPartition) {
@@ -1742,6 +1743,8 @@ TEST_F(CudaAttentionTest, DecodeEveryKernelAndPartition) {
       {cuda::DecodeKernel::kTwoPhase, 512}, {cuda::DecodeKernel::kMma, 64},
       {cuda::DecodeKernel::kMma, 512},      {cuda::DecodeKernel::kMma, 1024},
       {cuda::DecodeKernel::kMma, 64, 1},    {cuda::DecodeKernel::kMma, 512, 4},
+      {cuda::DecodeKernel::kMmaBf16, 64},   {cuda::DecodeKernel::kMmaBf16, 128},
+      {cuda::DecodeKernel::kMmaBf16, 512},
   };
   const int env_prefetch = cuda::DecodePrefetch();
   for (DType kv : {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4}) {

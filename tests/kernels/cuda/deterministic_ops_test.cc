@@ -302,6 +302,7 @@ TEST_F(DeterministicOpsTest, PrefillTokensEqualTheirDecodeSteps) {
       {32, 32, 128, 700, 300},  // the 6.7B shape; > 256 tokens: two launches of token queries
       {32, 32, 128, 1300, 64},  // a later chunk of a long prompt
       {16, 2, 64, 513, 513},    // GQA, the whole prompt at once
+      {16, 4, 128, 600, 250},   // GQA with 4 heads a block: groups of 2 tokens (bf16 mma)
       {8, 2, 32, 129, 40},      // tiny-coder's head_dim
       // Quantized caches (int4 at head_dim 128: two scale groups a head).
       {32, 32, 128, 400, 80, DType::kF8E4M3},
@@ -309,10 +310,20 @@ TEST_F(DeterministicOpsTest, PrefillTokensEqualTheirDecodeSteps) {
       {8, 2, 128, 700, 100, DType::kI4},
   };
   constexpr int kBs = 16, kPool = 1200;
+  const bool env_mma = cuda::DeterministicDecodeMma();
+  // A bf16 cache at head_dim 64 and 128 runs each of deterministic mode's two kernels (the
+  // tensor-core one, TPSERVE_DETERMINISTIC_DECODE=mma, and the two-phase one).
+  std::vector<std::pair<Case, bool>> runs;
   for (const Case& c : cases) {
+    const bool both = c.kv == DType::kBF16 && c.d >= 64;
+    runs.push_back({c, true});
+    if (both) runs.push_back({c, false});
+  }
+  for (const auto& [c, mma] : runs) {
+    cuda::SetDeterministicDecodeMma(mma);
     SCOPED_TRACE("heads " + std::to_string(c.hq) + "/" + std::to_string(c.hk) + " d " +
                  std::to_string(c.d) + " ctx " + std::to_string(c.ctx) + " kv " +
-                 std::string(DTypeName(c.kv)));
+                 std::string(DTypeName(c.kv)) + (mma ? " mma" : " twophase"));
     const int qw = c.hq * c.d;
     std::vector<int32_t> free_blocks(kPool);
     std::iota(free_blocks.begin(), free_blocks.end(), 0);
@@ -376,6 +387,7 @@ TEST_F(DeterministicOpsTest, PrefillTokensEqualTheirDecodeSteps) {
     EXPECT_EQ(mismatched, 0);
     bufs_.clear();
   }
+  cuda::SetDeterministicDecodeMma(env_mma);
 }
 
 }  // namespace
