@@ -129,13 +129,69 @@ struct SplitTokens {
   unsigned* counter;  // the (tokens, head group) arrival counter
 };
 
+// One column's merge by one warp (FinishSplit's kColumnMerge): lane l holds elements
+// [l kVec, (l + 1) kVec); four folds v = 0..3 take splits v, v + 4, ... in order (online softmax
+// rescaling, every operation rounded explicitly so that no call site contracts differently),
+// then are combined in fold order.
+template <int kD>
+__device__ __forceinline__ void MergeColumn(const float* __restrict__ rec, int used, int lane,
+                                            __nv_bfloat16* __restrict__ out) {
+  constexpr int kVec = kD / 32, kFolds = 4;
+  float fm[kFolds], fden[kFolds], fnum[kFolds][kVec];
+#pragma unroll
+  for (int v = 0; v < kFolds; ++v) {
+    float m_run = -INFINITY, den = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) fnum[v][e] = 0.0f;
+#pragma unroll 4
+    for (int s = v; s < used; s += kFolds) {
+      const float* r = rec + s * (kD + 2);
+      const float ms = __ldcg(r + kD), ls = __ldcg(r + kD + 1);
+      float o[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) o[e] = __ldcg(r + lane * kVec + e);
+      const float m_new = fmaxf(m_run, ms);
+      const float a = exp2f(__fsub_rn(m_run, m_new)), b = exp2f(__fsub_rn(ms, m_new));
+      den = __fadd_rn(__fmul_rn(den, a), __fmul_rn(ls, b));
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        fnum[v][e] = __fadd_rn(__fmul_rn(fnum[v][e], a), __fmul_rn(o[e], b));
+      }
+      m_run = m_new;
+    }
+    fm[v] = m_run;
+    fden[v] = den;
+  }
+  float m = -INFINITY;
+#pragma unroll
+  for (int v = 0; v < kFolds; ++v) m = fmaxf(m, fm[v]);
+  float total_den = 0.0f, total_num[kVec];
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) total_num[e] = 0.0f;
+#pragma unroll
+  for (int v = 0; v < kFolds; ++v) {
+    if (fm[v] == -INFINITY) continue;  // a fold without splits
+    const float f = exp2f(__fsub_rn(fm[v], m));
+    total_den = __fadd_rn(total_den, __fmul_rn(fden[v], f));
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) total_num[e] = __fadd_rn(total_num[e], __fmul_rn(fnum[v][e], f));
+  }
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    out[lane * kVec + e] =
+        __float2bfloat16(total_den > 0.0f ? __fdiv_rn(total_num[e], total_den) : 0.0f);
+  }
+}
+
 // The end of every split: o_s holds sum_t p_t v_t (p relative to m_s), l_s the sum of p, per
 // column. A token whose context fits one partition is normalized and written directly.
 // Otherwise the partial goes to the workspace record [slot][head][split]; the block that arrives
 // last at the counter merges each token's `used` partials and resets the counter for the next
 // launch (threadfence reduction: each block's records are visible before its arrival is
-// counted).
-template <int kD, int kG, int kQ>
+// counted). kColumnMerge (the bf16 mma kernel, whose blocks have up to 16 columns): a warp
+// merges whole columns (w, w + 4, ...), folding the splits in the same order and with the same
+// arithmetic (MergeColumn) whether a block has one column or sixteen.
+template <int kD, int kG, int kQ, bool kColumnMerge = false>
 __device__ void FinishSplit(const float (&o_s)[kG * kQ][kD], const float* m_s, const float* l_s,
                             const SplitTokens<kQ>& tk, int split, int num_splits, int head0,
                             int num_heads, float* __restrict__ records,
@@ -169,6 +225,17 @@ __device__ void FinishSplit(const float (&o_s)[kG * kQ][kD], const float* m_s, c
   __syncthreads();
   if (!last_s) return;
   __threadfence();
+  if constexpr (kColumnMerge) {
+    const int warp = tid / 32, lane = tid % 32;
+    for (int c = warp; c < kC; c += kThreads / 32) {
+      const int t = kQ == 1 ? 0 : c / kG, g = c % kG, used = tk.used[t];
+      if (used <= 1) continue;  // warp-uniform
+      const float* rec = records + (static_cast<int64_t>(tk.slot[t]) * num_heads + head0 + g) *
+                                       num_splits * (kD + 2);
+      MergeColumn<kD>(rec, used, lane, out + (tk.q_row[t] * num_heads + head0 + g) * kD);
+    }
+    return;
+  }
   // Merge, one column at a time: warp w folds splits w, w + 4, ... (online softmax rescaling,
   // the loads of several splits in flight), lane l holds elements [l * kVec, (l + 1) * kVec);
   // then the four warps' results are combined through shared memory.
@@ -934,7 +1001,8 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
 // The two-phase kernel's CUDA-core arithmetic took ~0.9 G warp instructions a layer for a
 // 2048-token deterministic prefill even in token groups (kernels/cuda/NOTES.md, session 26).
 // A block: one split of `partition` (<= kMmaBf16MaxPartition) keys, columns (token i, head g) =
-// i kG + g, at most 8 (one n8 fragment); a warp takes 16-key tiles. Lane (r, c) = (lane / 4,
+// i kG + g, at most 16 (kF n8 fragments: a decode block has kG columns, a prefill group's block
+// 16); a warp takes 16-key tiles. Lane (r, c) = (lane / 4,
 // lane % 4):
 // - scores, S^T[16 keys, 8 columns] = K q^T: K is the A operand straight from the cache rows in
 //   registers: the lane loads keys r and r + 8 at dims kD / 4 c + [0, kD / 4), and k step s takes
@@ -956,7 +1024,8 @@ constexpr int kMmaBf16MaxPartition = 512;
 template <typename Kv, int kD>
 inline constexpr bool kMmaBf16Supported = !Kv::kQuantized && (kD == 64 || kD == 128);
 template <typename Kv, int kD, int kG>
-inline constexpr int kMmaBf16GroupTokens = kMmaBf16Supported<Kv, kD> ? std::max(1, 8 / kG) : 1;
+inline constexpr int kMmaBf16GroupTokens = kMmaBf16Supported<Kv, kD> ? std::max(1, kTokenGroup / kG)
+                                                                     : 1;
 
 template <typename Kv, int kD, int kG, int kQ>
 __global__ void __launch_bounds__(kThreads, 4)
@@ -970,14 +1039,16 @@ __global__ void __launch_bounds__(kThreads, 4)
                         int partition, float scale_log2, unsigned* __restrict__ counters,
                         float* __restrict__ records, __nv_bfloat16* __restrict__ out,
                         int block_shift, int order, int /*prefetch*/) {
-  if constexpr (kMmaBf16Supported<Kv, kD> && kG * kQ <= 8) {
+  if constexpr (kMmaBf16Supported<Kv, kD> && kG * kQ <= 16) {
     constexpr int kC = kG * kQ;
-    constexpr int kSteps = kD / 16;  // k steps of a score tile = dim blocks of an output tile
-    constexpr int kKDims = kD / 4;   // dims of a K row a lane loads
-    constexpr int kVDims = kD / 8;   // dims of a V row a lane loads
+    constexpr int kF = (kC + 7) / 8;  // n8 fragments of columns
+    constexpr int kSteps = kD / 16;   // k steps of a score tile = dim blocks of an output tile
+    constexpr int kKDims = kD / 4;    // dims of a K row a lane loads
+    constexpr int kVDims = kD / 8;    // dims of a V row a lane loads
     constexpr int kRowBytes = kD * 2;
     constexpr int kWarps = kThreads / 32;
-    constexpr int kUnroll = 2;  // tiles in flight per warp
+    // Tiles in flight per warp (the order in which a warp adds its tiles does not change).
+    constexpr int kUnroll = kF == 1 ? 2 : 1;
     constexpr int kMaxP = kMmaBf16MaxPartition;
     static_assert(kWarps * kD <= kMaxP, "the warps' outputs fit in p_s");
     __shared__ __align__(16) float p_s[kC][kMaxP];
@@ -1028,19 +1099,21 @@ __global__ void __launch_bounds__(kThreads, 4)
         static_cast<int64_t>(table_rows != nullptr ? table_rows[seq] : seq) * max_blocks_per_seq;
 
     PdlWait();  // q and this step's K/V rows come from the previous kernels
-    // q of column r as the score MMAs' B operand: step s takes dims kKDims c + 4s + [0, 4).
-    uint32_t qb[kSteps][2];
-    {
-      const int t = kQ == 1 ? 0 : min(r, kC - 1) / kG, g = min(r, kC - 1) % kG;
-      const bool live = r < kC && n_tok[t] > 0;
+    // q of column 8f + r as the score MMAs' B operand: step s takes dims kKDims c + 4s + [0, 4).
+    uint32_t qb[kF][kSteps][2];
+#pragma unroll
+    for (int f = 0; f < kF; ++f) {
+      const int col = min(8 * f + r, kC - 1);
+      const int t = kQ == 1 ? 0 : col / kG, g = col % kG;
+      const bool live = 8 * f + r < kC && n_tok[t] > 0;
       const __nv_bfloat16* qrow = q + (tk.q_row[t] * num_heads + head0 + g) * kD + kKDims * c;
 #pragma unroll
       for (int u = 0; u < kKDims / 8; ++u) {
         const uint4 w = live ? __ldg(reinterpret_cast<const uint4*>(qrow) + u) : uint4{0, 0, 0, 0};
-        qb[2 * u][0] = w.x;
-        qb[2 * u][1] = w.y;
-        qb[2 * u + 1][0] = w.z;
-        qb[2 * u + 1][1] = w.w;
+        qb[f][2 * u][0] = w.x;
+        qb[f][2 * u][1] = w.y;
+        qb[f][2 * u + 1][0] = w.z;
+        qb[f][2 * u + 1][1] = w.w;
       }
     }
 
@@ -1069,17 +1142,23 @@ __global__ void __launch_bounds__(kThreads, 4)
       for (int u = 0; u < kUnroll; ++u) {
         const int tile = t0 + u * kWarps;
         if (tile >= num_tiles) continue;  // warp-uniform
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float acc[kF][4] = {};
 #pragma unroll
         for (int i = 0; i < kKDims / 8; ++i) {
           const uint4 k0 = kw[u][0][i], k1 = kw[u][1][i];
-          Mma16816(acc, k0.x, k1.x, k0.y, k1.y, qb[2 * i][0], qb[2 * i][1]);
-          Mma16816(acc, k0.z, k1.z, k0.w, k1.w, qb[2 * i + 1][0], qb[2 * i + 1][1]);
+#pragma unroll
+          for (int f = 0; f < kF; ++f) {
+            Mma16816(acc[f], k0.x, k1.x, k0.y, k1.y, qb[f][2 * i][0], qb[f][2 * i][1]);
+            Mma16816(acc[f], k0.z, k1.z, k0.w, k1.w, qb[f][2 * i + 1][0], qb[f][2 * i + 1][1]);
+          }
         }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tok = tile * 16 + r + 8 * (e / 2), col = 2 * c + e % 2;
-          if (col < kC && tok < n) p_s[col][tok] = acc[e] * scale_log2;
+        for (int f = 0; f < kF; ++f) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int tok = tile * 16 + r + 8 * (e / 2), col = 8 * f + 2 * c + e % 2;
+            if (col < kC && tok < n) p_s[col][tok] = acc[f][e] * scale_log2;
+          }
         }
       }
     }
@@ -1130,24 +1209,23 @@ __global__ void __launch_bounds__(kThreads, 4)
     __syncthreads();
 
     // Phase 3: O^T += V^T P^T per tile.
-    float acc[kSteps][4];
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
-    }
+    float acc[kF][kSteps][4] = {};
     for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnroll) {
       if (t0 != warp) load_v(t0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int tile = t0 + u * kWarps;
         if (tile >= num_tiles) continue;  // warp-uniform
-        // P of column r, keys 4c .. 4c + 3.
-        uint32_t b0 = 0u, b1 = 0u;
-        if (r < kC) {
-          const float4 p = *reinterpret_cast<const float4*>(&p_s[r][tile * 16 + 4 * c]);
-          b0 = PackBf16(p.x, p.y);
-          b1 = PackBf16(p.z, p.w);
+        // P of column 8f + r, keys 4c .. 4c + 3.
+        uint32_t b0[kF], b1[kF];
+#pragma unroll
+        for (int f = 0; f < kF; ++f) {
+          b0[f] = b1[f] = 0u;
+          if (8 * f + r < kC) {
+            const float4 p = *reinterpret_cast<const float4*>(&p_s[8 * f + r][tile * 16 + 4 * c]);
+            b0[f] = PackBf16(p.x, p.y);
+            b1[f] = PackBf16(p.z, p.w);
+          }
         }
 #pragma unroll
         for (int i = 0; i < kVDims / 8; ++i) {
@@ -1159,9 +1237,12 @@ __global__ void __launch_bounds__(kThreads, 4)
           for (int x = 0; x < 4; ++x) {
             // Word x: dims 2j and 2j + 1 of the lane's run, j = 4i + x; a key pair's element
             // of one dim per register.
-            Mma16816(acc[4 * i + x], __byte_perm(w0[x], w1[x], 0x5410),
-                     __byte_perm(w0[x], w1[x], 0x7632), __byte_perm(w2[x], w3[x], 0x5410),
-                     __byte_perm(w2[x], w3[x], 0x7632), b0, b1);
+            const uint32_t a0 = __byte_perm(w0[x], w1[x], 0x5410),
+                           a1 = __byte_perm(w0[x], w1[x], 0x7632),
+                           a2 = __byte_perm(w2[x], w3[x], 0x5410),
+                           a3 = __byte_perm(w2[x], w3[x], 0x7632);
+#pragma unroll
+            for (int f = 0; f < kF; ++f) Mma16816(acc[f][4 * i + x], a0, a1, a2, a3, b0[f], b1[f]);
           }
         }
       }
@@ -1170,12 +1251,15 @@ __global__ void __launch_bounds__(kThreads, 4)
     __syncthreads();
     auto* ow = reinterpret_cast<float(*)[kC][kD]>(&p_s[0][0]);
 #pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-      const int d0 = kVDims * r + 2 * j;
+    for (int f = 0; f < kF; ++f) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = 2 * c + e % 2;
-        if (col < kC) ow[warp][col][d0 + e / 2] = acc[j][e];
+      for (int j = 0; j < kSteps; ++j) {
+        const int d0 = kVDims * r + 2 * j;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * f + 2 * c + e % 2;
+          if (col < kC) ow[warp][col][d0 + e / 2] = acc[f][j][e];
+        }
       }
     }
     __syncthreads();
@@ -1187,7 +1271,8 @@ __global__ void __launch_bounds__(kThreads, 4)
       o_s[col][d] = s;
     }
     __syncthreads();
-    FinishSplit<kD, kG, kQ>(o_s, m_s, l_s, tk, split, num_splits, head0, num_heads, records, out);
+    FinishSplit<kD, kG, kQ, /*kColumnMerge=*/true>(o_s, m_s, l_s, tk, split, num_splits, head0,
+                                                   num_heads, records, out);
   }
 }
 

@@ -222,7 +222,7 @@ int DecodeLaunchPartition(const DeviceBatch& b, int num_heads, int num_kv_heads,
 inline constexpr int kDecodeQueryChunk = 256;
 // Deterministic mode's token groups (DeviceBatch::token_groups): at most this many tokens a
 // group.
-inline constexpr int kDecodeTokenGroup = 8;
+inline constexpr int kDecodeTokenGroup = 16;
 // Splits of `partition` keys that cover the batch's block-table capacity.
 inline int DecodeSplits(const DeviceBatch& b, int partition) {
   const int cap = b.max_blocks_per_seq * b.block_size;
