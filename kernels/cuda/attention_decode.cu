@@ -336,6 +336,53 @@ __device__ __forceinline__ SplitTokens<1> OneToken(int64_t q_row, int seq, int c
   return tk;
 }
 
+// The opening of a split block of the two-phase and the bf16 mma kernels: the block's split
+// and its first key, its tokens (decode: its sequence's one; a token-group launch: kQ tokens of
+// a group, GroupTokens), head group and sequence, zero output rows for tokens of context 0 (split
+// 0), the keys of the split (n: of the longest context) and each token's keys in it (n_tok).
+// False: the block has nothing to compute (no token, or the split starts past every context).
+template <int kD, int kG, int kQ>
+__device__ __forceinline__ bool BeginSplitBlock(
+    int order, const int2* __restrict__ groups, const int32_t* __restrict__ query_start,
+    const int32_t* __restrict__ context_lens, int partition, int num_heads,
+    unsigned* __restrict__ counters, __nv_bfloat16* __restrict__ out, SplitTokens<kQ>& tk,
+    int& split, int& num_splits, int& start, int& group, int& seq, int& head0, int& n,
+    int (&n_tok)[kQ]) {
+  const DecodeBlock blk = DecodeBlockIndex(order);
+  split = blk.split;
+  num_splits = blk.num_splits;
+  start = split * partition;
+  if constexpr (kQ == 1) {
+    group = blk.group;
+    seq = blk.seq;
+    tk = OneToken(query_start[seq], seq, context_lens[seq], partition, group, num_heads / kG,
+                  counters);
+  } else {
+    if (!GroupTokens<kQ>(groups, blk.group, blk.seq, query_start, context_lens, partition,
+                         num_heads / kG, counters, tk, group, seq)) {
+      return false;
+    }
+  }
+  head0 = group * kG;
+  int ctx_max = 0;
+#pragma unroll
+  for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
+  if (split == 0) {
+#pragma unroll
+    for (int i = 0; i < kQ; ++i) {
+      if (tk.ctx[i] == 0) {
+        PdlWait();
+        WriteZeroRows<kD, kG>(tk.q_row[i], num_heads, head0, out);
+      }
+    }
+  }
+  if (start >= ctx_max) return false;
+  n = min(partition, ctx_max - start);
+#pragma unroll
+  for (int i = 0; i < kQ; ++i) n_tok[i] = min(partition, tk.ctx[i] - start);
+  return true;
+}
+
 // Elements of a row per lane in the two-phase kernel: 16 for a quantized cache when the
 // block's heads leave room in registers (q and the accumulator are kG x kE floats a lane), else
 // 8. Measured on the H200 (B=64, ctx 1024, d 128, G=1): with 8 elements a lane every cache dtype
@@ -392,40 +439,13 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float m_s[kC], l_s[kC];
 
   PdlLaunchDependents();
-  const DecodeBlock blk = DecodeBlockIndex(order);
-  const int split = blk.split, num_splits = blk.num_splits;
-  const int start = split * partition;
   SplitTokens<kQ> tk;
-  int group, seq;  // head group; the token (kQ = 1: sequence) whose table row the block reads
-  if constexpr (kQ == 1) {
-    group = blk.group;
-    seq = blk.seq;
-    tk = OneToken(query_start[seq], seq, context_lens[seq], partition, group, num_heads / kG,
-                  counters);
-  } else {
-    if (!GroupTokens<kQ>(groups, blk.group, blk.seq, query_start, context_lens, partition,
-                         num_heads / kG, counters, tk, group, seq)) {
-      return;
-    }
+  int split, num_splits, start, group, seq, head0, n, n_tok[kQ];
+  if (!BeginSplitBlock<kD, kG, kQ>(order, groups, query_start, context_lens, partition, num_heads,
+                                   counters, out, tk, split, num_splits, start, group, seq, head0,
+                                   n, n_tok)) {
+    return;
   }
-  const int head0 = group * kG;
-  int ctx_max = 0;
-#pragma unroll
-  for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
-  if (split == 0) {
-#pragma unroll
-    for (int i = 0; i < kQ; ++i) {
-      if (tk.ctx[i] == 0) {
-        PdlWait();
-        WriteZeroRows<kD, kG>(tk.q_row[i], num_heads, head0, out);
-      }
-    }
-  }
-  if (start >= ctx_max) return;
-  const int n = min(partition, ctx_max - start);
-  int n_tok[kQ];  // keys of the split in each token's context
-#pragma unroll
-  for (int i = 0; i < kQ; ++i) n_tok[i] = min(partition, tk.ctx[i] - start);
   const int kv_head = head0 / (num_heads / num_kv_heads);
   const int tid = threadIdx.x;
   const int32_t* table =
@@ -1057,41 +1077,14 @@ __global__ void __launch_bounds__(kThreads, 4)
     __shared__ float m_s[kC], l_s[kC];
 
     PdlLaunchDependents();
-    const DecodeBlock blk = DecodeBlockIndex(order);
-    const int split = blk.split, num_splits = blk.num_splits;
-    const int start = split * partition;
     SplitTokens<kQ> tk;
-    int group, seq;  // head group; the token (kQ = 1: sequence) whose table row the block reads
-    if constexpr (kQ == 1) {
-      group = blk.group;
-      seq = blk.seq;
-      tk = OneToken(query_start[seq], seq, context_lens[seq], partition, group, num_heads / kG,
-                    counters);
-    } else {
-      if (!GroupTokens<kQ>(groups, blk.group, blk.seq, query_start, context_lens, partition,
-                           num_heads / kG, counters, tk, group, seq)) {
-        return;
-      }
+    int split, num_splits, start, group, seq, head0, n, n_tok[kQ];
+    if (!BeginSplitBlock<kD, kG, kQ>(order, groups, query_start, context_lens, partition, num_heads,
+                                     counters, out, tk, split, num_splits, start, group, seq, head0,
+                                     n, n_tok)) {
+      return;
     }
-    const int head0 = group * kG;
-    int ctx_max = 0;
-#pragma unroll
-    for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
-    if (split == 0) {
-#pragma unroll
-      for (int i = 0; i < kQ; ++i) {
-        if (tk.ctx[i] == 0) {
-          PdlWait();
-          WriteZeroRows<kD, kG>(tk.q_row[i], num_heads, head0, out);
-        }
-      }
-    }
-    if (start >= ctx_max) return;
-    const int n = min(partition, ctx_max - start);
     const int num_tiles = (n + 15) / 16;
-    int n_tok[kQ];  // keys of the split in each token's context
-#pragma unroll
-    for (int i = 0; i < kQ; ++i) n_tok[i] = min(partition, tk.ctx[i] - start);
     const int kv_head = head0 / (num_heads / num_kv_heads);
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, r = lane / 4, c = lane % 4;
     const int32_t* table =
