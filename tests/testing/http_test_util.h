@@ -8,29 +8,48 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <string>
 
 namespace tpserve::service_test {
 
-// A port nothing listens on now (the kernel's choice; the caller binds it right away).
+// A loopback port nothing listens on now, for a server the caller starts right away. Chosen at
+// random below the kernel's ephemeral range (32768-60999 on Linux): a port the kernel picked for
+// a bind to port 0 could be picked again for another process's bind to port 0 (ctest runs tests
+// side by side) before the server binds it, which failed a CI run once
+// (control_plane_security_test: "HTTP: could not listen on 127.0.0.1:38391"). Falls back to the
+// kernel's choice if 200 random ports are all taken.
 inline int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a = {};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+  auto try_bind = [](int port) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return 0;
+    sockaddr_in a = {};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    int got = 0;
+    if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+      socklen_t len = sizeof(a);
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+      got = ntohs(a.sin_port);
+    }
     close(fd);
-    return 0;
+    return got;
+  };
+  std::mt19937 rng(
+      static_cast<uint32_t>(getpid()) * 2654435761u ^
+      static_cast<uint32_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  std::uniform_int_distribution<int> dist(20000, 32767);
+  for (int i = 0; i < 200; ++i) {
+    if (const int port = try_bind(dist(rng)); port > 0) return port;
   }
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
+  return try_bind(0);
 }
 
 struct CommandResult {
