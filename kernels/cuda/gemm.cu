@@ -139,6 +139,32 @@ std::vector<cublasLtMatmulHeuristicResult_t> LtGemm::Heuristic(const Plan& plan,
   return results;
 }
 
+int32_t LtGemm::SplitK(const cublasLtMatmulAlgo_t& algo) {
+  int32_t splits = 1;
+  size_t written = 0;
+  TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                       &splits, sizeof(splits), &written));
+  return splits;
+}
+
+bool LtGemm::AlgoRuns(const Problem& p, const cublasLtMatmulAlgo_t& algo) const {
+  cublasLtMatmulHeuristicResult_t check{};
+  return cublasLtMatmulAlgoCheck(handle_, p.desc, p.a, p.b, p.c, p.c, &algo, &check) ==
+             CUBLAS_STATUS_SUCCESS &&
+         check.workspaceSize <= workspace_bytes_;
+}
+
+bool LtGemm::AlgoRunsAt(std::initializer_list<int64_t> ms, int64_t n, int64_t k, bool bias,
+                        const cublasLtMatmulAlgo_t& algo) const {
+  for (int64_t m : ms) {
+    Problem probe = MakeProblem(m, n, k, bias);
+    const bool runs = AlgoRuns(probe, algo);
+    DestroyProblem(probe);
+    if (!runs) return false;
+  }
+  return true;
+}
+
 const cublasLtMatmulAlgo_t& LtGemm::FixedAlgo(int64_t n, int64_t k, bool bias, int alignment) {
   auto key = std::make_tuple(n, k, bias, alignment);
   auto it = fixed_algos_.find(key);
@@ -155,14 +181,7 @@ const cublasLtMatmulAlgo_t& LtGemm::FixedAlgo(int64_t n, int64_t k, bool bias, i
   // same parts: the heuristic's best without it, then the others made unsplit, the first that
   // runs at every M from a decode row to a long prefill (an M it would refuse later aborts).
   std::stable_sort(results.begin(), results.end(), [](const auto& a, const auto& b) {
-    auto split = [](const cublasLtMatmulAlgo_t& algo) {
-      int32_t splits = 1;
-      size_t written = 0;
-      TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
-                                                           &splits, sizeof(splits), &written));
-      return splits > 1;
-    };
-    return !split(a.algo) && split(b.algo);
+    return SplitK(a.algo) <= 1 && SplitK(b.algo) > 1;
   });
   const cublasLtMatmulAlgo_t* chosen = nullptr;
   cublasLtMatmulAlgo_t algo;
@@ -175,19 +194,8 @@ const cublasLtMatmulAlgo_t& LtGemm::FixedAlgo(int64_t n, int64_t k, bool bias, i
                                                          &one, sizeof(one)));
     TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigSetAttribute(
         &algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &none, sizeof(none)));
-    bool runs_everywhere = true;
-    for (int64_t m : {int64_t{1}, int64_t{7}, ref_m, int64_t{4096}, int64_t{32768}}) {
-      Plan probe;
-      static_cast<Problem&>(probe) = MakeProblem(m, n, k, bias);
-      cublasLtMatmulHeuristicResult_t check{};
-      const cublasStatus_t st = cublasLtMatmulAlgoCheck(handle_, probe.desc, probe.a, probe.b,
-                                                        probe.c, probe.c, &algo, &check);
-      DestroyProblem(probe);
-      if (st != CUBLAS_STATUS_SUCCESS || check.workspaceSize > workspace_bytes_) {
-        runs_everywhere = false;
-        break;
-      }
-    }
+    const bool runs_everywhere = AlgoRunsAt(
+        {int64_t{1}, int64_t{7}, ref_m, int64_t{4096}, int64_t{32768}}, n, k, bias, algo);
     if (runs_everywhere) {
       chosen = &algo;
       break;
@@ -234,15 +242,7 @@ bool LtGemm::SameBits(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t&
       TP_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(probe.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                      &bp, sizeof(bp)));
     }
-    cublasLtMatmulHeuristicResult_t check{};
-    bool runs = true;
-    for (const cublasLtMatmulAlgo_t* algo : {&a, &b}) {
-      runs = runs &&
-             cublasLtMatmulAlgoCheck(handle_, probe.desc, probe.a, probe.b, probe.c, probe.c, algo,
-                                     &check) == CUBLAS_STATUS_SUCCESS &&
-             check.workspaceSize <= workspace_bytes_;
-    }
-    if (runs) {
+    if (AlgoRuns(probe, a) && AlgoRuns(probe, b)) {
       Tensor tx(x, {kProbeRows, k}, DType::kBF16, Device::kCuda);
       Launch(probe, a, tx, w, Tensor(y0, {kProbeRows, n}, DType::kBF16, Device::kCuda), stream);
       Launch(probe, b, tx, w, Tensor(y1, {kProbeRows, n}, DType::kBF16, Device::kCuda), stream);
@@ -266,9 +266,6 @@ const cublasLtMatmulAlgo_t* LtGemm::FixedLargeAlgo(const Tensor& w, const Tensor
   auto key = std::make_tuple(n, k, bias != nullptr, alignment);
   auto it = fixed_large_algos_.find(key);
   if (it != fixed_large_algos_.end()) return it->second ? &*it->second : nullptr;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  TP_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  if (status != cudaStreamCaptureStatusNone) return nullptr;  // decided at an eager call
   const cublasLtMatmulAlgo_t& small = FixedAlgo(n, k, bias != nullptr, alignment);
   std::optional<cublasLtMatmulAlgo_t> chosen;
   Plan ref;
@@ -277,23 +274,10 @@ const cublasLtMatmulAlgo_t* LtGemm::FixedLargeAlgo(const Tensor& w, const Tensor
   DestroyProblem(ref);
   for (const auto& r : results) {
     if (r.state != CUBLAS_STATUS_SUCCESS) continue;
-    int32_t splits = 1;
-    size_t written = 0;
-    TP_CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&r.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
-                                                         &splits, sizeof(splits), &written));
-    if (splits > 1) continue;  // a split K adds parts in another order
+    if (SplitK(r.algo) > 1) continue;  // a split K adds parts in another order
     if (DescribeAlgo(r.algo) == DescribeAlgo(small)) break;  // the same: nothing to gain
-    bool runs_everywhere = true;
-    for (int64_t m : {kFixedLargeM + 1, int64_t{2048}, int64_t{32768}}) {
-      Plan probe;
-      static_cast<Problem&>(probe) = MakeProblem(m, n, k, bias != nullptr);
-      cublasLtMatmulHeuristicResult_t check{};
-      const cublasStatus_t st = cublasLtMatmulAlgoCheck(handle_, probe.desc, probe.a, probe.b,
-                                                        probe.c, probe.c, &r.algo, &check);
-      DestroyProblem(probe);
-      runs_everywhere =
-          runs_everywhere && st == CUBLAS_STATUS_SUCCESS && check.workspaceSize <= workspace_bytes_;
-    }
+    const bool runs_everywhere = AlgoRunsAt({kFixedLargeM + 1, int64_t{2048}, int64_t{32768}}, n, k,
+                                            bias != nullptr, r.algo);
     if (runs_everywhere && SameBits(small, r.algo, w, bias, stream)) {
       chosen = r.algo;
       break;
@@ -372,12 +356,9 @@ LtGemm::Plan& LtGemm::GetPlan(int64_t m, int64_t n, int64_t k, bool bias, int al
   if (split_override_ > 0) {
     cublasLtMatmulAlgo_t algo = results[0].algo;
     const int32_t split = split_override_;
-    cublasLtMatmulHeuristicResult_t check{};
     if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split,
                                              sizeof(split)) == CUBLAS_STATUS_SUCCESS &&
-        cublasLtMatmulAlgoCheck(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c, &algo,
-                                &check) == CUBLAS_STATUS_SUCCESS &&
-        check.workspaceSize <= workspace_bytes_) {
+        AlgoRuns(plan, algo)) {
       plan.algo = algo;
       plan.tuned = true;
       plan.split_k = split;
@@ -493,11 +474,7 @@ void LtGemm::RunImpl(const Tensor& x, const Tensor& w, const Tensor* bias, Tenso
     if (status == cudaStreamCaptureStatusNone) {
       plan.large_checked = true;
       const cublasLtMatmulAlgo_t* large = FixedLargeAlgo(w, bias, alignment, stream);
-      cublasLtMatmulHeuristicResult_t check{};
-      if (large != nullptr &&
-          cublasLtMatmulAlgoCheck(handle_, plan.desc, plan.a, plan.b, plan.c, plan.c, large,
-                                  &check) == CUBLAS_STATUS_SUCCESS &&
-          check.workspaceSize <= workspace_bytes_) {
+      if (large != nullptr && AlgoRuns(plan, *large)) {
         plan.algo = *large;
       }
     }

@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <string>
@@ -125,9 +126,17 @@ class LtGemm {
   const cublasLtMatmulAlgo_t& FixedAlgo(int64_t n, int64_t k, bool bias, int alignment);
   // Fixed-algorithm mode, GEMMs of more than kFixedLargeM rows: the faster algorithm with
   // FixedAlgo's bits (probed on `w` and `bias` on `stream`), or nullptr: FixedAlgo's. Decided
-  // once per (n, k, bias, alignment), outside stream capture (nullptr while capturing).
+  // once per (n, k, bias, alignment); the caller keeps it out of stream capture (the probe
+  // synchronizes the stream).
   const cublasLtMatmulAlgo_t* FixedLargeAlgo(const Tensor& w, const Tensor* bias, int alignment,
                                              cudaStream_t stream);
+  // The split-K count of an algorithm's configuration (1: unsplit).
+  static int32_t SplitK(const cublasLtMatmulAlgo_t& algo);
+  // Whether cuBLASLt runs `algo` on `problem` within this GEMM's workspace.
+  bool AlgoRuns(const Problem& problem, const cublasLtMatmulAlgo_t& algo) const;
+  // Whether it runs on y [m, n] = x [m, k] w [n, k]^T (+ bias) for each m of `ms`.
+  bool AlgoRunsAt(std::initializer_list<int64_t> ms, int64_t n, int64_t k, bool bias,
+                  const cublasLtMatmulAlgo_t& algo) const;
   // Whether algorithms a and b give y = x w^T (+ bias) the same bits for kProbeRows random rows.
   bool SameBits(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b, const Tensor& w,
                 const Tensor* bias, cudaStream_t stream);
