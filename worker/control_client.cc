@@ -133,7 +133,9 @@ void ControlClient::Close() {
   if (closing_.exchange(true)) return;
   if (heartbeat_.joinable()) heartbeat_.join();
   std::lock_guard<std::mutex> lock(write_mu_);
-  if (!writes_done_) {
+  // A client whose Connect failed (no coordinator within the connect timeout) has no stream:
+  // its destructor closes it too, and once segfaulted here.
+  if (!writes_done_ && stream_ != nullptr) {
     writes_done_ = true;
     stream_->WritesDone();
   }
