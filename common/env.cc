@@ -217,6 +217,16 @@ const EnvVar kDeterministicGemmPrefill = {
     0,
     0,
     ""};
+const EnvVar kDeterministicSplitLoop = {
+    "TPSERVE_DETERMINISTIC_SPLIT_LOOP",
+    EnvType::kBool,
+    "1",
+    "--deterministic on CUDA, bf16 KV cache, mma decode kernel: a prefill's token group loops "
+    "over its attention splits in one block, merging as it goes (0: a block a split, merged "
+    "through a workspace); the same bits",
+    0,
+    0,
+    ""};
 const EnvVar kDeterministicGemm = {
     "TPSERVE_DETERMINISTIC_GEMM",
     EnvType::kChoice,
@@ -454,6 +464,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kDeterministicPartition,
       &env::kDeterministicTokenGroups,
       &env::kDeterministicDecode,
+      &env::kDeterministicSplitLoop,
       &env::kLoadThreads,
       &env::kOpProfile,
       &env::kFusedSkinny,

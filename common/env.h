@@ -60,6 +60,7 @@ extern const EnvVar kDeterministicGemmM;
 extern const EnvVar kDeterministicPartition;
 extern const EnvVar kDeterministicTokenGroups;
 extern const EnvVar kDeterministicDecode;
+extern const EnvVar kDeterministicSplitLoop;
 extern const EnvVar kDeterministicGemmPrefill;
 extern const EnvVar kLoadThreads;
 // Benchmarks only (kernels/cuda/bench_knobs.h, applied by tpserve-engine-bench).

@@ -198,6 +198,12 @@ void SetDecodeOverride(DecodeKernel kernel, int partition);
 // TPSERVE_DETERMINISTIC_DECODE (mma). Every process of a deployment must use the same choice.
 void SetDeterministicDecodeMma(bool mma);
 bool DeterministicDecodeMma();
+// Deterministic mode's prefill through that tensor-core kernel: one block a token group and head
+// group looping over the group's splits and merging them as it goes (true), or one block a split
+// with the partials merged through the workspace by the last to arrive; the same bits. Starts from
+// TPSERVE_DETERMINISTIC_SPLIT_LOOP.
+void SetDeterministicSplitLoop(bool loop);
+bool DeterministicSplitLoop();
 // Benchmarks: the mma decode kernel's L2 prefetch distance in loop iterations for every later
 // launch (0 = none; starts from TPSERVE_DECODE_PREFETCH).
 void SetDecodePrefetch(int distance);

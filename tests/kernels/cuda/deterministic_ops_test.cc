@@ -311,6 +311,7 @@ TEST_F(DeterministicOpsTest, PrefillTokensEqualTheirDecodeSteps) {
   };
   constexpr int kBs = 16, kPool = 1200;
   const bool env_mma = cuda::DeterministicDecodeMma();
+  const bool env_loop = cuda::DeterministicSplitLoop();
   // A bf16 cache at head_dim 64 and 128 runs each of deterministic mode's two kernels (the
   // tensor-core one, TPSERVE_DETERMINISTIC_DECODE=mma, and the two-phase one).
   std::vector<std::pair<Case, bool>> runs;
@@ -347,8 +348,19 @@ TEST_F(DeterministicOpsTest, PrefillTokensEqualTheirDecodeSteps) {
     std::copy(target_q.begin(), target_q.end(), q_all.begin() + size_t{1} * t0 * qw);
     ops_->SetBatch(pm);
     Tensor out = Out({pm.num_tokens, qw});
-    ops_->AttentionPrefill(Upload(q_all, {pm.num_tokens, qw}), kc, vc, c.hq, c.hk, c.d, scale, out);
+    Tensor gq = Upload(q_all, {pm.num_tokens, qw});
+    ops_->AttentionPrefill(gq, kc, vc, c.hq, c.hk, c.d, scale, out);
     const std::vector<uint16_t> chunk_out = Bits(out, int64_t{t0} * qw, int64_t{c.chunk} * qw);
+    if (mma && c.kv == DType::kBF16 && c.d >= 64) {
+      // The tensor-core kernel's other prefill form (a block looping over a group's splits, or a
+      // block a split merged through the workspace): the same bits.
+      cuda::SetDeterministicSplitLoop(!env_loop);
+      Tensor out2 = Out({pm.num_tokens, qw});
+      ops_->AttentionPrefill(gq, kc, vc, c.hq, c.hk, c.d, scale, out2);
+      cuda::SetDeterministicSplitLoop(env_loop);
+      EXPECT_EQ(Bits(out2, int64_t{t0} * qw, int64_t{c.chunk} * qw), chunk_out)
+          << "split loop " << !env_loop << " against " << env_loop;
+    }
 
     int mismatched = 0;
     for (int i = 0; i < c.chunk; ++i) {
