@@ -243,11 +243,11 @@ const EnvVar kDeterministicGemm = {
 const EnvVar kDeterministicPartition = {
     "TPSERVE_DETERMINISTIC_PARTITION",
     EnvType::kChoice,
-    "128",
+    "256",
     "--deterministic on CUDA: keys per split of the attention kernel, for every batch",
     0,
     0,
-    "128|64|256"};
+    "256|128|64"};
 const EnvVar kDeterministicTokenGroups = {
     "TPSERVE_DETERMINISTIC_TOKEN_GROUPS",
     EnvType::kBool,
