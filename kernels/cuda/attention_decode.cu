@@ -312,9 +312,11 @@ __device__ void FinishSplit(const float (&o_s)[kG * kQ][kD], const float* m_s, c
 // A token-group block's tokens (grid (splits, head groups x kTokenGroup / kQ, groups of the
 // launch)): tokens first .. first + kQ - 1 of group z, first = (y % (kTokenGroup / kQ)) kQ. The
 // token arrays and the groups' first tokens are local to the launch's chunk of token queries,
-// so a token's index is its record slot; the counter is its first token's. False: the block has
-// no token (a short group).
-template <int kQ>
+// so a token's index is its record slot; the counter is its first token's. kGlobal (a launch of
+// every chunk's groups, without records): the token arrays are the whole step's, and a group's
+// first token is its chunk's first plus its own (the chunk is in the count's upper half). False:
+// the block has no token (a short group).
+template <int kQ, bool kGlobal = false>
 __device__ __forceinline__ bool GroupTokens(const int2* __restrict__ groups, int y, int z,
                                             const int32_t* __restrict__ query_start,
                                             const int32_t* __restrict__ context_lens, int partition,
@@ -325,11 +327,12 @@ __device__ __forceinline__ bool GroupTokens(const int2* __restrict__ groups, int
   group = y / kSubs;
   const int2 grp = groups[z];
   const int first = (y % kSubs) * kQ;  // of the group's tokens
-  seq = grp.x + first;
+  const int count = grp.y & 0xffff;
+  seq = grp.x + first + (kGlobal ? (grp.y >> 16) * kDecodeQueryChunk : 0);
   tk.used_max = 0;
 #pragma unroll
   for (int i = 0; i < kQ; ++i) {
-    const bool has = first + i < grp.y;
+    const bool has = first + i < count;
     const int t = seq + i;
     tk.q_row[i] = has ? query_start[t] : 0;
     tk.slot[i] = t;
@@ -338,7 +341,7 @@ __device__ __forceinline__ bool GroupTokens(const int2* __restrict__ groups, int
     tk.used_max = max(tk.used_max, tk.used[i]);
   }
   tk.counter = counters + static_cast<int64_t>(seq) * num_groups + group;
-  return first < grp.y;
+  return first < count;
 }
 
 // A decode block's one token: sequence `seq` of the launch, its (sequence, head group) counter.
@@ -359,14 +362,16 @@ __device__ __forceinline__ SplitTokens<1> OneToken(int64_t q_row, int seq, int c
 // a group, GroupTokens), head group and sequence, zero output rows for tokens of context 0 (split
 // 0), the keys of the split (n: of the longest context) and each token's keys in it (n_tok).
 // False: the block has nothing to compute (no token, or the split starts past every context).
-template <int kD, int kG, int kQ>
+template <int kD, int kG, int kQ, bool kGlobal = false>
 __device__ __forceinline__ bool BeginSplitBlock(
     int order, const int2* __restrict__ groups, const int32_t* __restrict__ query_start,
     const int32_t* __restrict__ context_lens, int partition, int num_heads,
     unsigned* __restrict__ counters, __nv_bfloat16* __restrict__ out, SplitTokens<kQ>& tk,
     int& split, int& num_splits, int& start, int& group, int& seq, int& head0, int& n,
     int (&n_tok)[kQ]) {
-  const DecodeBlock blk = DecodeBlockIndex(order);
+  DecodeBlock blk = DecodeBlockIndex(order);
+  // kGlobal: a launch of a step's groups, the heaviest (latest tokens) first.
+  if constexpr (kGlobal) blk.seq = static_cast<int>(gridDim.z - 1 - blockIdx.z);
   split = blk.split;
   num_splits = blk.num_splits;
   start = split * partition;
@@ -376,8 +381,8 @@ __device__ __forceinline__ bool BeginSplitBlock(
     tk = OneToken(query_start[seq], seq, context_lens[seq], partition, group, num_heads / kG,
                   counters);
   } else {
-    if (!GroupTokens<kQ>(groups, blk.group, blk.seq, query_start, context_lens, partition,
-                         num_heads / kG, counters, tk, group, seq)) {
+    if (!GroupTokens<kQ, kGlobal>(groups, blk.group, blk.seq, query_start, context_lens, partition,
+                                  num_heads / kG, counters, tk, group, seq)) {
       return false;
     }
   }
@@ -1102,9 +1107,9 @@ __global__ void __launch_bounds__(kThreads, 4)
     PdlLaunchDependents();
     SplitTokens<kQ> tk;
     int split, num_splits, start, group, seq, head0, n, n_tok[kQ];
-    if (!BeginSplitBlock<kD, kG, kQ>(order, groups, query_start, context_lens, partition, num_heads,
-                                     counters, out, tk, split, num_splits, start, group, seq, head0,
-                                     n, n_tok)) {
+    if (!BeginSplitBlock<kD, kG, kQ, kLoopSplits>(order, groups, query_start, context_lens,
+                                                  partition, num_heads, counters, out, tk, split,
+                                                  num_splits, start, group, seq, head0, n, n_tok)) {
       return;
     }
     const int kv_head = head0 / (num_heads / num_kv_heads);
@@ -1670,19 +1675,17 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   // kernel reads a split's K/V once for kQ tokens of a group (each token's bits as in a launch
   // of its own, below); one launch per chunk of kDecodeQueryChunk token queries (its groups;
   // the chunks share the workspace).
-  // smem > 0: a kernel that loops over the splits (grid x 1) with that much dynamic shared
-  // memory.
-  auto launch_groups = [&](auto group_kernel, auto q_tokens, size_t smem = 0) {
+  auto launch_groups = [&](auto group_kernel, auto q_tokens) {
     constexpr int kQ = decltype(q_tokens)::value;
     const int queries = b.num_token_queries > 0 ? b.num_token_queries : b.num_tokens;
-    const int splits = smem > 0 ? 1 : DecodeSplits(b, partition);
+    const int splits = DecodeSplits(b, partition);
     for (int k = 0; k * kDecodeQueryChunk < queries; ++k) {
       const int g0 = b.token_group_chunks[k], groups = b.token_group_chunks[k + 1] - g0;
       const int t0 = k * kDecodeQueryChunk;
       if (groups == 0) continue;
       const dim3 grid(splits, num_heads / kG * (kTokenGroup / kQ), groups);
-      LaunchPdl(group_kernel, grid, dim3(kThreads), smem, stream, q.ptr<const __nv_bfloat16>(), kc,
-                vc, k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
+      LaunchPdl(group_kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
+                k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
                 b.block_tables, b.token_table_rows + t0, b.token_groups + g0, b.max_blocks_per_seq,
                 b.block_size, num_heads, num_kv_heads, partition, scale * kLog2e, counters,
                 workspace, out.ptr<__nv_bfloat16>(), block_shift,
@@ -1703,7 +1706,20 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
           return true;
         }();
         (void)configured;
-        launch_groups(kernel_loop, std::integral_constant<int, kQm>{}, kFoldBytes);
+        // No workspace: one launch for every chunk's groups (grid x 1: a block's splits are its
+        // loop), the token arrays whole.
+        const int queries = b.num_token_queries > 0 ? b.num_token_queries : b.num_tokens;
+        const int groups = b.token_group_chunks[CeilDiv(queries, kDecodeQueryChunk)];
+        if (groups > 0) {
+          const dim3 grid(1, num_heads / kG * (kTokenGroup / kQm), groups);
+          LaunchPdl(kernel_loop, grid, dim3(kThreads), kFoldBytes, stream,
+                    q.ptr<const __nv_bfloat16>(), kc, vc, k_scales, v_scales, b.token_query_start,
+                    b.token_context_lens, b.block_tables, b.token_table_rows, b.token_groups,
+                    b.max_blocks_per_seq, b.block_size, num_heads, num_kv_heads, partition,
+                    scale * kLog2e, counters, workspace, out.ptr<__nv_bfloat16>(), block_shift,
+                    static_cast<int>(kDecodeSplitMajor), DecodePrefetchOf());
+          TP_CUDA_CHECK_LAUNCH();
+        }
       } else {
         launch_groups(DecodeMmaBf16Kernel<Kv, kD, kG, kQm>, std::integral_constant<int, kQm>{});
       }

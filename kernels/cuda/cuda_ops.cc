@@ -482,7 +482,7 @@ void CudaOps::SetBatch(const BatchMeta& m) {
           }
           const int room = cuda::kDecodeQueryChunk - t % cuda::kDecodeQueryChunk;
           const int count = std::min({cuda::kDecodeTokenGroup, qlen - i, room});
-          token_groups.push_back({t % cuda::kDecodeQueryChunk, count});
+          token_groups.push_back({t % cuda::kDecodeQueryChunk, count + (chunk << 16)});
           i += count;
         }
       }

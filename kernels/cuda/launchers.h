@@ -157,7 +157,7 @@ struct DeviceBatch {
   // Deterministic mode's prefill: the token queries in groups of consecutive tokens of one
   // sequence, so that a block reads a split's K/V once for several of them (null: one token a
   // block). A group has at most kDecodeTokenGroup tokens and lies in one kDecodeQueryChunk of
-  // token queries: [first token - the chunk's first, count]; those of chunk k are
+  // token queries: [first token - the chunk's first, count + (chunk << 16)]; those of chunk k are
   // [token_group_chunks[k], token_group_chunks[k + 1]) (HOST memory, owned by the ops, valid
   // until the next SetBatch).
   const int2* token_groups = nullptr;
