@@ -201,6 +201,11 @@ __device__ __forceinline__ void MergeColumn(const float* __restrict__ rec, int u
   CombineFolds<kD>(fm, fden, fnum, lane, out);
 }
 
+// A token whose context fits one split: an element of its output, normalized directly (no merge).
+__device__ __forceinline__ __nv_bfloat16 SingleSplitOut(float o, float l) {
+  return __float2bfloat16(l > 0.0f ? o / l : 0.0f);
+}
+
 // The end of every split: o_s holds sum_t p_t v_t (p relative to m_s), l_s the sum of p, per
 // column. A token whose context fits one partition is normalized and written directly.
 // Otherwise the partial goes to the workspace record [slot][head][split]; the block that arrives
@@ -221,8 +226,7 @@ __device__ void FinishSplit(const float (&o_s)[kG * kQ][kD], const float* m_s, c
     const int c = i / kD, d = i % kD, t = kQ == 1 ? 0 : c / kG, g = c % kG;
     if (tk.used[t] != 1 || split != 0) continue;
     const float l = l_s[c];
-    out[(tk.q_row[t] * num_heads + head0 + g) * kD + d] =
-        __float2bfloat16(l > 0.0f ? o_s[c][d] / l : 0.0f);
+    out[(tk.q_row[t] * num_heads + head0 + g) * kD + d] = SingleSplitOut(o_s[c][d], l);
   }
   if (tk.used_max <= 1) return;
   for (int i = tid; i < kC * (kD + 2); i += kThreads) {
@@ -357,6 +361,23 @@ __device__ __forceinline__ SplitTokens<1> OneToken(int64_t q_row, int seq, int c
   return tk;
 }
 
+// The keys of split `split` (from `start`): n, of the tokens' longest context, and each token's
+// (n_tok; <= 0 for a token whose context ends before the split). False: the split starts past
+// every context.
+template <int kQ>
+__device__ __forceinline__ bool SplitKeys(const SplitTokens<kQ>& tk, int split, int partition,
+                                          int& start, int& n, int (&n_tok)[kQ]) {
+  int ctx_max = 0;
+#pragma unroll
+  for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
+  start = split * partition;
+  if (start >= ctx_max) return false;
+  n = min(partition, ctx_max - start);
+#pragma unroll
+  for (int i = 0; i < kQ; ++i) n_tok[i] = min(partition, tk.ctx[i] - start);
+  return true;
+}
+
 // The opening of a split block of the two-phase and the bf16 mma kernels: the block's split
 // and its first key, its tokens (decode: its sequence's one; a token-group launch: kQ tokens of
 // a group, GroupTokens), head group and sequence, zero output rows for tokens of context 0 (split
@@ -374,7 +395,6 @@ __device__ __forceinline__ bool BeginSplitBlock(
   if constexpr (kGlobal) blk.seq = static_cast<int>(gridDim.z - 1 - blockIdx.z);
   split = blk.split;
   num_splits = blk.num_splits;
-  start = split * partition;
   if constexpr (kQ == 1) {
     group = blk.group;
     seq = blk.seq;
@@ -387,9 +407,6 @@ __device__ __forceinline__ bool BeginSplitBlock(
     }
   }
   head0 = group * kG;
-  int ctx_max = 0;
-#pragma unroll
-  for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
   if (split == 0) {
 #pragma unroll
     for (int i = 0; i < kQ; ++i) {
@@ -399,11 +416,7 @@ __device__ __forceinline__ bool BeginSplitBlock(
       }
     }
   }
-  if (start >= ctx_max) return false;
-  n = min(partition, ctx_max - start);
-#pragma unroll
-  for (int i = 0; i < kQ; ++i) n_tok[i] = min(partition, tk.ctx[i] - start);
-  return true;
+  return SplitKeys<kQ>(tk, split, partition, start, n, n_tok);
 }
 
 // Elements of a row per lane in the two-phase kernel: 16 for a quantized cache when the
@@ -1147,9 +1160,6 @@ __global__ void __launch_bounds__(kThreads, 4)
         fold_s[i] = i % (kD + 2) == kD ? -INFINITY : 0.0f;
       }
     }
-    [[maybe_unused]] int ctx_max = 0;
-#pragma unroll
-    for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
 
     // One split (kLoopSplits: every split of the block's tokens in turn).
     for (;;) {
@@ -1327,7 +1337,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll
               for (int e = 0; e < kVec; ++e) {
                 const int d = lane * kVec + e;
-                orow[d] = __float2bfloat16(l > 0.0f ? o_s[col][d] / l : 0.0f);
+                orow[d] = SingleSplitOut(o_s[col][d], l);
               }
             }
           } else if (split < used) {
@@ -1351,10 +1361,7 @@ __global__ void __launch_bounds__(kThreads, 4)
         }
         __syncthreads();  // o_s, m_s, l_s, p_s and row_s are the next split's
         if (++split >= tk.used_max) break;
-        start = split * partition;
-        n = min(partition, ctx_max - start);
-#pragma unroll
-        for (int i = 0; i < kQ; ++i) n_tok[i] = min(partition, tk.ctx[i] - start);
+        SplitKeys<kQ>(tk, split, partition, start, n, n_tok);  // true: split < used_max
       }
     }  // the split loop
     if constexpr (kLoopSplits) {
@@ -1677,17 +1684,23 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   // kernel reads a split's K/V once for kQ tokens of a group (each token's bits as in a launch
   // of its own, below); one launch per chunk of kDecodeQueryChunk token queries (its groups;
   // the chunks share the workspace).
-  auto launch_groups = [&](auto group_kernel, auto q_tokens) {
+  // loop_smem > 0: the bf16 mma kernel's split loop, with that much dynamic shared memory. It
+  // keeps no records, so one launch takes every chunk's groups (grid x 1: a block's splits are
+  // its loop), the token arrays whole.
+  auto launch_groups = [&](auto group_kernel, auto q_tokens, size_t loop_smem = 0) {
     constexpr int kQ = decltype(q_tokens)::value;
     const int queries = b.num_token_queries > 0 ? b.num_token_queries : b.num_tokens;
-    const int splits = DecodeSplits(b, partition);
-    for (int k = 0; k * kDecodeQueryChunk < queries; ++k) {
-      const int g0 = b.token_group_chunks[k], groups = b.token_group_chunks[k + 1] - g0;
-      const int t0 = k * kDecodeQueryChunk;
+    const int chunks = CeilDiv(queries, kDecodeQueryChunk);
+    const bool whole = loop_smem > 0;
+    const int splits = whole ? 1 : DecodeSplits(b, partition);
+    for (int k = 0; k < (whole ? 1 : chunks); ++k) {
+      const int g0 = whole ? 0 : b.token_group_chunks[k];
+      const int groups = b.token_group_chunks[whole ? chunks : k + 1] - g0;
+      const int t0 = whole ? 0 : k * kDecodeQueryChunk;
       if (groups == 0) continue;
       const dim3 grid(splits, num_heads / kG * (kTokenGroup / kQ), groups);
-      LaunchPdl(group_kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
-                k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
+      LaunchPdl(group_kernel, grid, dim3(kThreads), loop_smem, stream, q.ptr<const __nv_bfloat16>(),
+                kc, vc, k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
                 b.block_tables, b.token_table_rows + t0, b.token_groups + g0, b.max_blocks_per_seq,
                 b.block_size, num_heads, num_kv_heads, partition, scale * kLog2e, counters,
                 workspace, out.ptr<__nv_bfloat16>(), block_shift,
@@ -1708,20 +1721,7 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
           return true;
         }();
         (void)configured;
-        // No workspace: one launch for every chunk's groups (grid x 1: a block's splits are its
-        // loop), the token arrays whole.
-        const int queries = b.num_token_queries > 0 ? b.num_token_queries : b.num_tokens;
-        const int groups = b.token_group_chunks[CeilDiv(queries, kDecodeQueryChunk)];
-        if (groups > 0) {
-          const dim3 grid(1, num_heads / kG * (kTokenGroup / kQm), groups);
-          LaunchPdl(kernel_loop, grid, dim3(kThreads), kFoldBytes, stream,
-                    q.ptr<const __nv_bfloat16>(), kc, vc, k_scales, v_scales, b.token_query_start,
-                    b.token_context_lens, b.block_tables, b.token_table_rows, b.token_groups,
-                    b.max_blocks_per_seq, b.block_size, num_heads, num_kv_heads, partition,
-                    scale * kLog2e, counters, workspace, out.ptr<__nv_bfloat16>(), block_shift,
-                    static_cast<int>(kDecodeSplitMajor), DecodePrefetchOf());
-          TP_CUDA_CHECK_LAUNCH();
-        }
+        launch_groups(kernel_loop, std::integral_constant<int, kQm>{}, kFoldBytes);
       } else {
         launch_groups(DecodeMmaBf16Kernel<Kv, kD, kG, kQm>, std::integral_constant<int, kQm>{});
       }
