@@ -361,18 +361,32 @@ __device__ __forceinline__ SplitTokens<1> OneToken(int64_t q_row, int seq, int c
   return tk;
 }
 
+// The longest context of the block's tokens.
+template <int kQ>
+__device__ __forceinline__ int MaxContext(const SplitTokens<kQ>& tk) {
+  int ctx_max = 0;
+#pragma unroll
+  for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
+  return ctx_max;
+}
+
+// The keys of split `split` of a context of ctx_max: the first (start) and how many (n). False:
+// the split starts past the context.
+__device__ __forceinline__ bool SplitRange(int split, int partition, int ctx_max, int& start,
+                                           int& n) {
+  start = split * partition;
+  if (start >= ctx_max) return false;
+  n = min(partition, ctx_max - start);
+  return true;
+}
+
 // The keys of split `split` (from `start`): n, of the tokens' longest context, and each token's
 // (n_tok; <= 0 for a token whose context ends before the split). False: the split starts past
 // every context.
 template <int kQ>
 __device__ __forceinline__ bool SplitKeys(const SplitTokens<kQ>& tk, int split, int partition,
                                           int& start, int& n, int (&n_tok)[kQ]) {
-  int ctx_max = 0;
-#pragma unroll
-  for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
-  start = split * partition;
-  if (start >= ctx_max) return false;
-  n = min(partition, ctx_max - start);
+  if (!SplitRange(split, partition, MaxContext(tk), start, n)) return false;
 #pragma unroll
   for (int i = 0; i < kQ; ++i) n_tok[i] = min(partition, tk.ctx[i] - start);
   return true;
@@ -1150,10 +1164,7 @@ __global__ void __launch_bounds__(kThreads, kLoopSplits ? 3 : 4)
       }
     }
     // kLoopSplits: what the loop needs of tk to step to the next split.
-    const int used_max = tk.used_max;
-    int ctx_max = 0;
-#pragma unroll
-    for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
+    const int used_max = tk.used_max, ctx_max = MaxContext(tk);
 
     PdlWait();  // q and this step's K/V rows come from the previous kernels
     // q of column 8f + r as the score MMAs' B operand: step s takes dims kKDims c + 4s + [0, 4).
@@ -1388,8 +1399,7 @@ __global__ void __launch_bounds__(kThreads, kLoopSplits ? 3 : 4)
         }
         __syncthreads();  // o_s, m_s, l_s, p_s and row_s are the next split's
         if (++split >= used_max) break;
-        start = split * partition;  // SplitKeys: the next split's keys (split < used_max)
-        n = min(partition, ctx_max - start);
+        SplitRange(split, partition, ctx_max, start, n);  // true: split < used_max
       }
     }  // the split loop
     if constexpr (kLoopSplits) {
