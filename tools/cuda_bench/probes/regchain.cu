@@ -25,6 +25,9 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/kv_read.cuh"
+#include "kernels/cuda/mma_util.cuh"
+
 #define CK(x)                                                                                 \
   do {                                                                                        \
     cudaError_t e_ = (x);                                                                     \
@@ -34,27 +37,10 @@
     }                                                                                         \
   } while (0)
 
-__device__ __forceinline__ void Mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                    uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint2 Ld64(const void* p) {
-  uint2 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
-               : "=r"(r.x), "=r"(r.y)
-               : "l"(p));
-  return r;
-}
-__device__ __forceinline__ uint4 Ld128(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
+// The tree's fragment MMA and streaming loads.
+using tpserve::cuda::LoadStreaming;
+using tpserve::cuda::LoadStreaming8;
+using tpserve::cuda::Mma16816;
 
 // Reference: one warp per (16-row tile, slice), the standard fragment layout (hw k = actual k),
 // 4-byte loads, no prefetch; slices added in order by lane t == 0 through shared memory.
@@ -70,7 +56,7 @@ __global__ void RefChain(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bf
     const __nv_bfloat16* r0 = w + static_cast<int64_t>(n0 + g) * K + k0;
     const __nv_bfloat16* r1 = r0 + 8 * static_cast<int64_t>(K);
     uint32_t b0 = g == 0 ? u32(x + k0 + 2 * t) : 0u, b1 = g == 0 ? u32(x + k0 + 2 * t + 8) : 0u;
-    Mma(d, u32(r0 + 2 * t), u32(r1 + 2 * t), u32(r0 + 2 * t + 8), u32(r1 + 2 * t + 8), b0, b1);
+    Mma16816(d, u32(r0 + 2 * t), u32(r1 + 2 * t), u32(r0 + 2 * t + 8), u32(r1 + 2 * t + 8), b0, b1);
   }
   if (t == 0) {
     part[s][g] = d[0];
@@ -120,8 +106,8 @@ __global__ void __launch_bounds__(kW * 32)
 #pragma unroll
         for (int j = 0; j < kT; ++j) {
           if (p < steps) {
-            wa[p][j] = Ld64(base + (j * 16) * K64 + 16 * p);
-            wb[p][j] = Ld64(base + (j * 16 + 8) * K64 + 16 * p);
+            wa[p][j] = LoadStreaming8(base + (j * 16) * K64 + 16 * p);
+            wb[p][j] = LoadStreaming8(base + (j * 16 + 8) * K64 + 16 * p);
           }
         }
       }
@@ -134,12 +120,12 @@ __global__ void __launch_bounds__(kW * 32)
             if (g != 0) xv = make_uint2(0u, 0u);
 #pragma unroll
             for (int j = 0; j < kT; ++j)
-              Mma(d[j], wa[p][j].x, wb[p][j].x, wa[p][j].y, wb[p][j].y, xv.x, xv.y);
+              Mma16816(d[j], wa[p][j].x, wb[p][j].x, wa[p][j].y, wb[p][j].y, xv.x, xv.y);
             if (st + kP < steps) {
 #pragma unroll
               for (int j = 0; j < kT; ++j) {
-                wa[p][j] = Ld64(base + (j * 16) * K64 + 16 * (st + kP));
-                wb[p][j] = Ld64(base + (j * 16 + 8) * K64 + 16 * (st + kP));
+                wa[p][j] = LoadStreaming8(base + (j * 16) * K64 + 16 * (st + kP));
+                wb[p][j] = LoadStreaming8(base + (j * 16 + 8) * K64 + 16 * (st + kP));
               }
             }
           }
@@ -160,8 +146,8 @@ __global__ void __launch_bounds__(kW * 32)
 #pragma unroll
         for (int j = 0; j < kT; ++j) {
           if (p < pairs) {
-            wa[p][j] = Ld128(base + (j * 16) * K64 + 32 * p);
-            wb[p][j] = Ld128(base + (j * 16 + 8) * K64 + 32 * p);
+            wa[p][j] = LoadStreaming(base + (j * 16) * K64 + 32 * p);
+            wb[p][j] = LoadStreaming(base + (j * 16 + 8) * K64 + 32 * p);
           }
         }
       }
@@ -181,16 +167,16 @@ __global__ void __launch_bounds__(kW * 32)
               const uint32_t ub0 = __shfl_xor_sync(0xffffffffu, lo ? rb.z : rb.x, 2);
               const uint32_t ub1 = __shfl_xor_sync(0xffffffffu, lo ? rb.w : rb.y, 2);
               // step 2j: lo ? own (x, y) : received; step 2j + 1: lo ? received : own (z, w)
-              Mma(d[j], lo ? ra.x : ua0, lo ? rb.x : ub0, lo ? ra.y : ua1, lo ? rb.y : ub1, x0.x,
-                  x0.y);
-              Mma(d[j], lo ? ua0 : ra.z, lo ? ub0 : rb.z, lo ? ua1 : ra.w, lo ? ub1 : rb.w, x1.x,
-                  x1.y);
+              Mma16816(d[j], lo ? ra.x : ua0, lo ? rb.x : ub0, lo ? ra.y : ua1, lo ? rb.y : ub1,
+                       x0.x, x0.y);
+              Mma16816(d[j], lo ? ua0 : ra.z, lo ? ub0 : rb.z, lo ? ua1 : ra.w, lo ? ub1 : rb.w,
+                       x1.x, x1.y);
             }
             if (pr + kP < pairs) {
 #pragma unroll
               for (int j = 0; j < kT; ++j) {
-                wa[p][j] = Ld128(base + (j * 16) * K64 + 32 * (pr + kP));
-                wb[p][j] = Ld128(base + (j * 16 + 8) * K64 + 32 * (pr + kP));
+                wa[p][j] = LoadStreaming(base + (j * 16) * K64 + 32 * (pr + kP));
+                wb[p][j] = LoadStreaming(base + (j * 16 + 8) * K64 + 32 * (pr + kP));
               }
             }
           }
@@ -247,8 +233,8 @@ __global__ void __launch_bounds__(kW * 32)
   auto load = [&](uint2(&A)[kP], uint2(&B)[kP], int s0) {
 #pragma unroll
     for (int p = 0; p < kP; ++p) {
-      A[p] = Ld64(ra + 16 * (s0 + p));
-      B[p] = Ld64(rb + 16 * (s0 + p));
+      A[p] = LoadStreaming8(ra + 16 * (s0 + p));
+      B[p] = LoadStreaming8(rb + 16 * (s0 + p));
     }
   };
   auto consume = [&](uint2(&A)[kP], uint2(&B)[kP], int s0) {
@@ -256,7 +242,7 @@ __global__ void __launch_bounds__(kW * 32)
     for (int p = 0; p < kP; ++p) {
       uint2 xv = *reinterpret_cast<const uint2*>(xr + 16 * (s0 + p));
       if (g != 0) xv = make_uint2(0u, 0u);
-      Mma(d, A[p].x, B[p].x, A[p].y, B[p].y, xv.x, xv.y);
+      Mma16816(d, A[p].x, B[p].x, A[p].y, B[p].y, xv.x, xv.y);
     }
   };
   load(a0, b0, 0);
