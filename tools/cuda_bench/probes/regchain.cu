@@ -430,6 +430,27 @@ void RunRef(Ctx& c, std::vector<uint16_t>& out) {
   CK(cudaMemcpy(out.data(), c.yref, c.sh->n * 2, cudaMemcpyDeviceToHost));
 }
 
+// One variant: its first output checked bit for bit against `ref`, then its median time (the
+// middle of 3 medians of 60 launches) printed as a share of the copy bandwidth after `label`.
+void Measure(Ctx& c, const std::vector<uint16_t>& ref, const std::function<void(int)>& launch,
+             const std::string& label) {
+  const Shape& sh = *c.sh;
+  CK(cudaMemset(c.y, 0, sh.n * 2));
+  launch(0);
+  CK(cudaDeviceSynchronize());
+  std::vector<uint16_t> got(sh.n);
+  CK(cudaMemcpy(got.data(), c.y, sh.n * 2, cudaMemcpyDeviceToHost));
+  int diff = 0;
+  for (int i = 0; i < sh.n; ++i) diff += got[i] != ref[i];
+  std::vector<double> ms;
+  for (int r = 0; r < 3; ++r) ms.push_back(MedianMs(60, launch));
+  std::sort(ms.begin(), ms.end());
+  const double gbs = c.wbytes / ms[1] / 1e6;
+  std::printf("%-8s %-24s %8.4f ms  %6.0f GB/s  %5.1f%% of copy  diff=%d\n", sh.name, label.c_str(),
+              ms[1], gbs, 100.0 * gbs / c.copy_gbs, diff);
+  std::fflush(stdout);
+}
+
 template <int kW, int kS, int kT, int kP, bool k128>
 void RunVariant(Ctx& c) {
   const Shape& sh = *c.sh;
@@ -437,26 +458,19 @@ void RunVariant(Ctx& c) {
   const int groups = (sh.n + kT * 16 - 1) / (kT * 16);
   const int warps = groups * kS;
   const int blocks = (warps + kW - 1) / kW;
-  auto launch = [&](int i) {
-    RegChain<kW, kS, kT, kP, k128>
-        <<<blocks, kW * 32>>>(c.x, c.ws[i % c.ws.size()], c.y, sh.n, sh.k);
-  };
-  CK(cudaMemset(c.y, 0, sh.n * 2));
-  RegChain<kW, kS, kT, kP, k128><<<blocks, kW * 32>>>(c.x, c.ws[0], c.y, sh.n, sh.k);
-  CK(cudaDeviceSynchronize());
-  std::vector<uint16_t> got(sh.n);
-  CK(cudaMemcpy(got.data(), c.y, sh.n * 2, cudaMemcpyDeviceToHost));
-  const auto& ref = c.ref_host[kS == 1 ? 0 : kS == 2 ? 1 : 2];
-  int diff = 0;
-  for (int i = 0; i < sh.n; ++i) diff += got[i] != ref[i];
-  std::vector<double> ms;
-  for (int r = 0; r < 3; ++r) ms.push_back(MedianMs(60, launch));
-  std::sort(ms.begin(), ms.end());
-  const double gbs = c.wbytes / ms[1] / 1e6;
-  std::printf("%-8s S=%d W=%d T=%d P=%2d %s  %8.4f ms  %6.0f GB/s  %5.1f%% of copy  diff=%d\n",
-              sh.name, kS, kW, kT, kP, k128 ? "ld128" : "ld64 ", ms[1], gbs,
-              100.0 * gbs / c.copy_gbs, diff);
-  std::fflush(stdout);
+  char label[64];
+  std::snprintf(label, sizeof(label), "S=%d W=%d T=%d P=%2d %s", kS, kW, kT, kP,
+                k128 ? "ld128" : "ld64");
+  Measure(
+      c,
+      c.ref_host[kS == 1   ? 0
+                 : kS == 2 ? 1
+                           : 2],
+      [&](int i) {
+        RegChain<kW, kS, kT, kP, k128>
+            <<<blocks, kW * 32>>>(c.x, c.ws[i % c.ws.size()], c.y, sh.n, sh.k);
+      },
+      label);
 }
 
 template <int kW, int kS, int kT>
@@ -476,30 +490,19 @@ void RunBurst(Ctx& c) {
   const int blocks = (sh.n / 16 + kW - 1) / kW;
   const size_t smem = size_t{2} * sh.k;
   CK(cudaFuncSetAttribute(BurstChain<kW, kP>, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536));
-  auto launch = [&](int i) {
-    BurstChain<kW, kP><<<blocks, kW * 32, smem>>>(c.x, c.ws[i % c.ws.size()], c.y, sh.n, sh.k);
-  };
-  CK(cudaMemset(c.y, 0, sh.n * 2));
-  launch(0);
-  CK(cudaDeviceSynchronize());
-  std::vector<uint16_t> got(sh.n);
-  CK(cudaMemcpy(got.data(), c.y, sh.n * 2, cudaMemcpyDeviceToHost));
-  int diff = 0;
-  for (int i = 0; i < sh.n; ++i) diff += got[i] != c.ref_host[0][i];
-  std::vector<double> ms;
-  for (int r = 0; r < 3; ++r) ms.push_back(MedianMs(60, launch));
-  std::sort(ms.begin(), ms.end());
-  const double gbs = c.wbytes / ms[1] / 1e6;
-  std::printf("%-8s burst W=%d P=%2d        %8.4f ms  %6.0f GB/s  %5.1f%% of copy  diff=%d\n",
-              sh.name, kW, kP, ms[1], gbs, 100.0 * gbs / c.copy_gbs, diff);
-  std::fflush(stdout);
+  char label[64];
+  std::snprintf(label, sizeof(label), "burst W=%d P=%2d", kW, kP);
+  Measure(
+      c, c.ref_host[0],
+      [&](int i) {
+        BurstChain<kW, kP><<<blocks, kW * 32, smem>>>(c.x, c.ws[i % c.ws.size()], c.y, sh.n, sh.k);
+      },
+      label);
 }
 
 int main(int argc, char** argv) {
-  const char* only_arg = argc > 1 && std::strcmp(argv[1], "all") != 0 ? argv[1] : nullptr;
-  const char* only = only_arg;
   const bool burst = argc > 1 && std::strcmp(argv[1], "burst") == 0;
-  if (burst) only = nullptr;
+  const char* only = argc > 1 && !burst && std::strcmp(argv[1], "all") != 0 ? argv[1] : nullptr;
   const bool skip_lt = burst || (argc > 2 && std::strcmp(argv[2], "nolt") == 0);
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -582,17 +585,16 @@ int main(int argc, char** argv) {
       RunBurst<2, 16>(c);
       RunBurst<8, 8>(c);
       RunBurst<1, 16>(c);
-      for (auto* p : c.ws) CK(cudaFree(p));
-      continue;
+    } else {
+      RunPs<4, 1, 1>(c);
+      RunPs<4, 1, 2>(c);
+      RunPs<8, 1, 1>(c);
+      RunPs<4, 2, 1>(c);
+      RunPs<8, 2, 1>(c);
+      RunPs<4, 2, 2>(c);
+      RunPs<4, 4, 1>(c);
+      RunPs<8, 4, 1>(c);
     }
-    RunPs<4, 1, 1>(c);
-    RunPs<4, 1, 2>(c);
-    RunPs<8, 1, 1>(c);
-    RunPs<4, 2, 1>(c);
-    RunPs<8, 2, 1>(c);
-    RunPs<4, 2, 2>(c);
-    RunPs<4, 4, 1>(c);
-    RunPs<8, 4, 1>(c);
     for (auto* p : c.ws) CK(cudaFree(p));
   }
   return 0;
