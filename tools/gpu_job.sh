@@ -4,11 +4,12 @@
 # checkpoint, compares it with transformers bf16, runs the engine benchmark and the HF
 # baselines. Logs and JSON go to $OUT (or ./gpu-out) as gpu-job.tgz, beside summary.txt.
 # Usage: bash tools/gpu_job.sh [tests] [ds67] [refs] [bench] [hf] [pp] [kernels] [ncu] [serve]
-#          [trace] [presets] [kvq] [detserve]
+#          [trace] [presets] [kvq] [detserve] [pdl]
 #   (default: tests ds67 bench hf; refs: the transformers references alone, without tpserve's
 #   test; `refs hf` needs no tpserve binary but `tpserve random-model`; kernels: the kernel
 #   benchmark tpserve-cuda-bench; ncu: Nsight Compute profiles of single kernels (NCU_ROWS, below);
 #   serve: tools/serve_check.sh, served vs engine tokens;
+#   pdl: tools/pdl_sass_check.py over the staged binaries (nc loads above griddepcontrol.wait);
 #   presets: `tpserve bench` presets against `tpserve serve` in each SERVE_AB configuration, a
 #   fresh server for each preset unless PRESETS_SHARE_SERVER=1)
 #   kvq: tiny-coder held-out perplexity with each --kv-cache-dtype (the files listed in
@@ -199,6 +200,14 @@ if has trace; then
   else
     log "no nsys on this machine"
   fi
+fi
+if has pdl; then
+  # Loads ptxas scheduled above griddepcontrol.wait in the staged binaries (their cubins, with
+  # this machine's cuobjdump and nvdisasm: tools/pdl_sass_check.py).
+  log "pdl_sass_check over $stage/bin"
+  timeout 600 python3 tools/pdl_sass_check.py "$stage"/bin/* >"$out/pdl_sass_check.log" 2>&1
+  log "rc=$?"
+  tail -20 "$out/pdl_sass_check.log" | tee -a "$out/summary.txt"
 fi
 if has kernels && [ -x "$stage/bin/tpserve-cuda-bench" ]; then
   log "tpserve-cuda-bench"
