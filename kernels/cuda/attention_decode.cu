@@ -361,18 +361,32 @@ __device__ __forceinline__ SplitTokens<1> OneToken(int64_t q_row, int seq, int c
   return tk;
 }
 
+// The longest context of the block's tokens.
+template <int kQ>
+__device__ __forceinline__ int MaxContext(const SplitTokens<kQ>& tk) {
+  int ctx_max = 0;
+#pragma unroll
+  for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
+  return ctx_max;
+}
+
+// The keys of split `split` of a context of ctx_max: the first (start) and how many (n). False:
+// the split starts past the context.
+__device__ __forceinline__ bool SplitRange(int split, int partition, int ctx_max, int& start,
+                                           int& n) {
+  start = split * partition;
+  if (start >= ctx_max) return false;
+  n = min(partition, ctx_max - start);
+  return true;
+}
+
 // The keys of split `split` (from `start`): n, of the tokens' longest context, and each token's
 // (n_tok; <= 0 for a token whose context ends before the split). False: the split starts past
 // every context.
 template <int kQ>
 __device__ __forceinline__ bool SplitKeys(const SplitTokens<kQ>& tk, int split, int partition,
                                           int& start, int& n, int (&n_tok)[kQ]) {
-  int ctx_max = 0;
-#pragma unroll
-  for (int i = 0; i < kQ; ++i) ctx_max = max(ctx_max, tk.ctx[i]);
-  start = split * partition;
-  if (start >= ctx_max) return false;
-  n = min(partition, ctx_max - start);
+  if (!SplitRange(split, partition, MaxContext(tk), start, n)) return false;
 #pragma unroll
   for (int i = 0; i < kQ; ++i) n_tok[i] = min(partition, tk.ctx[i] - start);
   return true;
@@ -1083,7 +1097,12 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
 // then writes them (CombineFolds): the same bits, without the workspace round trip, the arrival
 // counters and the last block's merge; one launch takes every group of the step, heaviest first
 // (an H100's 2,048-token deterministic prefill: 96.7 ms with a block a split, 74.6 with the loop;
-// the loop at 4 blocks an SM, its output in p_s and q reloaded each split, took 85.0).
+// the loop at 4 blocks an SM, its output in p_s and q reloaded each split, took 85.0). Shared
+// memory leaves the loop 3 blocks an SM, and so do its launch bounds: 168 registers instead of
+// 128, and its 136 / 260 bytes of spills gone (75.2 -> 70.9 ms on another H100). Both forms
+// look a split's pool rows up at once before phase 1 (ncu: phase 1's K loads waited on a table
+// load each) and keep their tokens' contexts, splits and output rows in shared memory for the loops
+// that index them by column (they were local memory, missing the small L1): 69.5 ms.
 constexpr int kMmaBf16MaxPartition = 512;
 template <typename Kv, int kD>
 inline constexpr bool kMmaBf16Supported = !Kv::kQuantized && (kD == 64 || kD == 128);
@@ -1092,7 +1111,7 @@ inline constexpr int kMmaBf16GroupTokens = kMmaBf16Supported<Kv, kD> ? std::max(
                                                                      : 1;
 
 template <typename Kv, int kD, int kG, int kQ, bool kLoopSplits = false>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, kLoopSplits ? 3 : 4)
     DecodeMmaBf16Kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
                         const uint8_t* __restrict__ v_cache, const float* __restrict__ /*ks*/,
                         const float* __restrict__ /*vs*/, const int32_t* __restrict__ query_start,
@@ -1119,6 +1138,10 @@ __global__ void __launch_bounds__(kThreads, 4)
     __shared__ int32_t row_s[kMaxP];
     __shared__ float o_s[kC][kD];
     __shared__ float m_s[kC], l_s[kC];
+    // The tokens' contexts, splits and output rows, for the loops that index them by column (a
+    // register array indexed so would live in local memory, which misses the small L1 here).
+    __shared__ int ctx_s[kQ], used_s[kQ];
+    __shared__ int64_t qrow_s[kQ];
 
     PdlLaunchDependents();
     SplitTokens<kQ> tk;
@@ -1133,6 +1156,16 @@ __global__ void __launch_bounds__(kThreads, 4)
     const int32_t* table =
         block_tables +
         static_cast<int64_t>(table_rows != nullptr ? table_rows[seq] : seq) * max_blocks_per_seq;
+    if (tid == 0) {
+#pragma unroll
+      for (int i = 0; i < kQ; ++i) {
+        ctx_s[i] = tk.ctx[i];
+        used_s[i] = tk.used[i];
+        qrow_s[i] = tk.q_row[i];
+      }
+    }
+    // kLoopSplits: what the loop needs of tk to step to the next split.
+    const int used_max = tk.used_max, ctx_max = MaxContext(tk);
 
     PdlWait();  // q and this step's K/V rows come from the previous kernels
     // q of column 8f + r as the score MMAs' B operand: step s takes dims kKDims c + 4s + [0, 4).
@@ -1166,7 +1199,14 @@ __global__ void __launch_bounds__(kThreads, 4)
     // One split (kLoopSplits: every split of the block's tokens in turn).
     for (;;) {
       const int num_tiles = (n + 15) / 16;
-      // Phase 1: scores (log2 domain); the lanes of column 0 also keep each key's pool row.
+      // The split's pool rows, every table lookup at once (phase 1's K loads then wait for no
+      // table load of their own; phase 3 reads them too).
+      for (int i = tid; i < n; i += kThreads) {
+        row_s[i] = static_cast<int32_t>(
+            KvPoolRow(table, start + i, block_size, block_shift, num_kv_heads, kv_head));
+      }
+      __syncthreads();
+      // Phase 1: scores (log2 domain).
       for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnroll) {
         uint4 kw[kUnroll][2][kKDims / 8];
 #pragma unroll
@@ -1175,12 +1215,10 @@ __global__ void __launch_bounds__(kThreads, 4)
           for (int h = 0; h < 2; ++h) {
             const int tok = (t0 + u * kWarps) * 16 + r + 8 * h;
             if (tok < n) {  // also false for a tile past the last
-              const int64_t row =
-                  KvPoolRow(table, start + tok, block_size, block_shift, num_kv_heads, kv_head);
-              const uint8_t* p = k_cache + row * kRowBytes + c * (kKDims * 2);
+              const uint8_t* p =
+                  k_cache + static_cast<int64_t>(row_s[tok]) * kRowBytes + c * (kKDims * 2);
 #pragma unroll
               for (int i = 0; i < kKDims / 8; ++i) kw[u][h][i] = LoadStreaming(p + 16 * i);
-              if (c == 0) row_s[tok] = static_cast<int32_t>(row);
             } else {
 #pragma unroll
               for (int i = 0; i < kKDims / 8; ++i) kw[u][h][i] = uint4{0, 0, 0, 0};
@@ -1237,7 +1275,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       // Phase 2: softmax numerators per column (one warp per column) over its token's keys;
       // zero for the keys past them up to the last tile's end.
       for (int col = warp; col < kC; col += kWarps) {
-        const int nc = n_tok[kQ == 1 ? 0 : col / kG];
+        const int nc = min(partition, ctx_s[kQ == 1 ? 0 : col / kG] - start);  // n_tok
         float m = -INFINITY;
         for (int i = lane; i < nc; i += 32) m = fmaxf(m, p_s[col][i]);
         m = WarpMax(m);
@@ -1331,8 +1369,8 @@ __global__ void __launch_bounds__(kThreads, 4)
         // split is written now; otherwise its columns fold the split into fold split % 4.
         constexpr int kVec = kD / 32;
         for (int col = warp; col < kC; col += kWarps) {
-          const int t = kQ == 1 ? 0 : col / kG, g = col % kG, used = tk.used[t];
-          __nv_bfloat16* orow = out + (tk.q_row[t] * num_heads + head0 + g) * kD;
+          const int t = kQ == 1 ? 0 : col / kG, g = col % kG, used = used_s[t];
+          __nv_bfloat16* orow = out + (qrow_s[t] * num_heads + head0 + g) * kD;
           if (used == 1) {
             if (split == 0) {
               const float l = l_s[col];
@@ -1362,15 +1400,15 @@ __global__ void __launch_bounds__(kThreads, 4)
           }
         }
         __syncthreads();  // o_s, m_s, l_s, p_s and row_s are the next split's
-        if (++split >= tk.used_max) break;
-        SplitKeys<kQ>(tk, split, partition, start, n, n_tok);  // true: split < used_max
+        if (++split >= used_max) break;
+        SplitRange(split, partition, ctx_max, start, n);  // true: split < used_max
       }
     }  // the split loop
     if constexpr (kLoopSplits) {
       constexpr int kVec = kD / 32;
       for (int col = warp; col < kC; col += kWarps) {
         const int t = kQ == 1 ? 0 : col / kG, g = col % kG;
-        if (tk.used[t] <= 1) continue;  // warp-uniform
+        if (used_s[t] <= 1) continue;  // warp-uniform
         const float* f = fold_s + col * 4 * (kD + 2);
         float fm[4], fden[4], fnum[4][kVec];
 #pragma unroll
@@ -1380,7 +1418,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll
           for (int e = 0; e < kVec; ++e) fnum[v][e] = f[v * (kD + 2) + lane * kVec + e];
         }
-        CombineFolds<kD>(fm, fden, fnum, lane, out + (tk.q_row[t] * num_heads + head0 + g) * kD);
+        CombineFolds<kD>(fm, fden, fnum, lane, out + (qrow_s[t] * num_heads + head0 + g) * kD);
       }
     }
   }
