@@ -114,7 +114,8 @@ __device__ __forceinline__ void FillRopeTable(float pos, const float* __restrict
 // previous kernel in the stream is still running. Everything before PdlWait() must read only
 // data that no kernel of the current forward writes (weights, the batch arrays uploaded by
 // SetBatch, KV rows of earlier steps); PdlWait() returns once the previous kernel has completed
-// and its writes are visible, to coherent loads (LoadProduced, below; not ld.global.nc). Every
+// and its writes are visible (read them with LoadProduced, below: an ld.global.nc may be
+// scheduled above the wait; a few left so are checked by tools/pdl_sass_check.py). Every
 // kernel calls PdlLaunchDependents() early so that the next one can be scheduled onto SMs as soon
 // as all of this kernel's blocks are resident. Both are no-ops for a kernel launched without the
 // attribute.
