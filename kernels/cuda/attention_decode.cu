@@ -505,10 +505,11 @@ __global__ void __launch_bounds__(kThreads)
   PdlWait();  // q and this step's K/V rows come from the previous kernels
   for (int i = tid; i < kC * kD; i += kThreads) {
     const int c = i / kD, d = i % kD, t = kQ == 1 ? 0 : c / kG, g = c % kG;
-    q_s[c][d] = n_tok[t] > 0
-                    ? __bfloat162float(__ldcg(q + (tk.q_row[t] * num_heads + head0 + g) * kD + d)) *
-                          scale_log2
-                    : 0.0f;
+    q_s[c][d] =
+        n_tok[t] > 0
+            ? __bfloat162float(LoadProduced(q + (tk.q_row[t] * num_heads + head0 + g) * kD + d)) *
+                  scale_log2
+            : 0.0f;
     o_s[c][d] = 0.0f;
   }
   __syncthreads();
@@ -784,8 +785,8 @@ __global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
 #pragma unroll
       for (int ch = 0; ch < kChunks; ++ch) {
         float f[16];
-        const uint4 lo = LoadProduced(qrow + 64 * ch + 16 * c);
-        const uint4 hi = LoadProduced(qrow + 64 * ch + 16 * c + 8);
+        const uint4 lo = LoadProduced(reinterpret_cast<const uint4*>(qrow + 64 * ch + 16 * c));
+        const uint4 hi = LoadProduced(reinterpret_cast<const uint4*>(qrow + 64 * ch + 16 * c + 8));
         Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&lo), f);
         Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&hi), f + 8);
 #pragma unroll
@@ -1510,7 +1511,8 @@ __global__ void __launch_bounds__(kThreads) DecodePartitionKernel(
 
   for (int i = tid; i < kG * kD; i += kThreads) {
     int g = i / kD, d = i % kD;
-    q_s[g][d] = __bfloat162float(__ldcg(q + (q_row * num_heads + head0 + g) * kD + d)) * scale_log2;
+    q_s[g][d] =
+        __bfloat162float(LoadProduced(q + (q_row * num_heads + head0 + g) * kD + d)) * scale_log2;
     o_s[g][d] = 0.0f;
   }
   if (tid < kG) {

@@ -130,15 +130,17 @@ __device__ __forceinline__ void PdlLaunchDependents() {
 #endif
 }
 
-// A 16-byte load of data that the previous kernel writes (an activation, q), after PdlWait():
-// coherent and cached in L2 only (ld.global.cg). Not __ldg or LoadStreaming: ptxas takes an
+// A load of data that the previous kernel writes (an activation, q), after PdlWait(): coherent
+// and cached in L2 only (ld.global.cg; T: any type __ldcg takes). Not __ldg, LoadStreaming or a
+// plain load through a const __restrict__ pointer (nvcc makes those ld.global.nc): ptxas takes an
 // ld.global.nc as reading memory that nothing writes while the kernel runs, and may schedule it
 // above griddepcontrol.wait when its address is known before the wait. It did so with the bf16
 // mma decode kernel's q loads in 7972ea7 (SASS: the LDG.E.128.CONSTANT of q above the ACQBULK),
 // which then read the previous kernel's q before RoPE had written it. tools/pdl_sass_check.py
 // lists such loads in a cubin.
-__device__ __forceinline__ uint4 LoadProduced(const void* p) {
-  return __ldcg(reinterpret_cast<const uint4*>(p));
+template <typename T>
+__device__ __forceinline__ T LoadProduced(const T* p) {
+  return __ldcg(p);
 }
 
 // True when kernels are launched with programmatic stream serialization: a Hopper-or-newer
