@@ -133,6 +133,9 @@ def cubins_of(path, args, tmp):
     os.makedirs(d, exist_ok=True)
     r = subprocess.run([tool("cuobjdump", args.cuobjdump), "-xelf", "all", os.path.abspath(path)],
                        cwd=d, capture_output=True, text=True)
+    if "does not contain device code" in r.stdout + r.stderr:  # a host-only binary (rc 255)
+        print(f"pdl_sass_check: {path}: no device code, skipped")
+        return []
     if r.returncode != 0:
         sys.exit(f"pdl_sass_check: cuobjdump -xelf failed on {path}: {r.stderr.strip()[:300]}")
     return sorted(glob.glob(os.path.join(d, "*.cubin")))
