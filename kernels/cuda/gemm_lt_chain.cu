@@ -7,13 +7,14 @@
 // 6.7B and tiny-coder shapes at M = 1, 8, 64 and 300. So a decode batch may run this file's
 // kernels and a prefill chunk cuBLASLt, and a token's row has the same bits in both.
 //
-// The chain GEMV (M <= 16): a block owns kRT = 2 tiles of 16 weight rows (the A operand, through
-// ldmatrix) and all tokens (the B operand, 8 per mma), both staged through shared memory by
-// cp.async in a ring of K tiles (ChainDefault: 8 warps, 4 stages of 256, the copies issued by the
-// warps without a chain); warp (token tile, row tile) runs that tile's chain. The first stages'
-// weights go out before the programmatic-launch wait (they do not depend on the previous kernel).
-// Fused forms for decode steps of at most kSkinnyFusedMaxM tokens (deterministic mode's versions
-// of the skinny kernel's fusions, each giving the bits of the unfused ops):
+// The chain GEMV (M <= 16): a block owns ChainCfg::kRT (2 in the launchers' own configurations)
+// tiles of 16 weight rows (the A operand, through ldmatrix) and all tokens (the B operand, 8 per
+// mma), both staged through shared memory by cp.async in a ring of K tiles (ChainDefault: 8 warps,
+// 4 stages of 256, the copies issued by the warps without a chain); warp (token tile, row tile)
+// runs that tile's chain. The first stages' weights go out before the programmatic-launch wait
+// (they do not depend on the previous kernel). Fused forms for decode steps of at most
+// kSkinnyFusedMaxM tokens (deterministic mode's versions of the skinny kernel's fusions, each
+// giving the bits of the unfused ops):
 // - input SwiGLU: B = bf16(SiluMulValue(gate, up)), as SiluMul stores it;
 // - input row scale (a deferred norm's consumer): B = bf16(x * scale), as ApplyRowScale;
 // - RoPE/KV epilogue: the block's two tiles are rows (i, i + D/2) of one head, rotated and stored
@@ -32,18 +33,21 @@
 namespace tpserve::cuda {
 namespace {
 
-constexpr int kRT = 2;  // 16-row weight tiles per block
-
-// A pipeline configuration: threads per block, K elements per stage, stages in the ring, and
-// whether only the warps that run no chain issue the copies. The launchers use ChainNarrow /
+// A pipeline configuration: threads per block, K elements per stage, stages in the ring,
+// whether only the warps that run no chain issue the copies, the 16-row weight tiles a block
+// owns (kRT; the RoPE/KV epilogue needs 2: a head's rows i and i + D/2), and whether the copies
+// ask L2 to fetch 256 bytes at a time (cp.async's prefetch size). The launchers use ChainNarrow /
 // ChainWide (M <= 2, by N) and ChainDefault (larger M); kChainConfigs lists the others that
 // tpserve-cuda-bench --chain compares.
-template <int kThreadsT, int kKTT, int kStagesT, bool kProducersOnlyT>
+template <int kThreadsT, int kKTT, int kStagesT, bool kProducersOnlyT, int kRTT = 2,
+          bool kL2PrefetchT = false>
 struct ChainCfg {
   static constexpr int kThreads = kThreadsT;
   static constexpr int kKT = kKTT;
   static constexpr int kStages = kStagesT;
   static constexpr bool kProducersOnly = kProducersOnlyT;
+  static constexpr int kRT = kRTT;
+  static constexpr bool kL2Prefetch = kL2PrefetchT;
   static constexpr int kRowStride = kKT + 8;  // +16 bytes: 8 rows hit 8 different bank groups
 };
 // 8 warps, copies by the 4-6 warps without a chain (M = 9-16: 4 chain warps).
@@ -59,7 +63,7 @@ template <int kTok, int kIn, class C>
 struct Stage {
   static constexpr bool kUpfront = kTok <= 2;
   static constexpr int kXRows = kUpfront ? 0 : kIn == kInSwiGlu ? 2 * kTok : kTok;
-  static constexpr int kElems = (kRT * 16 + kXRows) * C::kRowStride;
+  static constexpr int kElems = (C::kRT * 16 + kXRows) * C::kRowStride;
   static constexpr size_t kRingBytes = size_t{C::kStages} * kElems * 2;
   __host__ __device__ static constexpr int XStride(int K) {
     return (K + C::kKT - 1) / C::kKT * C::kKT + 8;
@@ -86,7 +90,7 @@ struct ChainArgs {
 };
 
 // First weight row of tile j of this block.
-template <int kOut>
+template <int kOut, int kRT>
 __device__ __forceinline__ int TileRow(const ChainArgs& a, int j) {
   if constexpr (kOut == kOutRopeKv) {
     const int half = a.rope.head_dim / 2, blocks_per_head = half / 16;
@@ -97,9 +101,21 @@ __device__ __forceinline__ int TileRow(const ChainArgs& a, int j) {
   }
 }
 
+// cp.async of 16 bytes (zero-filled when !valid), with L2 asked for 256-byte pieces when kL2.
+template <bool kL2>
+__device__ __forceinline__ void ChainCopy16(uint32_t dst, const void* src, bool valid) {
+  if constexpr (kL2) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0));
+  } else {
+    CpAsync16(dst, src, valid);
+  }
+}
+
 template <int kTok, int kIn, int kOut, class C>
 __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a) {
-  constexpr int kThreads = C::kThreads, kKT = C::kKT, kStages = C::kStages;
+  constexpr int kThreads = C::kThreads, kKT = C::kKT, kStages = C::kStages, kRT = C::kRT;
+  static_assert(kOut != kOutRopeKv || kRT == 2, "the RoPE/KV epilogue pairs two tiles");
   constexpr int kRowStride = C::kRowStride;
   constexpr int kMT = (kTok + 7) / 8;  // 8-token tiles
   static_assert(kRT * kMT <= kThreads / 32, "a warp per (row tile, token tile)");
@@ -124,10 +140,10 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
     const int k0 = kt * kKT;
     for (int i = issuer < 0 ? kRT * 16 * kVecs : issuer; i < kRT * 16 * kVecs; i += kIssuers) {
       const int r = i / kVecs, c = i % kVecs;
-      const int row = TileRow<kOut>(a, r / 16) + r % 16, k = k0 + c * 8;
+      const int row = TileRow<kOut, kRT>(a, r / 16) + r % 16, k = k0 + c * 8;
       const bool valid = row < N && k < K;
-      CpAsync16(SmemAddr(dst + r * kRowStride + c * 8),
-                valid ? a.w + static_cast<int64_t>(row) * K + k : a.w, valid);
+      ChainCopy16<C::kL2Prefetch>(SmemAddr(dst + r * kRowStride + c * 8),
+                                  valid ? a.w + static_cast<int64_t>(row) * K + k : a.w, valid);
     }
   };
   auto issue_x = [&](int kt) {
@@ -265,7 +281,7 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
   CpAsyncWait<0>();
 
   // d[i]: weight row TileRow(j) + g (+ 8 for i >= 2), token mt * 8 + 2t + (i & 1).
-  const int row0 = TileRow<kOut>(a, j);
+  const int row0 = TileRow<kOut, kRT>(a, j);
   if constexpr (kOut == kOutStore) {
     if (!chain_warp) return;
 #pragma unroll
@@ -337,8 +353,11 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
   }
 }
 
+// One block per kRT tiles of 16 weight rows (the RoPE/KV form: per head, (D / 2) / 16 blocks of
+// rows i and i + D / 2).
 template <int kTok, int kIn, int kOut, class C = ChainDefault>
-void Launch(const ChainArgs& a, int blocks, cudaStream_t stream) {
+void Launch(const ChainArgs& a, cudaStream_t stream) {
+  const int blocks = kOut == kOutRopeKv ? a.N / 32 : CeilDiv(a.N, C::kRT * 16);
   const size_t smem = Stage<kTok, kIn, C>::SmemBytes(a.K);
   TP_CHECK(smem <= kMaxSmem) << "ChainGemv: K " << a.K << " needs " << smem
                              << " bytes of shared memory (ChainGemvFits)";
@@ -360,26 +379,23 @@ void Launch(const ChainArgs& a, int blocks, cudaStream_t stream) {
 using ChainNarrow = ChainCfg<512, 256, 4, true>;
 using ChainWide = ChainCfg<256, 256, 3, true>;
 template <int kTok, int kIn, int kOut>
-void LaunchAuto(const ChainArgs& a, int blocks, cudaStream_t stream) {
+void LaunchAuto(const ChainArgs& a, cudaStream_t stream) {
   if (a.N <= 8192) {
-    Launch<kTok, kIn, kOut, ChainNarrow>(a, blocks, stream);
+    Launch<kTok, kIn, kOut, ChainNarrow>(a, stream);
   } else {
-    Launch<kTok, kIn, kOut, ChainWide>(a, blocks, stream);
+    Launch<kTok, kIn, kOut, ChainWide>(a, stream);
   }
 }
-
-int TileBlocks(int N) { return CeilDiv(N, kRT * 16); }
 
 // Plain and SwiGLU inputs at any M up to kChainGemvMaxM.
 template <int kIn>
 void LaunchForM(const ChainArgs& a, cudaStream_t stream) {
-  const int blocks = TileBlocks(a.N);
   if (a.M <= 2) {
-    LaunchAuto<2, kIn, kOutStore>(a, blocks, stream);
+    LaunchAuto<2, kIn, kOutStore>(a, stream);
   } else if (a.M <= 8) {
-    Launch<8, kIn, kOutStore>(a, blocks, stream);
+    Launch<8, kIn, kOutStore>(a, stream);
   } else {
-    Launch<16, kIn, kOutStore>(a, blocks, stream);
+    Launch<16, kIn, kOutStore>(a, stream);
   }
 }
 
@@ -415,7 +431,7 @@ bool ChainGemvFits(int64_t m, int64_t k, const void* x, const void* w) {
 
 // The benchmark's pipeline configurations of the plain M <= 2 form (index 0: the launchers' own
 // choice, LaunchForM).
-using ChainLaunch = void (*)(const ChainArgs&, int, cudaStream_t);
+using ChainLaunch = void (*)(const ChainArgs&, cudaStream_t);
 constexpr ChainLaunch kChainConfigs[] = {
     nullptr,
     Launch<2, kInPlain, kOutStore, ChainCfg<128, 256, 4, false>>,
@@ -426,6 +442,17 @@ constexpr ChainLaunch kChainConfigs[] = {
     Launch<2, kInPlain, kOutStore, ChainCfg<256, 256, 6, true>>,
     Launch<2, kInPlain, kOutStore, ChainNarrow>,
     Launch<2, kInPlain, kOutStore, ChainWide>,
+    // Session 33: one 16-row tile a block (twice the blocks: o and down have only 128 of two
+    // tiles for 132 SMs), L2 prefetches of 256 bytes, a deeper ring, longer row runs.
+    Launch<2, kInPlain, kOutStore, ChainCfg<512, 256, 4, true, 1>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<256, 256, 4, true, 1>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<256, 256, 3, true, 1>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<128, 256, 4, true, 1>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<512, 256, 4, true, 2, true>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<256, 256, 3, true, 2, true>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<256, 256, 4, true, 1, true>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<512, 256, 6, true, 2>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<512, 512, 3, true, 2>>,
 };
 
 int ChainGemvNumConfigs() { return static_cast<int>(std::size(kChainConfigs)); }
@@ -443,7 +470,7 @@ void LaunchChainGemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tenso
   if (config == 0) {
     LaunchForM<kInPlain>(a, stream);
   } else {
-    kChainConfigs[config](a, TileBlocks(a.N), stream);
+    kChainConfigs[config](a, stream);
   }
   TP_CUDA_CHECK_LAUNCH();
 }
@@ -468,7 +495,7 @@ void LaunchChainGemvScaledRows(const Tensor& x, const unsigned long long* record
   a.y = y.ptr<__nv_bfloat16>();
   a.in_sums = record;
   a.eps = eps;
-  LaunchAuto<2, kInScaled, kOutStore>(a, TileBlocks(a.N), stream);
+  LaunchAuto<2, kInScaled, kOutStore>(a, stream);
   TP_CUDA_CHECK_LAUNCH();
 }
 
@@ -493,9 +520,9 @@ void LaunchChainGemvAddNorm(const Tensor& x, const Tensor& w, const Tensor* bias
   a.normed = normed.ptr<__nv_bfloat16>();
   a.out_sums = record;
   if (swiglu) {
-    LaunchAuto<2, kInSwiGlu, kOutAddNorm>(a, TileBlocks(a.N), stream);
+    LaunchAuto<2, kInSwiGlu, kOutAddNorm>(a, stream);
   } else {
-    LaunchAuto<2, kInPlain, kOutAddNorm>(a, TileBlocks(a.N), stream);
+    LaunchAuto<2, kInPlain, kOutAddNorm>(a, stream);
   }
   TP_CUDA_CHECK_LAUNCH();
 }
@@ -533,11 +560,10 @@ void LaunchChainQkvRopeKvWrite(const Tensor& x, const Tensor& w_qkv, const Tenso
   a.rope.v_cache = v_cache.ptr<__nv_bfloat16>();
   a.in_sums = x_sums;
   a.eps = eps;
-  const int blocks = a.N / 32;  // per head: (D / 2) / 16 blocks of two 16-row tiles
   if (x_sums != nullptr) {
-    LaunchAuto<2, kInScaled, kOutRopeKv>(a, blocks, stream);
+    LaunchAuto<2, kInScaled, kOutRopeKv>(a, stream);
   } else {
-    LaunchAuto<2, kInPlain, kOutRopeKv>(a, blocks, stream);
+    LaunchAuto<2, kInPlain, kOutRopeKv>(a, stream);
   }
   TP_CUDA_CHECK_LAUNCH();
 }

@@ -19,8 +19,8 @@
 //   gemm_table.h;
 //   --pdl-gemm: whether cuBLASLt's GEMMs wait for their predecessor when launched as programmatic
 //   dependents in a graph, and what such edges save).
-//   A second argument, a regular expression, keeps only the rows of --stream and of the attention
-//   kernels whose label it matches (a short run for a profiler such as ncu).
+//   A second argument, a regular expression, keeps only the rows of --stream, --det-gemm, --chain
+//   and of the attention kernels whose label it matches (a short run for a profiler such as ncu).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -210,39 +210,37 @@ void DeterministicGemms(CudaOps& ops, double copy_gbs, bool chain_only) {
       Tensor x(xbuf, {m, sh.k}, DType::kBF16, Device::kCuda);
       Tensor y(ybuf, {m, sh.n}, DType::kBF16, Device::kCuda);
       const int iters = m >= 1024 ? 20 : 50;
-      auto report = [&](const std::string& label, double ms) {
+      // A row is measured only when the bench's row regex (its second argument) matches it, so
+      // that ncu can profile one of them.
+      auto report = [&](const std::string& label, const std::function<void(int)>& fn) {
+        const std::string row = std::string(sh.name) + " M=" + std::to_string(m) + " " + label;
+        if (!Wanted(row)) return;
+        const double ms = MedianMs(s, iters, fn);
         const double gbs = wbytes / ms / 1e6;
-        Add(std::string(sh.name) + " M=" + std::to_string(m) + " " + label, ms,
+        Add(row, ms,
             Fmt("%.0f GB/s = %.1f%% of copy, ", gbs, 100.0 * gbs / copy_gbs) +
                 Fmt("%.0f TFLOP/s", 2.0 * m * sh.n * double(sh.k) / ms / 1e9));
       };
-      report("default", MedianMs(s, iters, [&](int i) { ops.Gemm(x, wt(i), nullptr, y); }));
-      report("fixed cublasLt",
-             MedianMs(s, iters, [&](int i) { fixed_lt.Run(x, wt(i), nullptr, y, s); }));
+      report("default", [&](int i) { ops.Gemm(x, wt(i), nullptr, y); });
+      report("fixed cublasLt", [&](int i) { fixed_lt.Run(x, wt(i), nullptr, y, s); });
       // The chain GEMM (cuBLASLt's bits) in each pipeline configuration it has at this M.
       for (int c = 0; m <= cuda::kChainGemvMaxM && c < (m <= 2 ? cuda::ChainGemvNumConfigs() : 1);
            ++c) {
-        report("chain cfg" + std::to_string(c), MedianMs(s, iters, [&](int i) {
-                 cuda::LaunchChainGemv(x, wt(i), nullptr, y, s, c);
-               }));
+        report("chain cfg" + std::to_string(c),
+               [&](int i) { cuda::LaunchChainGemv(x, wt(i), nullptr, y, s, c); });
       }
       if (chain_only) continue;
-      report("fixed-order", MedianMs(s, iters, [&](int i) {
-               cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s);
-             }));
+      report("fixed-order", [&](int i) { cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s); });
       if (m >= 8) {
-        report("fixed-order split", MedianMs(s, iters, [&](int i) {
-                 cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s,
-                                            cuda::FixedOrderGemmVariant::kSplit);
-               }));
-        report("fixed-order sliced", MedianMs(s, iters, [&](int i) {
-                 cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s,
-                                            cuda::FixedOrderGemmVariant::kSliced);
-               }));
-        report("fixed-order tiled", MedianMs(s, iters, [&](int i) {
-                 cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s,
-                                            cuda::FixedOrderGemmVariant::kTiled);
-               }));
+        report("fixed-order split", [&](int i) {
+          cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s, cuda::FixedOrderGemmVariant::kSplit);
+        });
+        report("fixed-order sliced", [&](int i) {
+          cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s, cuda::FixedOrderGemmVariant::kSliced);
+        });
+        report("fixed-order tiled", [&](int i) {
+          cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s, cuda::FixedOrderGemmVariant::kTiled);
+        });
       }
     }
   }

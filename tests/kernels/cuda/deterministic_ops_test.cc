@@ -245,6 +245,18 @@ TEST_F(DeterministicOpsTest, ChainGemmAgainstTheFixedCublasLtAlgorithm) {
                 << "] differ from cuBLASLt: w as A " << diff_a << ", w as B " << diff_b << " of "
                 << m * s.n << " (A vs B " << diff_ab << ")" << std::endl;
       EXPECT_TRUE(diff_a == 0 || diff_b == 0) << "N=" << s.n << " K=" << s.k << " M=" << m;
+      // Every pipeline configuration of the chain GEMV (tpserve-cuda-bench --chain compares their
+      // speed; the others than 0 exist for M <= 2) has the fixed algorithm's bits too.
+      for (int c = 0; m <= cuda::kChainGemvMaxM && c < (m <= 2 ? cuda::ChainGemvNumConfigs() : 1);
+           ++c) {
+        Tensor y_c = Out({m, s.n});
+        cuda::LaunchChainGemv(x, w, nullptr, y_c, stream, c);
+        const auto c_bits = Bits(y_c, 0, m * s.n);
+        int64_t diff_c = 0;
+        for (int64_t i = 0; i < m * s.n; ++i) diff_c += lt_bits[i] != c_bits[i];
+        EXPECT_EQ(diff_c, 0) << "chain GEMV config " << c << ", N=" << s.n << " K=" << s.k
+                             << " M=" << m;
+      }
       bufs_.clear();
     }
   }
