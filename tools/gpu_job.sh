@@ -42,8 +42,7 @@ mkdir -p "$final"
 out=$(mktemp -d /tmp/gpu-job.XXXXXX)
 trap 'cp "$out/summary.txt" "$final/" 2>/dev/null; tar czf "$final/gpu-job.tgz" -C "$out" .' EXIT
 stage=.carry/gpu
-find "$stage" -name '*.xz' -exec xz -d -T0 {} +  # tools/gpu_stage.sh compressed the big files
-chmod +x "$stage"/bin/* 2>/dev/null
+bash tools/gpu_unpack.sh "$stage"  # tools/gpu_stage.sh compressed the big files
 export LD_LIBRARY_PATH=$PWD/$stage/lib:${LD_LIBRARY_PATH:-}
 export TPSERVE_SOURCE_DIR=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

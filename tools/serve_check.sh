@@ -9,8 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/serve-check-out}
 mkdir -p "$out"
-find .carry/gpu -name '*.xz' -exec xz -d -T0 {} + 2>/dev/null
-chmod +x .carry/gpu/bin/* 2>/dev/null
+bash tools/gpu_unpack.sh .carry/gpu
 export LD_LIBRARY_PATH=$PWD/.carry/gpu/lib:${LD_LIBRARY_PATH:-}
 b=.carry/gpu/bin
 model=${MODEL:-/tmp/ds67}

@@ -13,10 +13,9 @@ cd "$(dirname "$0")/../.."
 size=${1:-quick}
 out=${OUT:-$PWD/scaling-out}/scaling
 mkdir -p "$out"
-if [ -d .carry/gpu/bin ]; then
+if [ -d .carry/gpu ]; then
   export LD_LIBRARY_PATH=$PWD/.carry/gpu/lib:${LD_LIBRARY_PATH:-}
-  find .carry/gpu -name '*.xz' -exec xz -d {} + 2>/dev/null
-  chmod +x .carry/gpu/bin/* 2>/dev/null
+  bash tools/gpu_unpack.sh .carry/gpu
 fi
 tpserve=${TPSERVE:-$( [ -x .carry/gpu/bin/tpserve ] && echo .carry/gpu/bin/tpserve || echo build/tools/tpserve)}
 export TPSERVE_WORKER=${TPSERVE_WORKER:-$(dirname "$tpserve")/tpserve-worker}
