@@ -328,12 +328,20 @@ TEST_F(BenchFakeServerTest, OpenLoopFollowsThePoissonSchedule) {
   const auto seen = service_.seen();
   ASSERT_EQ(seen.size(), static_cast<size_t>(kRequests));
   const Clock::time_point t0 = seen.at("bench-0").arrival;
-  std::vector<double> lateness;
+  std::vector<double> offset;  // arrival - planned time, from the first arrival
   for (int i = 0; i < kRequests; ++i) {
     const double at =
         std::chrono::duration<double>(seen.at(absl::StrCat("bench-", i)).arrival - t0).count();
-    lateness.push_back(std::abs(at - planned[i]));
+    offset.push_back(at - planned[i]);
   }
+  // The schedule as a whole may start late or early against bench-0's arrival (the first
+  // request also opens the channel): deviations are taken from the median offset, so one slow
+  // first request does not count against every other one.
+  std::vector<double> sorted = offset;
+  std::sort(sorted.begin(), sorted.end());
+  const double shift = sorted[kRequests / 2];
+  std::vector<double> lateness;
+  for (double o : offset) lateness.push_back(std::abs(o - shift));
   std::sort(lateness.begin(), lateness.end());
   // Requests are sent at their planned times (no cap on requests in flight): the median
   // deviation is a few ms of scheduling, the worst under 100 ms on a loaded machine.
