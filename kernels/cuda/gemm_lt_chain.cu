@@ -455,15 +455,17 @@ constexpr ChainLaunch kChainConfigs[] = {
     Launch<2, kInPlain, kOutStore, ChainCfg<512, 512, 3, true, 2>>,
 };
 
-int ChainGemvNumConfigs() { return static_cast<int>(std::size(kChainConfigs)); }
+int ChainGemvNumConfigs(int64_t m) {
+  return m > kChainGemvMaxM ? 0 : m > 2 ? 1 : static_cast<int>(std::size(kChainConfigs));
+}
 
 void LaunchChainGemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                      cudaStream_t stream, int config) {
   ChainArgs a = GemmArgs("ChainGemv", x, w.dim(-1), w, bias, kChainGemvMaxM);
   TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
   TP_CHECK(y.numel() == int64_t{a.M} * a.N) << "ChainGemv: y " << y.ShapeString();
-  TP_CHECK(config == 0 || (config > 0 && config < ChainGemvNumConfigs() && a.M <= 2))
-      << "ChainGemv: config " << config << " (1-" << ChainGemvNumConfigs() - 1
+  TP_CHECK(config >= 0 && config < ChainGemvNumConfigs(a.M))
+      << "ChainGemv: config " << config << " (1-" << ChainGemvNumConfigs(1) - 1
       << " exist for M <= 2)";
   if (a.M == 0 || a.N == 0) return;
   a.y = y.ptr<__nv_bfloat16>();

@@ -343,11 +343,14 @@ void LaunchFixedOrderGemm(const Tensor& x, const Tensor& w, const Tensor* bias, 
 // deterministic mode: LaunchAddRmsNorm's `fixed_point`).
 inline constexpr int64_t kChainGemvMaxM = 16;
 bool ChainGemvFits(int64_t m, int64_t k, const void* x, const void* w);
-// config 0 = the kernels' pipeline; 1 .. ChainGemvNumConfigs() - 1 other pipelines (threads, K
-// per stage, stages, copies by the chain-less warps only) for benchmarking at M <= 2.
+// config 0 = the kernels' pipeline; 1 .. ChainGemvNumConfigs(m) - 1 other pipelines (threads, K
+// per stage, stages, copies by the chain-less warps only, tiles a block, L2 prefetch) for
+// benchmarking at M <= 2.
 void LaunchChainGemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                      cudaStream_t stream, int config = 0);
-int ChainGemvNumConfigs();
+// The configurations LaunchChainGemv takes at M = m: all at M <= 2, config 0 up to
+// kChainGemvMaxM, none above.
+int ChainGemvNumConfigs(int64_t m);
 // y = SiluMul(gate_up) w^T for gate_up [M, 2K].
 void LaunchChainSwiGluGemv(const Tensor& gate_up, const Tensor& w, Tensor y, cudaStream_t stream);
 // y = ApplyRowScale(x) w^T (+ bias): x a deferred norm's output, `record` its producer's.

@@ -224,8 +224,7 @@ void DeterministicGemms(CudaOps& ops, double copy_gbs, bool chain_only) {
       report("default", [&](int i) { ops.Gemm(x, wt(i), nullptr, y); });
       report("fixed cublasLt", [&](int i) { fixed_lt.Run(x, wt(i), nullptr, y, s); });
       // The chain GEMM (cuBLASLt's bits) in each pipeline configuration it has at this M.
-      for (int c = 0; m <= cuda::kChainGemvMaxM && c < (m <= 2 ? cuda::ChainGemvNumConfigs() : 1);
-           ++c) {
+      for (int c = 0; c < cuda::ChainGemvNumConfigs(m); ++c) {
         report("chain cfg" + std::to_string(c),
                [&](int i) { cuda::LaunchChainGemv(x, wt(i), nullptr, y, s, c); });
       }
