@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "coordinator/block_manager.h"
 #include "coordinator/inference_service.h"
 #include "coordinator/tokenizer/tokenizer.h"
@@ -268,6 +269,18 @@ class TimedExecutor : public FakeExecutor {
       if (id > 1 && span.idle > over) ++idle;
     }
     return idle;
+  }
+  // "step: idle ms" of every step that waited, for failure messages.
+  std::string Idles() {
+    std::lock_guard<std::mutex> lock(timing_mu_);
+    std::string out;
+    for (const auto& [id, span] : spans_) {
+      if (span.idle > Clock::duration::zero()) {
+        absl::StrAppendFormat(&out, "%d: %.2f ms; ", id,
+                              std::chrono::duration<double, std::milli>(span.idle).count());
+      }
+    }
+    return out;
   }
 
   std::mutex timing_mu_;
@@ -560,15 +573,16 @@ TEST(SchedulerTest, LateOverlapLetsAnArrivalJoinTheNextStep) {
 }
 
 // Late overlap never leaves the worker waiting when steps change length: after a run of long
-// prefill steps (80 ms) the short decode steps (10 ms) that follow are planned from the times of
-// steps as short as they are, not from the long ones (which would plan each 70 ms too late). The
-// long steps are 8x the short ones so that the wait the bug would cause (~67 ms) is far from the
-// 40 ms a loaded 2-core CI machine's thread scheduling can add.
+// prefill steps (160 ms) the short decode steps (20 ms) that follow are planned from the times of
+// steps as short as they are, not from the long ones (which would plan each ~130 ms too late).
+// The lead (10 ms) is larger than the few ms a loaded 2-core CI machine's thread scheduling adds
+// to a plan's time: with 10 ms steps and a 3 ms lead, a clean-clone CI run saw 6 steps wait
+// 2-5 ms, and 4 busy loops beside the test reproduced it (waits of 1-5 ms).
 TEST(SchedulerTest, LateOverlapDoesNotWaitPastAShortStep) {
   TimedExecutor ex(400, 4,
-                   [](int tokens) { return std::chrono::milliseconds(tokens >= 32 ? 80 : 10); });
+                   [](int tokens) { return std::chrono::milliseconds(tokens >= 32 ? 160 : 20); });
   SchedulerOptions o = Options(400, 8, 64);
-  o.overlap_lead_seconds = 0.003;
+  o.overlap_lead_seconds = 0.010;
   Scheduler s(o, nullptr, &ex);
   s.Start();
   std::vector<std::shared_ptr<RequestState>> reqs;
@@ -576,14 +590,14 @@ TEST(SchedulerTest, LateOverlapDoesNotWaitPastAShortStep) {
     reqs.push_back(MakeRequest(200, 30, i));  // 1,200 prompt tokens: ~19 steps of 64
     ASSERT_TRUE(s.Submit(reqs.back()).ok());
   }
-  ASSERT_TRUE(WaitFinished(reqs, 20));
-  // Planned from the long steps' time, the first short step would wait ~67 ms for its plan.
+  ASSERT_TRUE(WaitFinished(reqs, 30));
+  // Planned from the long steps' time, the first short step would wait ~130 ms for its plan.
   EXPECT_EQ(ex.IdleSteps(std::chrono::milliseconds(40)), 0) << "the worker waited for a plan";
-  EXPECT_LE(ex.IdleSteps(), 1) << "the worker waited for plans";
+  EXPECT_LE(ex.IdleSteps(), 1) << "the worker waited for plans: " << ex.Idles();
   std::lock_guard<std::mutex> lock(ex.timing_mu_);
   int long_steps = 0, short_steps = 0;
   for (const auto& [id, span] : ex.spans_) {
-    ++(span.end - span.start == std::chrono::milliseconds(80) ? long_steps : short_steps);
+    ++(span.end - span.start == std::chrono::milliseconds(160) ? long_steps : short_steps);
   }
   EXPECT_GE(long_steps, 16) << "the test needs a run of long steps";
   EXPECT_GE(short_steps, 20) << "and short ones after it";
