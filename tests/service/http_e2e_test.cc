@@ -340,7 +340,7 @@ TEST(HttpOverloadTest, QueueFullIs429AndDrainingIs503) {
   auto server = ServerProcess::Start(
       service_test::ServiceModelDir(),
       {"--workers", "1", "--http-port", std::to_string(http_port), "--max-num-seqs", "1",
-       "--max-queued-requests", "1", "--drain-timeout", "10"});
+       "--max-queued-requests", "1", "--drain-timeout", "120"});
   ASSERT_NE(server, nullptr);
   const std::string url = "http://127.0.0.1:" + std::to_string(http_port);
   const std::string model = fs::path(service_test::ServiceModelDir()).filename();
@@ -387,18 +387,28 @@ TEST(HttpOverloadTest, QueueFullIs429AndDrainingIs503) {
   }
   EXPECT_TRUE(saw_body) << "no 429 body with code queue_full";
 
-  // Draining: a long request runs, SIGTERM, then /health and new requests are 503.
+  // Draining: a long request runs, SIGTERM, then /health and new requests are 503. The drain
+  // timeout (120 s) is far above the request's time (1,500 tokens: ~2 s here, but 10-20 s with
+  // the 2 cores shared by 4 busy loops, where a 10 s timeout ended it UNAVAILABLE).
   const std::string long_body =
       R"({"model": ")" + model + R"(", "prompt": "x", "max_tokens": 1500, "ignore_eos": true})";
   CommandResult running;
   std::thread long_request([&] {
     running = RunCommand(
-        "curl -sS --max-time 60 -o /dev/null -w '%{http_code}' -H "
+        "curl -sS --max-time 150 -o /dev/null -w '%{http_code}' -H "
         "'Content-Type: application/json' -d '" +
             long_body + "' " + url + "/v1/completions",
-        90);
+        160);
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  // SIGTERM once it runs (a fixed sleep may come before a loaded machine admits it).
+  const auto admit_end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  bool admitted = false;
+  while (!admitted && std::chrono::steady_clock::now() < admit_end) {
+    const CommandResult m = RunCommand("curl -sS --max-time 5 " + url + "/metrics", 10);
+    admitted = MetricValue(m.output, "tpserve:num_requests_running") == 1.0;
+    if (!admitted) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(admitted) << "the long request was not running within 30 s";
   kill(server->pid(), SIGTERM);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const CommandResult health =
@@ -412,7 +422,7 @@ TEST(HttpOverloadTest, QueueFullIs429AndDrainingIs503) {
   EXPECT_FALSE(lj.is_discarded()) << late.output;
   if (!lj.is_discarded())
     EXPECT_EQ(lj["error"]["type"], "service_unavailable_error") << late.output;
-  const int status = server->Stop();
+  const int status = server->Stop(std::chrono::seconds(150));
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   long_request.join();
   EXPECT_EQ(running.output, "200") << "the running request did not complete during the drain";

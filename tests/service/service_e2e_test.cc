@@ -647,7 +647,10 @@ TEST_F(ServiceTest, PythonClientWithDebianGrpcio) {
 TEST(ServiceOverflowTest, FullQueueIsResourceExhaustedAndServiceKeepsServing) {
   const std::string model = service_test::ServiceModelDir();
   auto server = ServerProcess::Start(
-      model, {"--workers", "2", "--max-num-seqs", "2", "--max-queued-requests", "3"});
+      model, {"--workers", "2", "--max-num-seqs", "2", "--max-queued-requests", "3",
+              // The drain below must outlast its request's 480 tokens: ~1 s here, but over the
+              // default 15 s with the 2 cores shared by 4 busy loops (it then ended UNAVAILABLE).
+              "--drain-timeout", "120"});
   ASSERT_NE(server, nullptr);
   constexpr int kClients = 12;
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
@@ -695,9 +698,9 @@ TEST(ServiceOverflowTest, FullQueueIsResourceExhaustedAndServiceKeepsServing) {
   for (int i = 0; i < 500 && Info(*stub).kv().running_sequences() == 0; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  const int status = server->Stop();
+  const int status = server->Stop(std::chrono::seconds(150));
   running.join();
-  EXPECT_TRUE(drained.status.ok()) << drained.status.error_message();
+  EXPECT_TRUE(drained.status.ok()) << drained.status.error_message() << "\n" << server->Log();
   EXPECT_EQ(drained.response.output_tokens(), 480);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << server->Log();
 }
