@@ -33,6 +33,9 @@
 #   DS67_PROMPT_LEN sets the 6.7B comparison's prompt length (64).
 #   BENCH_AB="VAR=value ...[;VAR=value ...]" runs the engine benchmark again with each of those
 #   environments (baselines of an A/B comparison in the same job), with BENCH_AB_ARGS.
+#   BENCH_BINS="NAME[:ARGS][;NAME[:ARGS]...]" alternates tpserve-engine-bench-NAME (a build with
+#   tools/ab/NAME.patch, staged by TPSERVE_GPU_VARIANTS=NAME tools/gpu_stage.sh) with the main
+#   build, BENCH_BINS_ROUNDS (2) times each, both with BENCH_AB_ARGS and ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Logs and JSON are written to a work folder and leave as one archive (gpu-job.tgz) plus
@@ -146,6 +149,25 @@ if has bench; then
     env ${abs[$i]} timeout 900 "$stage/bin/tpserve-engine-bench" --model $ds --device cuda \
       ${BENCH_AB_ARGS:-} --json "$out/engine_bench_ab$i.json" 2>&1 |
       tee "$out/engine_bench_ab$i.log" | grep -v '^{' | tee -a "$out/summary.txt"
+  done
+  IFS=';' read -ra bins <<<"${BENCH_BINS:-}"
+  for r in $(seq "${BENCH_BINS_ROUNDS:-2}"); do
+    for entry in "${bins[@]}"; do
+      name=${entry%%:*}
+      args=$([[ $entry == *:* ]] && echo "${entry#*:}")
+      if [ ! -x "$stage/bin/tpserve-engine-bench-$name" ]; then
+        log "tpserve-engine-bench-$name was not staged"
+        continue
+      fi
+      for b in "tpserve-engine-bench-$name" tpserve-engine-bench; do
+        tag=${name}_$([ "$b" = tpserve-engine-bench ] && echo main || echo variant)_$r
+        log "$b ${BENCH_AB_ARGS:-} $args (round $r)"
+        # shellcheck disable=SC2086  # argument lists
+        timeout 900 "$stage/bin/$b" --model $ds --device cuda ${BENCH_AB_ARGS:-} $args \
+          --json "$out/engine_bench_bin_$tag.json" 2>&1 |
+          tee "$out/engine_bench_bin_$tag.log" | grep -v '^{' | tee -a "$out/summary.txt"
+      done
+    done
   done
   kill $smi_pid 2>/dev/null
 fi
