@@ -12,11 +12,14 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPSERVE_CUDA=ON \
 # tree would pass its 64 MiB limit).
 targets=(${TPSERVE_GPU_BASE:-tpserve tpserve-engine-bench} ${TPSERVE_GPU_TESTS:-})
 ninja -C "$build" -j2 "${targets[@]}"
+# stage TARGET [NAME]: the built TARGET, stripped, as .carry/gpu/bin/NAME (default TARGET).
+stage() {
+  local f
+  f=$(find "$build" -type f -name "$1" -perm -u+x | head -1)
+  cp "$f" ".carry/gpu/bin/${2:-$1}" && strip ".carry/gpu/bin/${2:-$1}"
+}
 rm -rf .carry/gpu && mkdir -p .carry/gpu/bin
-for t in "${targets[@]}"; do
-  f=$(find "$build" -type f -name "$t" -perm -u+x | head -1)
-  cp "$f" .carry/gpu/bin/ && strip .carry/gpu/bin/"$t"
-done
+for t in "${targets[@]}"; do stage "$t"; done
 # TPSERVE_GPU_VARIANTS="NAME ...": the engine benchmark built again with tools/ab/NAME.patch
 # applied, staged as tpserve-engine-bench-NAME (the baseline of an A/B in one job: gpu_job.sh's
 # BENCH_BINS). The working tree is patched for the build and restored after it, also on failure.
@@ -26,8 +29,7 @@ for v in ${TPSERVE_GPU_VARIANTS:-}; do
   git apply "$patch"
   trap 'git apply -R "'"$patch"'"' EXIT
   ninja -C "$build" -j2 tpserve-engine-bench
-  f=$(find "$build" -type f -name tpserve-engine-bench -perm -u+x | head -1)
-  cp "$f" ".carry/gpu/bin/tpserve-engine-bench-$v" && strip ".carry/gpu/bin/tpserve-engine-bench-$v"
+  stage tpserve-engine-bench "tpserve-engine-bench-$v"
   git apply -R "$patch"
   trap - EXIT
 done
