@@ -66,17 +66,20 @@ __device__ __forceinline__ int ReducedIndex(int lane, int j) {
 }
 
 // Row m of the GEMM input at column k (8 values): x itself, or silu(gate) * up rounded to bf16
-// as SiluMul would store it.
+// as SiluMul would store it. x comes from the previous kernel, so it is read after PdlWait with a
+// coherent load (ld.global.ca: kept in L1 for the block's other warps), never an ld.global.nc,
+// which ptxas may move above the wait (cuda_util.cuh, LoadProduced). The same speed as __ldg on
+// an H100 (kernels/cuda/NOTES.md, session 35).
 template <bool kSwiGlu>
 __device__ __forceinline__ void LoadInput(const __nv_bfloat16* __restrict__ x, int m, int K, int k,
                                           float xf[8]) {
   if constexpr (!kSwiGlu) {
-    uint4 xr = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(m) * K + k));
+    uint4 xr = __ldca(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(m) * K + k));
     Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&xr), xf);
   } else {
     const __nv_bfloat16* row = x + static_cast<int64_t>(m) * 2 * K;
-    uint4 gr = __ldg(reinterpret_cast<const uint4*>(row + k));
-    uint4 ur = __ldg(reinterpret_cast<const uint4*>(row + K + k));
+    uint4 gr = __ldca(reinterpret_cast<const uint4*>(row + k));
+    uint4 ur = __ldca(reinterpret_cast<const uint4*>(row + K + k));
     float g[8], u[8];
     Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&gr), g);
     Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&ur), u);
