@@ -24,6 +24,9 @@
 //   mode.
 #include <algorithm>
 #include <iterator>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gemm_epilogue.cuh"
@@ -37,8 +40,8 @@ namespace {
 // whether only the warps that run no chain issue the copies, the 16-row weight tiles a block
 // owns (kRT; the RoPE/KV epilogue needs 2: a head's rows i and i + D/2), and whether the copies
 // ask L2 to fetch 256 bytes at a time (cp.async's prefetch size). The launchers use ChainNarrow /
-// ChainWide (M <= 2, by N) and ChainDefault (larger M); kChainConfigs lists the others that
-// tpserve-cuda-bench --chain compares.
+// ChainWide (M <= 2, by the waves of their grids: ChainWideWins) and ChainDefault (larger M);
+// kChainConfigs lists the others that tpserve-cuda-bench --chain compares.
 template <int kThreadsT, int kKTT, int kStagesT, bool kProducersOnlyT, int kRTT = 2,
           bool kL2PrefetchT = false>
 struct ChainCfg {
@@ -355,35 +358,84 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
 
 // One block per kRT tiles of 16 weight rows (the RoPE/KV form: per head, (D / 2) / 16 blocks of
 // rows i and i + D / 2).
-template <int kTok, int kIn, int kOut, class C = ChainDefault>
-void Launch(const ChainArgs& a, cudaStream_t stream) {
-  const int blocks = kOut == kOutRopeKv ? a.N / 32 : CeilDiv(a.N, C::kRT * 16);
-  const size_t smem = Stage<kTok, kIn, C>::SmemBytes(a.K);
-  TP_CHECK(smem <= kMaxSmem) << "ChainGemv: K " << a.K << " needs " << smem
-                             << " bytes of shared memory (ChainGemvFits)";
-  static bool configured = false;  // the ring is above the default 48 KB of shared memory
-  if (!configured) {
+template <int kOut, class C>
+int ChainBlocks(const ChainArgs& a) {
+  return kOut == kOutRopeKv ? a.N / 32 : CeilDiv(a.N, C::kRT * 16);
+}
+
+// The ring is above the default 48 KB of shared memory: allowed once per instantiation, before
+// its first launch or occupancy query.
+template <int kTok, int kIn, int kOut, class C>
+void AllowChainSmem() {
+  static const bool done = [] {
     TP_CUDA_CHECK(cudaFuncSetAttribute(ChainGemvKernel<kTok, kIn, kOut, C>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kMaxSmem)));
-    configured = true;
-  }
+    return true;
+  }();
+  (void)done;
+}
+
+template <int kTok, int kIn, int kOut, class C = ChainDefault>
+void Launch(const ChainArgs& a, cudaStream_t stream) {
+  const int blocks = ChainBlocks<kOut, C>(a);
+  const size_t smem = Stage<kTok, kIn, C>::SmemBytes(a.K);
+  TP_CHECK(smem <= kMaxSmem) << "ChainGemv: K " << a.K << " needs " << smem
+                             << " bytes of shared memory (ChainGemvFits)";
+  AllowChainSmem<kTok, kIn, kOut, C>();
   LaunchPdl(ChainGemvKernel<kTok, kIn, kOut, C>, dim3(static_cast<unsigned>(blocks)),
             dim3(C::kThreads), smem, stream, a);
 }
 
-// The pipeline of the kTok = 2 forms by N: 16 warps (14 issuing copies) for the narrow
-// projections (o, down: 54.7% / 73.2% of copy at M = 1 against 54.3% / 73.2% with 8 warps and
-// 42.8% / 48.1% with 4, tpserve-cuda-bench --chain on the H200), 8 warps and a 3-stage ring above
-// (with the input rows kept after the ring, 4 stages leave 2 blocks an SM: qkv 65.0%).
+// Blocks of this instantiation an SM holds at this K (the input rows kept after the ring make
+// its shared memory depend on K).
+template <int kTok, int kIn, int kOut, class C>
+int ChainBlocksPerSm(int K) {
+  AllowChainSmem<kTok, kIn, kOut, C>();
+  int n = 0;
+  TP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &n, ChainGemvKernel<kTok, kIn, kOut, C>, C::kThreads, Stage<kTok, kIn, C>::SmemBytes(K)));
+  return n;
+}
+
+// The pipelines of the kTok = 2 forms: 16 warps (14 issuing copies, a 4-stage ring; 2 blocks an
+// SM at K = 4096) and 8 warps (a 3-stage ring; 3 blocks an SM). The 16-warp one is faster a
+// block (H200: o and down 54.7% / 73.2% of copy at M = 1 against 42.8% / 48.1% with 4 warps), so
+// it runs every shape but one whose 8-warp grid fits the GPU in one wave and whose 16-warp grid
+// does not: q/k/v's 384 blocks (H200: 65.0% of copy with 16 warps, 1.45 waves). gate_up (688
+// blocks) and lm_head (1,008) take several waves either way, and the 16-warp pipeline gains
+// there (H100, tpserve-cuda-bench --chain, two runs, % of copy at M = 1: gate_up 89.2 / 88.8
+// against 86.5 / 86.4, lm_head 93.8 / 93.5 against 90.3 / 90.6; q/k/v 81.1 / 81.0 against 84.1 /
+// 83.6). Until session 35 the 8-warp pipeline ran every N above 8192.
 using ChainNarrow = ChainCfg<512, 256, 4, true>;
 using ChainWide = ChainCfg<256, 256, 3, true>;
+
+// Whether the 8-warp pipeline runs a kTok = 2 form of this shape (cached per N and K: the
+// occupancy query is not free, and eager decode steps launch ~160 chain GEMMs).
+template <int kTok, int kIn, int kOut>
+bool ChainWideWins(const ChainArgs& a) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, bool> choice;
+  std::lock_guard<std::mutex> lock(mu);
+  auto [it, inserted] = choice.try_emplace({a.N, a.K}, false);
+  if (inserted) {
+    int device = 0, sms = 0;
+    TP_CUDA_CHECK(cudaGetDevice(&device));
+    TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int64_t narrow_wave = int64_t{sms} * ChainBlocksPerSm<kTok, kIn, kOut, ChainNarrow>(a.K);
+    const int64_t wide_wave = int64_t{sms} * ChainBlocksPerSm<kTok, kIn, kOut, ChainWide>(a.K);
+    it->second = ChainBlocks<kOut, ChainWide>(a) <= wide_wave &&
+                 ChainBlocks<kOut, ChainNarrow>(a) > narrow_wave;
+  }
+  return it->second;
+}
+
 template <int kTok, int kIn, int kOut>
 void LaunchAuto(const ChainArgs& a, cudaStream_t stream) {
-  if (a.N <= 8192) {
-    Launch<kTok, kIn, kOut, ChainNarrow>(a, stream);
-  } else {
+  if (ChainWideWins<kTok, kIn, kOut>(a)) {
     Launch<kTok, kIn, kOut, ChainWide>(a, stream);
+  } else {
+    Launch<kTok, kIn, kOut, ChainNarrow>(a, stream);
   }
 }
 
