@@ -9,7 +9,7 @@
 #   test; `refs hf` needs no tpserve binary but `tpserve random-model`; kernels: the kernel
 #   benchmark tpserve-cuda-bench; ncu: Nsight Compute profiles of single kernels (NCU_ROWS, below);
 #   serve: tools/serve_check.sh, served vs engine tokens;
-#   pdl: tools/pdl_sass_check.py over the staged binaries (nc loads above griddepcontrol.wait);
+#   pdl: tools/pdl_sass_check.py over the staged tpserve-worker and A/B variants (PDL_TIMEOUT each, 240 s)
 #   presets: `tpserve bench` presets against `tpserve serve` in each SERVE_AB configuration, a
 #   fresh server for each preset unless PRESETS_SHARE_SERVER=1)
 #   kvq: tiny-coder held-out perplexity with each --kv-cache-dtype (the files listed in
@@ -225,10 +225,17 @@ fi
 if has pdl; then
   # Loads ptxas scheduled above griddepcontrol.wait in the staged binaries (their cubins, with
   # this machine's cuobjdump and nvdisasm: tools/pdl_sass_check.py).
-  log "pdl_sass_check over $stage/bin"
-  timeout 600 python3 tools/pdl_sass_check.py "$stage"/bin/* >"$out/pdl_sass_check.log" 2>&1
-  log "rc=$?"
-  tail -20 "$out/pdl_sass_check.log" | tee -a "$out/summary.txt"
+  # The staged binaries link the same CUDA library, so the worker (what serves) and each A/B
+  # variant (its patched kernels) are checked, one at a time: all eight took over 225 s on an
+  # H100 (session 35) and ran out of their step's time without a line of output.
+  for b in "$stage/bin/tpserve-worker" "$stage"/bin/tpserve-engine-bench-*; do
+    [ -x "$b" ] || continue
+    log "pdl_sass_check $(basename "$b")"
+    timeout ${PDL_TIMEOUT:-240} python3 tools/pdl_sass_check.py "$b" \
+      >"$out/pdl_sass_check_$(basename "$b").log" 2>&1
+    log "rc=$?"
+    tail -5 "$out/pdl_sass_check_$(basename "$b").log" | tee -a "$out/summary.txt"
+  done
 fi
 if has kernels && [ -x "$stage/bin/tpserve-cuda-bench" ]; then
   log "tpserve-cuda-bench"
