@@ -3,6 +3,7 @@
 // for bit against a plain reference chain and timed against the copy bandwidth.
 //   tpserve-regchain-probe [all|qkv|o|gate_up|down|lm_head] [nolt]   rolling loads (RegChain)
 //   tpserve-regchain-probe burst                                     burst loads (BurstChain)
+//   tpserve-regchain-probe latency      dependent mma.m16n8k16 chains, no memory (MmaChainLatency)
 // Each warp runs the mma.m16n8k16 chain of one or two 16-row weight tiles (the A operand) over one
 // K slice, loading its own fragments straight from global memory: LDG.64, or LDG.128 and one
 // shuffle exchange per two steps. RegChain keeps kP steps in flight, one load issued per step
@@ -500,7 +501,84 @@ void RunBurst(Ctx& c) {
       label);
 }
 
+// The chain GEMV's arithmetic alone (session 35): each warp runs kC independent chains of `steps`
+// dependent mma.m16n8k16 (bf16, f32 accumulate) on register operands, interleaved, and lane 0
+// of each warp records its clock64 cycles. One chain a warp gives the dependent-issue latency of
+// an mma (what a 16-row tile's chain over K costs at least: K / 16 of them); more chains a warp
+// and more warps an SM show how far the tensor pipe overlaps independent chains. The ring's
+// consumer in the chain GEMV runs one chain a warp, 2 chain warps an SM for o and down.
+template <int kC>
+__global__ void MmaChainLatency(int steps, long long* cycles, float* sink) {
+  const int lane = threadIdx.x & 31;
+  float d[kC][4];
+  uint32_t a[kC][4];
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      d[c][i] = 0.0f;
+      a[c][i] =
+          0x3c003c00u ^ static_cast<uint32_t>(lane * 7 + c * 13 + i);  // small bf16 pairs (2^-7)
+    }
+  }
+  const uint32_t b0 = 0x3c003c00u ^ lane, b1 = 0x3c003c00u ^ (lane * 3);
+  __syncwarp();
+  const long long t0 = clock64();
+  for (int s = 0; s < steps; ++s) {
+#pragma unroll
+    for (int c = 0; c < kC; ++c) Mma16816(d[c], a[c], b0, b1);
+  }
+  __syncwarp();
+  const long long t1 = clock64();
+  float acc = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kC; ++c) acc += d[c][0] + d[c][1] + d[c][2] + d[c][3];
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = acc;  // keeps the chains
+  if (lane == 0) cycles[blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32] = t1 - t0;
+}
+
+template <int kC>
+void RunLatency(int sms, int warps_per_sm, int steps) {
+  const int warps = sms * warps_per_sm;
+  long long* cycles;
+  float* sink;
+  CK(cudaMalloc(&cycles, warps * sizeof(long long)));
+  CK(cudaMalloc(&sink, warps * 32 * sizeof(float)));
+  std::vector<double> per_mma;
+  for (int r = 0; r < 5; ++r) {
+    MmaChainLatency<kC><<<sms, warps_per_sm * 32>>>(steps, cycles, sink);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    std::vector<long long> h(warps);
+    CK(cudaMemcpy(h.data(), cycles, warps * sizeof(long long), cudaMemcpyDeviceToHost));
+    std::sort(h.begin(), h.end());
+    per_mma.push_back(static_cast<double>(h[warps / 2]) / steps);  // the median warp
+  }
+  std::sort(per_mma.begin(), per_mma.end());
+  const double cyc = per_mma[2];  // cycles per step of one chain (kC mma a step a warp)
+  // Bytes of weight a chain step stands for in the chain GEMV: a 16-row tile x 16 k of bf16.
+  std::printf(
+      "mma chains: %2d a warp, %2d warps an SM: %6.1f cycles a step (%5.1f a chain's mma, %5.1f "
+      "per mma an SM), 16x16 bf16 weight tiles an SM: %5.1f bytes/cycle\n",
+      kC, warps_per_sm, cyc, cyc, cyc / (kC * warps_per_sm), 512.0 * kC * warps_per_sm / cyc);
+  CK(cudaFree(cycles));
+  CK(cudaFree(sink));
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "latency") == 0) {
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("device %s, %d SMs (cycles: the SM clock, clock64)\n", prop.name,
+                prop.multiProcessorCount);
+    const int sms = prop.multiProcessorCount, steps = 4096;
+    for (int w : {1, 2, 4, 8, 16}) RunLatency<1>(sms, w, steps);
+    for (int w : {1, 2, 4}) RunLatency<2>(sms, w, steps);
+    for (int w : {1, 2, 4}) RunLatency<4>(sms, w, steps);
+    RunLatency<8>(sms, 1, steps);
+    RunLatency<8>(sms, 4, steps);
+    return 0;
+  }
   const bool burst = argc > 1 && std::strcmp(argv[1], "burst") == 0;
   const char* only = argc > 1 && !burst && std::strcmp(argv[1], "all") != 0 ? argv[1] : nullptr;
   const bool skip_lt = burst || (argc > 2 && std::strcmp(argv[2], "nolt") == 0);
