@@ -399,14 +399,15 @@ int ChainBlocksPerSm(int K) {
 }
 
 // The pipelines of the kTok = 2 forms: 16 warps (14 issuing copies, a 4-stage ring; 2 blocks an
-// SM at K = 4096) and 8 warps (a 3-stage ring; 3 blocks an SM). The 16-warp one is faster a
-// block (H200: o and down 54.7% / 73.2% of copy at M = 1 against 42.8% / 48.1% with 4 warps), so
-// it runs every shape but one whose 8-warp grid fits the GPU in one wave and whose 16-warp grid
-// does not: q/k/v's 384 blocks (H200: 65.0% of copy with 16 warps, 1.45 waves). gate_up (688
-// blocks) and lm_head (1,008) take several waves either way, and the 16-warp pipeline gains
-// there (H100, tpserve-cuda-bench --chain, two runs, % of copy at M = 1: gate_up 89.2 / 88.8
-// against 86.5 / 86.4, lm_head 93.8 / 93.5 against 90.3 / 90.6; q/k/v 81.1 / 81.0 against 84.1 /
-// 83.6). Until session 35 the 8-warp pipeline ran every N above 8192.
+// SM at K = 4096) and 8 warps (a 3-stage ring; 3 blocks an SM). The 16-warp one is at least as
+// fast a block (H200: o and down 54.7% / 73.2% of copy at M = 1 against 54.3% / 73.2% with 8
+// warps and 42.8% / 48.1% with 4; H100: o 64.8 against 61.3), so it runs every shape but one
+// whose 8-warp grid fits the GPU in one wave and whose 16-warp grid does not: q/k/v's 384 blocks
+// (H200: 65.0% of copy with 16 warps, 1.45 waves). gate_up (688 blocks) and lm_head (1,008) take
+// several waves either way, and the 16-warp pipeline gains there (H100, tpserve-cuda-bench --chain,
+// two runs, % of copy at M = 1: gate_up 89.2 / 88.8 against 86.5 / 86.4, lm_head 93.8 / 93.5
+// against 90.3 / 90.6; q/k/v 81.1 / 81.0 against 84.1 / 83.6). Until session 35 the 8-warp pipeline
+// ran every N above 8192.
 using ChainNarrow = ChainCfg<512, 256, 4, true>;
 using ChainWide = ChainCfg<256, 256, 3, true>;
 
