@@ -9,7 +9,8 @@
 #   test; `refs hf` needs no tpserve binary but `tpserve random-model`; kernels: the kernel
 #   benchmark tpserve-cuda-bench; ncu: Nsight Compute profiles of single kernels (NCU_ROWS, below);
 #   serve: tools/serve_check.sh, served vs engine tokens;
-#   pdl: tools/pdl_sass_check.py over the staged tpserve-worker and A/B variants (PDL_TIMEOUT each, 240 s)
+#   pdl: tools/pdl_sass_check.py over the staged tpserve-worker and A/B variants (nc loads above
+#   griddepcontrol.wait; PDL_TIMEOUT, 240 s, each)
 #   presets: `tpserve bench` presets against `tpserve serve` in each SERVE_AB configuration, a
 #   fresh server for each preset unless PRESETS_SHARE_SERVER=1)
 #   kvq: tiny-coder held-out perplexity with each --kv-cache-dtype (the files listed in
@@ -226,8 +227,8 @@ if has pdl; then
   # Loads ptxas scheduled above griddepcontrol.wait in the staged binaries (their cubins, with
   # this machine's cuobjdump and nvdisasm: tools/pdl_sass_check.py).
   # The staged binaries link the same CUDA library, so the worker (what serves) and each A/B
-  # variant (its patched kernels) are checked, one at a time: all eight took over 225 s on an
-  # H100 (session 35) and ran out of their step's time without a line of output.
+  # variant (its patched kernels) are checked, one at a time: all eight at once had not finished
+  # after 225 s on an H100 (session 35), and the call ended without a line of their output.
   for b in "$stage/bin/tpserve-worker" "$stage"/bin/tpserve-engine-bench-*; do
     [ -x "$b" ] || continue
     log "pdl_sass_check $(basename "$b")"
