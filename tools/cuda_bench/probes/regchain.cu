@@ -524,15 +524,23 @@ __global__ void MmaChainLatency(int steps, long long* cycles, float* sink) {
   const uint32_t b0 = 0x3c003c00u ^ lane, b1 = 0x3c003c00u ^ (lane * 3);
   __syncwarp();
   const long long t0 = clock64();
+  // Empty volatile asm that "writes" the accumulators after the first clock read and "reads"
+  // their sum before the second: the chains cannot be moved outside the timed span.
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[c][i]));
+  }
   for (int s = 0; s < steps; ++s) {
 #pragma unroll
     for (int c = 0; c < kC; ++c) Mma16816(d[c], a[c], b0, b1);
   }
-  __syncwarp();
-  const long long t1 = clock64();
   float acc = 0.0f;
 #pragma unroll
   for (int c = 0; c < kC; ++c) acc += d[c][0] + d[c][1] + d[c][2] + d[c][3];
+  asm volatile("" ::"f"(acc));
+  __syncwarp();
+  const long long t1 = clock64();
   sink[blockIdx.x * blockDim.x + threadIdx.x] = acc;  // keeps the chains
   if (lane == 0) cycles[blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32] = t1 - t0;
 }
