@@ -552,7 +552,7 @@ void RunLatency(int sms, int warps_per_sm, int steps) {
   float* sink;
   CK(cudaMalloc(&cycles, warps * sizeof(long long)));
   CK(cudaMalloc(&sink, warps * 32 * sizeof(float)));
-  std::vector<double> per_mma;
+  std::vector<double> per_step;
   for (int r = 0; r < 5; ++r) {
     MmaChainLatency<kC><<<sms, warps_per_sm * 32>>>(steps, cycles, sink);
     CK(cudaGetLastError());
@@ -560,15 +560,17 @@ void RunLatency(int sms, int warps_per_sm, int steps) {
     std::vector<long long> h(warps);
     CK(cudaMemcpy(h.data(), cycles, warps * sizeof(long long), cudaMemcpyDeviceToHost));
     std::sort(h.begin(), h.end());
-    per_mma.push_back(static_cast<double>(h[warps / 2]) / steps);  // the median warp
+    per_step.push_back(static_cast<double>(h[warps / 2]) / steps);  // the median warp
   }
-  std::sort(per_mma.begin(), per_mma.end());
-  const double cyc = per_mma[2];  // cycles per step of one chain (kC mma a step a warp)
+  std::sort(per_step.begin(), per_step.end());
+  // Cycles a step, the median of 5 runs: a step is one mma of each of the warp's kC chains, so
+  // this is also what one chain's dependent mma costs.
+  const double cyc = per_step[2];
   // Bytes of weight a chain step stands for in the chain GEMV: a 16-row tile x 16 k of bf16.
   std::printf(
-      "mma chains: %2d a warp, %2d warps an SM: %6.1f cycles a step (%5.1f a chain's mma, %5.1f "
-      "per mma an SM), 16x16 bf16 weight tiles an SM: %5.1f bytes/cycle\n",
-      kC, warps_per_sm, cyc, cyc, cyc / (kC * warps_per_sm), 512.0 * kC * warps_per_sm / cyc);
+      "mma chains: %2d a warp, %2d warps an SM: %6.1f cycles a chain's mma, %5.1f per mma an SM, "
+      "16x16 bf16 weight tiles an SM: %5.1f bytes/cycle\n",
+      kC, warps_per_sm, cyc, cyc / (kC * warps_per_sm), 512.0 * kC * warps_per_sm / cyc);
   CK(cudaFree(cycles));
   CK(cudaFree(sink));
 }
