@@ -41,14 +41,33 @@ __device__ __forceinline__ float RowScaleOfSums(unsigned long long v, int dim, f
   return RowScaleOfTotal(v, dim, eps);
 }
 
+// What StoreRopeKvPair reads besides the pair: token m's position and cache slot, and the
+// frequency of element i. A kernel may load them early (after its programmatic-launch wait: the
+// step's inputs) so that the store at its end waits on nothing.
+struct RopePairOperands {
+  int32_t position = 0;
+  int64_t slot = -1;
+  float inv_freq = 0.0f;
+};
+__device__ __forceinline__ RopePairOperands LoadRopePairOperands(const RopeKvArgs& p, int m,
+                                                                 int head, int i) {
+  RopePairOperands o;
+  if (head < p.num_q_heads + p.num_kv_heads) {
+    o.position = p.positions[m];
+    o.inv_freq = p.inv_freq[i];
+  }
+  if (head >= p.num_q_heads) o.slot = p.slots[m];
+  return o;
+}
+
 // Rotates the pair (a, b) = rows (i, i + D/2) of `head` for token m and stores it as
 // RopeKvWrite does: q heads to q_out, k heads rotated and v heads as they are to the caches.
 __device__ __forceinline__ void StoreRopeKvPair(const RopeKvArgs& p, int m, int head, int i,
-                                                float a, float b) {
+                                                float a, float b, const RopePairOperands& o) {
   const int half = p.head_dim / 2;
   if (head < p.num_q_heads + p.num_kv_heads) {
     float sn, cs;
-    sincosf(static_cast<float>(p.positions[m]) * p.inv_freq[i], &sn, &cs);
+    sincosf(static_cast<float>(o.position) * o.inv_freq, &sn, &cs);
     float ra, rb;
     RopeRotate(a, b, cs, sn, ra, rb);
     a = ra;
@@ -58,7 +77,7 @@ __device__ __forceinline__ void StoreRopeKvPair(const RopeKvArgs& p, int m, int 
   if (head < p.num_q_heads) {
     dst = p.q_out + (static_cast<int64_t>(m) * p.num_q_heads + head) * p.head_dim;
   } else {
-    const int64_t slot = p.slots[m];
+    const int64_t slot = o.slot;
     if (slot < 0 || slot >= p.num_slots) return;  // padding
     const int kv = head - p.num_q_heads;
     dst = kv < p.num_kv_heads
@@ -67,6 +86,10 @@ __device__ __forceinline__ void StoreRopeKvPair(const RopeKvArgs& p, int m, int 
   }
   dst[i] = __float2bfloat16(a);
   dst[i + half] = __float2bfloat16(b);
+}
+__device__ __forceinline__ void StoreRopeKvPair(const RopeKvArgs& p, int m, int head, int i,
+                                                float a, float b) {
+  StoreRopeKvPair(p, m, head, i, a, b, LoadRopePairOperands(p, m, head, i));
 }
 
 }  // namespace tpserve::cuda
