@@ -14,8 +14,7 @@
 // runs that tile's chain. The first stages' weights go out before the programmatic-launch wait
 // (they do not depend on the previous kernel); the epilogues' other operands (gamma, the
 // residual, the RoPE/KV store's positions and slots) are read right after it, so the stores at
-// the end wait on nothing. The plain-store forms run at most one wave of blocks, each taking
-// several units of kRT tiles through one ring (Launch). Fused forms for decode steps of at most
+// the end wait on nothing. Fused forms for decode steps of at most
 // kSkinnyFusedMaxM tokens (deterministic mode's versions of the skinny kernel's fusions, each
 // giving the bits of the unfused ops):
 // - input SwiGLU: B = bf16(SiluMulValue(gate, up)), as SiluMul stores it;
@@ -93,20 +92,17 @@ struct ChainArgs {
   __nv_bfloat16* normed = nullptr;
   unsigned long long* out_sums = nullptr;
   RopeKvArgs rope;  // kOutRopeKv
-  // Units of kRT tiles (ChainBlocks); block b runs units b, b + gridDim.x, ... (one unless the
-  // grid is smaller: the plain-store forms run at most one wave, the ring going on across units).
-  int units = 0;
 };
 
-// First weight row of tile j of a unit.
+// First weight row of tile j of this block.
 template <int kOut, int kRT>
-__device__ __forceinline__ int TileRow(const ChainArgs& a, int unit, int j) {
+__device__ __forceinline__ int TileRow(const ChainArgs& a, int j) {
   if constexpr (kOut == kOutRopeKv) {
     const int half = a.rope.head_dim / 2, blocks_per_head = half / 16;
-    const int head = unit / blocks_per_head, i0 = (unit % blocks_per_head) * 16;
+    const int head = blockIdx.x / blocks_per_head, i0 = (blockIdx.x % blocks_per_head) * 16;
     return head * a.rope.head_dim + j * half + i0;
   } else {
-    return (unit * kRT + j) * 16;
+    return (blockIdx.x * kRT + j) * 16;
   }
 }
 
@@ -142,28 +138,23 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
   const int issuer = C::kProducersOnly ? tid - kChainThreads : tid;  // < 0: issues nothing
   const int num_kt = (K + kKT - 1) / kKT;
   constexpr int kVecs = kKT / 8;
-  // The ring runs over this block's units one after another: ring step s is K tile s % num_kt
-  // of the block's unit s / num_kt (unit blockIdx.x + (s / num_kt) * gridDim.x).
-  const int block_units = (a.units - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x;
-  const int num_steps = block_units * num_kt;
-  auto unit_of = [&](int s) { return static_cast<int>(blockIdx.x) + (s / num_kt) * gridDim.x; };
 
-  auto issue_w = [&](int s) {
-    if (s >= num_steps) return;
-    __nv_bfloat16* dst = stages + (s % kStages) * St::kElems;
-    const int unit = unit_of(s), k0 = (s % num_kt) * kKT;
+  auto issue_w = [&](int kt) {
+    if (kt >= num_kt) return;
+    __nv_bfloat16* dst = stages + (kt % kStages) * St::kElems;
+    const int k0 = kt * kKT;
     for (int i = issuer < 0 ? kRT * 16 * kVecs : issuer; i < kRT * 16 * kVecs; i += kIssuers) {
       const int r = i / kVecs, c = i % kVecs;
-      const int row = TileRow<kOut, kRT>(a, unit, r / 16) + r % 16, k = k0 + c * 8;
+      const int row = TileRow<kOut, kRT>(a, r / 16) + r % 16, k = k0 + c * 8;
       const bool valid = row < N && k < K;
       ChainCopy16<C::kL2Prefetch>(SmemAddr(dst + r * kRowStride + c * 8),
                                   valid ? a.w + static_cast<int64_t>(row) * K + k : a.w, valid);
     }
   };
-  auto issue_x = [&](int s) {
-    if (s < num_steps) {
-      __nv_bfloat16* dst = stages + (s % kStages) * St::kElems + kRT * 16 * kRowStride;
-      const int k0 = (s % num_kt) * kKT;
+  auto issue_x = [&](int kt) {
+    if (kt < num_kt) {
+      __nv_bfloat16* dst = stages + (kt % kStages) * St::kElems + kRT * 16 * kRowStride;
+      const int k0 = kt * kKT;
       for (int i = issuer < 0 ? St::kXRows * kVecs : issuer; i < St::kXRows * kVecs;
            i += kIssuers) {
         const int r = i / kVecs, c = i % kVecs, k = k0 + c * 8;
@@ -191,7 +182,7 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
   // i: weight row TileRow(j) + g (+ 8 for i >= 2), token 2t + (i & 1) (kMT = 1).
   __nv_bfloat16 gamma_pre[4], residual_pre[4];
   if constexpr (kOut == kOutAddNorm) {
-    const int row0 = TileRow<kOut, kRT>(a, blockIdx.x, j);
+    const int row0 = TileRow<kOut, kRT>(a, j);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int row = row0 + g + (i >= 2 ? 8 : 0), token = 2 * t + (i & 1);
@@ -204,7 +195,7 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
     for (int s = 0; s < kStages - 1; ++s) issue_x(s);  // stage 0's weights join its group
   }
   if constexpr (kOut == kOutAddNorm) {
-    const int row0 = TileRow<kOut, kRT>(a, blockIdx.x, j);
+    const int row0 = TileRow<kOut, kRT>(a, j);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int row = row0 + g + (i >= 2 ? 8 : 0), token = 2 * t + (i & 1);
@@ -214,7 +205,7 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
     }
   }
   // The RoPE/KV epilogue's step inputs (thread tid < 16 M stores row pair tid % 16 of token
-  // tid / 16 of the block's one unit).
+  // tid / 16).
   RopePairOperands rope_pre;
   if constexpr (kOut == kOutRopeKv) {
     if (tid < 16 * M) {
@@ -225,32 +216,28 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
   }
 
   // kTok = 2: the input rows, transformed once (SiluMul's or ApplyRowScale's output), after the
-  // ring; the first barrier of the loop publishes them. The first kPre pieces of each thread are
-  // loaded before the record's row scales are worked out, so both reads are in flight together.
+  // ring; the first barrier of the loop publishes them. With a row scale, each thread's first
+  // kPre pieces are loaded before the record's sums are reduced, so both reads are in flight
+  // together.
   __nv_bfloat16* const xsm = stages + kStages * St::kElems;
   const int x_stride = St::XStride(K);
   float scale[kSkinnyFusedMaxM];  // kInScaled: tokens 0, 1 (every lane of every warp)
+  auto row_scales = [&] {
+#pragma unroll
+    for (int r = 0; r < kSkinnyFusedMaxM; ++r) {
+      scale[r] =
+          RowScaleOfSums(r < M ? __ldcg(a.in_sums + r * kNormSumSlots + lane) : 0ull, K, a.eps);
+    }
+  };
   if constexpr (St::kUpfront) {
     const int vecs = K / 8;
-    constexpr int kLoads = kIn == kInSwiGlu ? 2 : 1;  // gate and up, or x
-    constexpr int kPre = 4 / kLoads;                  // 16 registers a thread
-    auto load = [&](int i, uint4(&r)[kLoads]) {
-      const int token = i / vecs, c = (i % vecs) * 8;
-      if constexpr (kIn == kInSwiGlu) {
-        const __nv_bfloat16* row = a.x + static_cast<int64_t>(token) * 2 * K;
-        r[0] = *reinterpret_cast<const uint4*>(row + c);
-        r[1] = *reinterpret_cast<const uint4*>(row + K + c);
-      } else {
-        r[0] = *reinterpret_cast<const uint4*>(a.x + static_cast<int64_t>(token) * K + c);
-      }
-    };
-    auto transform_store = [&](int i, const uint4(&r)[kLoads]) {
+    auto transform_store = [&](int i, uint4 xr, uint4 ur) {
       const int token = i / vecs, c = (i % vecs) * 8;
       float f[8];
-      Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&r[0]), f);
+      Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&xr), f);
       if constexpr (kIn == kInSwiGlu) {
         float u[8];
-        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&r[kLoads - 1]), u);
+        Bf16x8ToFloat(*reinterpret_cast<const Bf16x8*>(&ur), u);
 #pragma unroll
         for (int e = 0; e < 8; ++e) f[e] = SiluMulValue(f[e], u[e]);
       } else if constexpr (kIn == kInScaled) {
@@ -259,63 +246,50 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
       }
       *reinterpret_cast<Bf16x8*>(xsm + token * x_stride + c) = FloatToBf16x8(f);
     };
-    uint4 pre[kPre][kLoads];
-#pragma unroll
-    for (int p = 0; p < kPre; ++p) {
-      if (tid + p * kThreads < M * vecs) load(tid + p * kThreads, pre[p]);
-    }
+    auto x_at = [&](int i) {
+      return a.x + static_cast<int64_t>(i / vecs) * (kIn == kInSwiGlu ? 2 : 1) * K + (i % vecs) * 8;
+    };
+    int i0 = tid;
     if constexpr (kIn == kInScaled) {
+      constexpr int kPre = 4;
+      uint4 pre[kPre];
 #pragma unroll
-      for (int r = 0; r < kSkinnyFusedMaxM; ++r) {
-        scale[r] =
-            RowScaleOfSums(r < M ? __ldcg(a.in_sums + r * kNormSumSlots + lane) : 0ull, K, a.eps);
+      for (int p = 0; p < kPre; ++p) {
+        if (tid + p * kThreads < M * vecs) {
+          pre[p] = *reinterpret_cast<const uint4*>(x_at(tid + p * kThreads));
+        }
       }
-    }
+      row_scales();
 #pragma unroll
-    for (int p = 0; p < kPre; ++p) {
-      if (tid + p * kThreads < M * vecs) transform_store(tid + p * kThreads, pre[p]);
+      for (int p = 0; p < kPre; ++p) {
+        if (tid + p * kThreads < M * vecs) transform_store(tid + p * kThreads, pre[p], pre[p]);
+      }
+      i0 = tid + kPre * kThreads;
     }
-    for (int i = tid + kPre * kThreads; i < M * vecs; i += kThreads) {
-      uint4 r[kLoads];
-      load(i, r);
-      transform_store(i, r);
+    for (int i = i0; i < M * vecs; i += kThreads) {
+      const __nv_bfloat16* xp = x_at(i);
+      const uint4 xr = *reinterpret_cast<const uint4*>(xp);
+      const uint4 ur = kIn == kInSwiGlu ? *reinterpret_cast<const uint4*>(xp + K) : xr;
+      transform_store(i, xr, ur);
     }
   } else if constexpr (kIn == kInScaled) {
-#pragma unroll
-    for (int r = 0; r < kSkinnyFusedMaxM; ++r) {
-      scale[r] =
-          RowScaleOfSums(r < M ? __ldcg(a.in_sums + r * kNormSumSlots + lane) : 0ull, K, a.eps);
-    }
+    row_scales();
   }
   const int m = mt * 8 + g;  // this lane's token in the B operand
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  // A finished unit's tile, stored with the bias (kOutStore).
-  auto store_unit = [&](int unit) {
-    const int row0 = TileRow<kOut, kRT>(a, unit, j);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = row0 + g + (i >= 2 ? 8 : 0), token = mt * 8 + 2 * t + (i & 1);
-      if (row < N && token < M) {
-        float v = d[i];
-        if (a.bias != nullptr) v = __fadd_rn(v, __bfloat162float(a.bias[row]));
-        a.y[static_cast<int64_t>(token) * N + row] = __float2bfloat16(v);
-      }
-    }
-  };
   // ldmatrix.x4 row addresses: lanes 0-7 rows 0-7 (k 0-7), 8-15 rows 8-15 (k 0-7), 16-23 rows
   // 0-7 (k 8-15), 24-31 rows 8-15 (k 8-15): registers 0-3 are the A fragment.
   const int lm_row = (lane & 7) + ((lane >> 3) & 1) * 8, lm_col = (lane >> 4) * 8;
-  for (int s = 0; s < num_steps; ++s) {
-    const int kt = s % num_kt;
+  for (int kt = 0; kt < num_kt; ++kt) {
     CpAsyncWait<kStages - 2>();
-    __syncthreads();  // stage s landed for everyone; stage s - 1's slot is free
-    issue_w(s + kStages - 1);
+    __syncthreads();  // stage kt landed for everyone; stage kt - 1's slot is free
+    issue_w(kt + kStages - 1);
     if constexpr (St::kUpfront) {
       CpAsyncCommit();
     } else {
-      issue_x(s + kStages - 1);
+      issue_x(kt + kStages - 1);
     }
-    __nv_bfloat16* stage = stages + (s % kStages) * St::kElems;
+    __nv_bfloat16* stage = stages + (kt % kStages) * St::kElems;
     __nv_bfloat16* xs = stage + kRT * 16 * kRowStride;
     const int k0 = kt * kKT;
     if constexpr (kIn != kInPlain && !St::kUpfront) {
@@ -364,23 +338,25 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
           Mma16816(d, af, b0, b1);
         }
       }
-      if constexpr (kOut == kOutStore) {
-        if (kt == num_kt - 1 && s + 1 < num_steps) {  // a unit before the block's last one ends
-          store_unit(unit_of(s));
-#pragma unroll
-          for (int i = 0; i < 4; ++i) d[i] = 0.0f;
-        }
-      }
     }
   }
   CpAsyncWait<0>();
 
   // d[i]: weight row TileRow(j) + g (+ 8 for i >= 2), token mt * 8 + 2t + (i & 1).
+  const int row0 = TileRow<kOut, kRT>(a, j);
   if constexpr (kOut == kOutStore) {
-    if (chain_warp && num_steps > 0) store_unit(unit_of(num_steps - 1));
+    if (!chain_warp) return;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + g + (i >= 2 ? 8 : 0), token = mt * 8 + 2 * t + (i & 1);
+      if (row < N && token < M) {
+        float v = d[i];
+        if (a.bias != nullptr) v = __fadd_rn(v, __bfloat162float(a.bias[row]));
+        a.y[static_cast<int64_t>(token) * N + row] = __float2bfloat16(v);
+      }
+    }
   } else if constexpr (kOut == kOutAddNorm) {
     if (!chain_warp) return;
-    const int row0 = TileRow<kOut, kRT>(a, blockIdx.x, j);
     unsigned long long sq[2] = {0ull, 0ull};  // tokens 2t, 2t + 1 (kMT = 1: only t = 0 is real)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -414,7 +390,6 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
       }
     }
   } else {  // kOutRopeKv: the two tiles meet in shared memory (the ring is idle now)
-    const int row0 = TileRow<kOut, kRT>(a, blockIdx.x, j);
     __syncthreads();
     auto* pair = reinterpret_cast<float*>(smem_raw);  // [kRT][16 rows][kSkinnyFusedMaxM]
     if (chain_warp) {
@@ -440,8 +415,8 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
   }
 }
 
-// Units of kRT tiles of 16 weight rows (the RoPE/KV form: per head, (D / 2) / 16 units of rows
-// i and i + D / 2).
+// One block per kRT tiles of 16 weight rows (the RoPE/KV form: per head, (D / 2) / 16 blocks of
+// rows i and i + D / 2).
 template <int kOut, class C>
 int ChainBlocks(const ChainArgs& a) {
   return kOut == kOutRopeKv ? a.N / 32 : CeilDiv(a.N, C::kRT * 16);
@@ -460,6 +435,17 @@ void AllowChainSmem() {
   (void)done;
 }
 
+template <int kTok, int kIn, int kOut, class C = ChainDefault>
+void Launch(const ChainArgs& a, cudaStream_t stream) {
+  const int blocks = ChainBlocks<kOut, C>(a);
+  const size_t smem = Stage<kTok, kIn, C>::SmemBytes(a.K);
+  TP_CHECK(smem <= kMaxSmem) << "ChainGemv: K " << a.K << " needs " << smem
+                             << " bytes of shared memory (ChainGemvFits)";
+  AllowChainSmem<kTok, kIn, kOut, C>();
+  LaunchPdl(ChainGemvKernel<kTok, kIn, kOut, C>, dim3(static_cast<unsigned>(blocks)),
+            dim3(C::kThreads), smem, stream, a);
+}
+
 // Blocks of this instantiation an SM holds at this K (the input rows kept after the ring make
 // its shared memory depend on K).
 template <int kTok, int kIn, int kOut, class C>
@@ -469,44 +455,6 @@ int ChainBlocksPerSm(int K) {
   TP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &n, ChainGemvKernel<kTok, kIn, kOut, C>, C::kThreads, Stage<kTok, kIn, C>::SmemBytes(K)));
   return n;
-}
-
-// The blocks of this instantiation the GPU holds at once at this K (cached per K: the occupancy
-// query is not free, and eager decode steps launch ~160 chain GEMMs).
-template <int kTok, int kIn, int kOut, class C>
-int ChainWaveBlocks(int K) {
-  static std::mutex mu;
-  static std::map<int, int> wave;
-  std::lock_guard<std::mutex> lock(mu);
-  auto [it, inserted] = wave.try_emplace(K, 0);
-  if (inserted) {
-    int device = 0, sms = 0;
-    TP_CUDA_CHECK(cudaGetDevice(&device));
-    TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    it->second = std::max(1, sms * ChainBlocksPerSm<kTok, kIn, kOut, C>(K));
-  }
-  return it->second;
-}
-
-// One block per unit, except for the plain-store forms, whose units outnumber a wave in gate_up
-// (688 units of 2 tiles at M = 1), lm_head (1,008) and q/k/v without the RoPE epilogue: at most
-// one wave of blocks, each running its units through one ring. A block then reads its input once
-// (the kTok = 2 forms transform it in a prologue that a second wave of blocks would repeat) and
-// its ring does not drain and refill between units.
-template <int kTok, int kIn, int kOut, class C = ChainDefault>
-void Launch(const ChainArgs& args, cudaStream_t stream) {
-  ChainArgs a = args;
-  a.units = ChainBlocks<kOut, C>(a);
-  int blocks = a.units;
-  if constexpr (kOut == kOutStore) {
-    blocks = std::min(blocks, ChainWaveBlocks<kTok, kIn, kOut, C>(a.K));
-  }
-  const size_t smem = Stage<kTok, kIn, C>::SmemBytes(a.K);
-  TP_CHECK(smem <= kMaxSmem) << "ChainGemv: K " << a.K << " needs " << smem
-                             << " bytes of shared memory (ChainGemvFits)";
-  AllowChainSmem<kTok, kIn, kOut, C>();
-  LaunchPdl(ChainGemvKernel<kTok, kIn, kOut, C>, dim3(static_cast<unsigned>(blocks)),
-            dim3(C::kThreads), smem, stream, a);
 }
 
 // The pipelines of the kTok = 2 forms: 16 warps (14 issuing copies, a 4-stage ring; 2 blocks an
