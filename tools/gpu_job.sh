@@ -55,6 +55,9 @@ has() { [[ " $steps " == *" $1 "* ]]; }
 log() { echo "=== $(date +%T) $*" | tee -a "$out/summary.txt"; }
 # start_server NAME PORT [serve args...]: `tpserve serve` on the 6.7B shape in the background
 # (pid in $spid, log in $out/serve_NAME.log), waited for until its ready file appears (120 s).
+# Returns 1 at once when the server exits first (its log's last lines go to the summary), or
+# when it is not ready in time: the caller skips its benchmark (in session 36 a server that
+# could not start its worker cost 3 minutes of device time, waited for and then asked).
 # SERVER_ENV ("VAR=value ...") is the server's environment.
 start_server() {
   local name=$1 port=$2
@@ -65,7 +68,21 @@ start_server() {
     --worker-binary "$stage/bin/tpserve-worker" --ready-file "$out/ready_$name" "$@" \
     >"$out/serve_$name.log" 2>&1 &
   spid=$!
-  for _ in $(seq 240); do [ -f "$out/ready_$name" ] && break; sleep 0.5; done
+  for _ in $(seq 240); do
+    [ -f "$out/ready_$name" ] && return 0
+    if ! kill -0 $spid 2>/dev/null; then
+      log "server $name exited before it was ready:"
+      tail -3 "$out/serve_$name.log" | tee -a "$out/summary.txt"
+      spid=
+      return 1
+    fi
+    sleep 0.5
+  done
+  log "server $name was not ready after 120 s: stopped"
+  kill -TERM $spid 2>/dev/null
+  wait $spid 2>/dev/null
+  spid=
+  return 1
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
@@ -309,7 +326,7 @@ if has presets; then
         name=$label
         [ "$share" != 1 ] && name=${label}_$preset
         # shellcheck disable=SC2086  # flags and config_env are word lists
-        SERVER_ENV="$config_env" start_server "$name" 50078 $flags
+        SERVER_ENV="$config_env" start_server "$name" 50078 $flags || continue
       fi
       extra_var="PRESET_ARGS_${preset//-/_}"
       timeout 400 "$stage/bin/tpserve" bench --server 127.0.0.1:50078 --preset $preset \
@@ -342,7 +359,7 @@ if has detserve; then
     [ "$mode" = deterministic ] && flags=(--deterministic)
     log "detserve $mode: serve ${flags[*]:-(default)}; $n requests of $plen / $olen tokens at once, then one at a time"
     # shellcheck disable=SC2086  # DETSERVE_SERVE_ARGS is a word list
-    start_server "detserve_$mode" 50079 "${flags[@]}" ${DETSERVE_SERVE_ARGS:-}
+    start_server "detserve_$mode" 50079 "${flags[@]}" ${DETSERVE_SERVE_ARGS:-} || continue
     timeout ${DETSERVE_TIMEOUT:-500} "$stage/bin/tpserve" bench --server 127.0.0.1:50079 \
       --check-deterministic --num-requests $n --prompt-len $plen --output-len $olen \
       --logprobs ${DETSERVE_LOGPROBS:-1} --no-progress --label "detserve_$mode" \
