@@ -28,15 +28,7 @@
 
 #include "kernels/cuda/kv_read.cuh"
 #include "kernels/cuda/mma_util.cuh"
-
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "tools/cuda_bench/probes/probe_util.h"
 
 // The tree's fragment MMA and streaming loads.
 using tpserve::cuda::LoadStreaming;
@@ -269,24 +261,6 @@ const Shape kShapes[] = {{"qkv", 12288, 4096},
                          {"gate_up", 22016, 4096},
                          {"down", 4096, 11008},
                          {"lm_head", 32256, 4096}};
-
-double MedianMs(int iters, const std::function<void(int)>& fn) {
-  for (int i = 0; i < 3; ++i) fn(i);
-  std::vector<cudaEvent_t> ev(iters + 1);
-  for (auto& e : ev) CK(cudaEventCreate(&e));
-  std::vector<float> tm(iters);
-  CK(cudaEventRecord(ev[0]));
-  for (int i = 0; i < iters; ++i) {
-    fn(i);
-    CK(cudaEventRecord(ev[i + 1]));
-  }
-  CK(cudaEventSynchronize(ev[iters]));
-  CK(cudaGetLastError());
-  for (int i = 0; i < iters; ++i) CK(cudaEventElapsedTime(&tm[i], ev[i], ev[i + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(tm.begin(), tm.end());
-  return tm[iters / 2];
-}
 
 #define LK(x)                                                                          \
   do {                                                                                 \

@@ -35,15 +35,7 @@
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/mma_util.cuh"
 #include "kernels/cuda/wgmma_util.cuh"
-
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "tools/cuda_bench/probes/probe_util.h"
 
 using namespace tpserve::cuda;  // the tree's copy, ldmatrix, mma and mbarrier helpers
 
@@ -315,24 +307,6 @@ __global__ void __launch_bounds__(32 * (1 + kR / 16), 1)
       cyc[2 * blockIdx.x + 1] = computed;
     }
   }
-}
-
-double MedianMs(int iters, const std::function<void(int)>& fn) {
-  for (int i = 0; i < 3; ++i) fn(i);
-  std::vector<cudaEvent_t> ev(iters + 1);
-  for (auto& e : ev) CK(cudaEventCreate(&e));
-  std::vector<float> tm(iters);
-  CK(cudaEventRecord(ev[0]));
-  for (int i = 0; i < iters; ++i) {
-    fn(i);
-    CK(cudaEventRecord(ev[i + 1]));
-  }
-  CK(cudaEventSynchronize(ev[iters]));
-  CK(cudaGetLastError());
-  for (int i = 0; i < iters; ++i) CK(cudaEventElapsedTime(&tm[i], ev[i], ev[i + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(tm.begin(), tm.end());
-  return tm[iters / 2];
 }
 
 struct Shape {

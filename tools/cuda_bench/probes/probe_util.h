@@ -1,0 +1,40 @@
+// What the standalone CUDA probes (tpserve-regchain-probe, tpserve-stream-probe) share: a CUDA
+// call check that exits with the call and its error, and the median time of repeated launches.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+// fn(i) for i = 0..2 as warm-up, then `iters` times between CUDA events: the median of those
+// launches' times in ms.
+inline double MedianMs(int iters, const std::function<void(int)>& fn) {
+  for (int i = 0; i < 3; ++i) fn(i);
+  std::vector<cudaEvent_t> ev(iters + 1);
+  for (auto& e : ev) CK(cudaEventCreate(&e));
+  std::vector<float> tm(iters);
+  CK(cudaEventRecord(ev[0]));
+  for (int i = 0; i < iters; ++i) {
+    fn(i);
+    CK(cudaEventRecord(ev[i + 1]));
+  }
+  CK(cudaEventSynchronize(ev[iters]));
+  CK(cudaGetLastError());
+  for (int i = 0; i < iters; ++i) CK(cudaEventElapsedTime(&tm[i], ev[i], ev[i + 1]));
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(tm.begin(), tm.end());
+  return tm[iters / 2];
+}
