@@ -23,18 +23,23 @@ for t in "${targets[@]}"; do stage "$t"; done
 # TPSERVE_GPU_VARIANTS="NAME ...": the engine benchmark built again with tools/ab/NAME.patch
 # applied, staged as tpserve-engine-bench-NAME (the baseline of an A/B in one job: gpu_job.sh's
 # BENCH_BINS). The working tree is patched for the build and restored after it, also on failure.
+# TPSERVE_GPU_VARIANT_TESTS="X_test ..." builds those tests with each patch too, staged as
+# X_NAME_test (NAME's dashes as underscores), which gpu_job.sh's tests step runs beside main's:
+# a patch's bits are checked before it is adopted.
 for v in ${TPSERVE_GPU_VARIANTS:-}; do
   patch=tools/ab/$v.patch
   git apply --check "$patch" || { echo "gpu_stage.sh: $patch does not apply to this tree" >&2; exit 1; }
   git apply "$patch"
   trap 'git apply -R "'"$patch"'"' EXIT
-  ninja -C "$build" -j2 tpserve-engine-bench
+  vtests=(${TPSERVE_GPU_VARIANT_TESTS:-})
+  ninja -C "$build" -j2 tpserve-engine-bench "${vtests[@]}"
   stage tpserve-engine-bench "tpserve-engine-bench-$v"
+  for t in "${vtests[@]}"; do stage "$t" "${t%_test}_${v//-/_}_test"; done
   git apply -R "$patch"
   trap - EXIT
 done
 # The unpatched tree's objects again, so the next build here does not ship a variant's.
-[ -z "${TPSERVE_GPU_VARIANTS:-}" ] || ninja -C "$build" -j2 "${targets[@]}" >/dev/null
+[ -z "${TPSERVE_GPU_VARIANTS:-}" ] || ninja -C "$build" -j2 "${targets[@]}" ${TPSERVE_GPU_VARIANT_TESTS:-} >/dev/null
 bash "${TPSERVE_BUNDLE_LIBS:-../shared/tools/bundle-libs.sh}" .carry/gpu/lib .carry/gpu/bin/*
 # The carried tree is limited (64 MiB): ship the big files xz-compressed; tools/gpu_unpack.sh
 # (called by gpu_job.sh) unpacks. The binaries go as one archive: they share most of their code
