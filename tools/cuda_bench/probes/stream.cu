@@ -85,6 +85,32 @@ __global__ void __launch_bounds__(512) ReadKernel(const uint4* w, size_t n16, fl
 
 // The skinny kernel's loads: block b owns rows [b R, b R + R); warp w takes the 256-k pieces w,
 // w + warps, ...; each lane loads U pieces of each row before using them.
+// Loads kU 16-byte pieces of each of kRows rows (row n0 + r, piece u at column k_of(u) of this
+// lane) before using any, then folds them into acc. Shared by the plain-load kernels below.
+template <int kU, int kRows, class KOf>
+__device__ __forceinline__ void LoadAndFold(const __nv_bfloat16* w, int N, int K, int n0, KOf k_of,
+                                            uint32_t& acc) {
+  uint4 v[kU][kRows];
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int k = k_of(u);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      v[u][r] = LoadIf(w, static_cast<int64_t>(n0 + r) * K + k, k < K && n0 + r < N);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) Touch(v[u][r]);
+  }
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) acc ^= v[u][r].x ^ v[u][r].y ^ v[u][r].z ^ v[u][r].w;
+  }
+}
+
 template <int kT, int kR, int kU>
 __global__ void __launch_bounds__(kT) LdgKernel(const __nv_bfloat16* w, int N, int K, float* sink) {
   constexpr int kWarps = kT / 32;
@@ -92,25 +118,8 @@ __global__ void __launch_bounds__(kT) LdgKernel(const __nv_bfloat16* w, int N, i
   const int pieces = (K + 255) / 256, n0 = blockIdx.x * kR;
   uint32_t acc = 0;
   for (int c0 = warp; c0 < pieces; c0 += kWarps * kU) {
-    uint4 v[kU][kR];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int k = (c0 + u * kWarps) * 256 + lane * 8;
-#pragma unroll
-      for (int r = 0; r < kR; ++r) {
-        v[u][r] = LoadIf(w, static_cast<int64_t>(n0 + r) * K + k, k < K && n0 + r < N);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-#pragma unroll
-      for (int r = 0; r < kR; ++r) Touch(v[u][r]);
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-#pragma unroll
-      for (int r = 0; r < kR; ++r) acc ^= v[u][r].x ^ v[u][r].y ^ v[u][r].z ^ v[u][r].w;
-    }
+    LoadAndFold<kU, kR>(
+        w, N, K, n0, [&](int u) { return (c0 + u * kWarps) * 256 + lane * 8; }, acc);
   }
   Keep(__uint_as_float(acc), sink);
 }
@@ -126,25 +135,8 @@ __global__ void __launch_bounds__(kT, 1)
   const int pieces = (K + 255) / 256, n0 = blockIdx.x * kR + warp * kRW;
   uint32_t acc = 0;
   for (int c0 = 0; c0 < pieces; c0 += kU) {
-    uint4 v[kU][kRW];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int k = (c0 + u) * 256 + lane * 8;
-#pragma unroll
-      for (int r = 0; r < kRW; ++r) {
-        v[u][r] = LoadIf(w, static_cast<int64_t>(n0 + r) * K + k, k < K && n0 + r < N);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-#pragma unroll
-      for (int r = 0; r < kRW; ++r) Touch(v[u][r]);
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-#pragma unroll
-      for (int r = 0; r < kRW; ++r) acc ^= v[u][r].x ^ v[u][r].y ^ v[u][r].z ^ v[u][r].w;
-    }
+    LoadAndFold<kU, kRW>(
+        w, N, K, n0, [&](int u) { return (c0 + u) * 256 + lane * 8; }, acc);
   }
   Keep(__uint_as_float(acc), sink);
 }
