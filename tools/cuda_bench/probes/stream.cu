@@ -19,6 +19,14 @@
 // - bulk R/KT/S (+chain): a TMA ring: one warp issues one cp.async.bulk a row and stage
 //   completing on the stage's mbarrier, R / 16 consumer warps wait on it (and run the chain),
 //   then free the stage on a second mbarrier; no block barrier.
+// - tile-bulk T/KT/S (+chain), tile-ldg W/P: the weights in a tile-contiguous layout (session
+//   37's question): a 16-row tile's k16 steps stored one after another, each step as the 32
+//   lanes' A fragments (16 bytes a lane), so a tile over all of K is one contiguous run. tile-bulk:
+//   a block of T tiles, one bulk copy a tile and stage (16 x KT x 2 bytes), its chain warps read
+//   their fragments with one conflict-free 16-byte shared load a step (no ldmatrix); tile-ldg: a
+//   warp a tile, W warps a block, loading its fragments straight from global (512 contiguous
+//   bytes a warp-wide load), P steps in flight in registers, no shared memory. Only the address
+//   pattern is measured (the bytes are not transformed).
 // Weights are rotated over enough copies (>= 1 GiB) that L2 holds none of the next launch's.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -301,6 +309,113 @@ __global__ void __launch_bounds__(32 * (1 + kR / 16), 1)
   }
 }
 
+// Tile-contiguous layout, TMA ring: warp 0 lane 0 issues one bulk copy a tile and stage; warps
+// 1..kTiles each run one tile's chain, a step's A fragment one 16-byte shared load.
+template <int kTiles, int kKT, int kS, bool kChain>
+__global__ void __launch_bounds__(32 * (1 + kTiles), 1)
+    TileBulkKernel(const __nv_bfloat16* w, int N, int K, float* sink, long long* cyc) {
+  constexpr int kTileElems = 16 * kKT;  // one tile's stage
+  constexpr int kElems = kTiles * kTileElems;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  auto* stages = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+  auto* full = reinterpret_cast<uint64_t*>(smem_raw + size_t{kS} * kElems * 2);
+  uint64_t* empty = full + kS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t0 = blockIdx.x * kTiles, tiles = min(kTiles, N / 16 - t0);
+  const int num_kt = (K + kKT - 1) / kKT;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kS; ++s) {
+      MbarInit(&full[s], 1);
+      MbarInit(&empty[s], kTiles);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  long long waited = 0, computed = 0;
+  if (warp == 0) {
+    if (lane == 0) {
+      for (int kt = 0; kt < num_kt; ++kt) {
+        const int s = kt % kS;
+        if (kt >= kS) SpinWait(&empty[s], ((kt / kS) - 1) & 1);
+        const int k0 = kt * kKT, len = min(kKT, K - k0);
+        MbarExpectTx(&full[s], static_cast<uint32_t>(tiles * 16 * len * 2));
+        for (int t = 0; t < tiles; ++t) {
+          BulkCopy(stages + s * kElems + t * kTileElems,
+                   w + (static_cast<int64_t>(t0 + t) * K + k0) * 16,
+                   static_cast<uint32_t>(16 * len * 2), &full[s]);
+        }
+      }
+    }
+  } else {
+    const int c = warp - 1;
+    const uint32_t b0 = 0x3c003c00u, b1 = 0x3c003c00u;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int kt = 0; kt < num_kt; ++kt) {
+      const int s = kt % kS;
+      const long long c0 = clock64();
+      SpinWait(&full[s], (kt / kS) & 1);
+      const long long c1 = clock64();
+      if constexpr (kChain) {
+        const uint4* frag =
+            reinterpret_cast<const uint4*>(stages + s * kElems + c * kTileElems) + lane;
+        const int groups = min(kKT, K - kt * kKT) / 16;
+        if (groups == kKT / 16) {
+#pragma unroll
+          for (int q0 = 0; q0 < kKT / 16; q0 += 16) {
+            uint4 af[16];
+#pragma unroll
+            for (int q = 0; q < 16; ++q) af[q] = frag[(q0 + q) * 32];
+#pragma unroll
+            for (int q = 0; q < 16; ++q) Mma16816(d, af[q].x, af[q].y, af[q].z, af[q].w, b0, b1);
+          }
+        } else {
+          for (int q = 0; q < groups; ++q) {
+            const uint4 a = frag[q * 32];
+            Mma16816(d, a.x, a.y, a.z, a.w, b0, b1);
+          }
+        }
+        asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]));
+      }
+      __syncwarp();
+      if (lane == 0) MbarArrive(&empty[s]);
+      const long long c2 = clock64();
+      waited += c1 - c0;
+      computed += c2 - c1;
+    }
+    Keep(d[0] + d[1] + d[2] + d[3], sink);
+    if (c == 0 && lane == 0) {
+      cyc[2 * blockIdx.x] = waited;
+      cyc[2 * blockIdx.x + 1] = computed;
+    }
+  }
+}
+
+// Tile-contiguous layout, no shared memory: warp w of block b runs tile b kW + w, loading kP steps'
+// fragments ahead (a rolling window: the load of step j + kP is issued after step j's mma).
+template <int kW, int kP>
+__global__ void __launch_bounds__(32 * kW)
+    TileLdgKernel(const __nv_bfloat16* w, int N, int K, float* sink) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tile = blockIdx.x * kW + warp;
+  if (tile >= N / 16) return;
+  const int steps = K / 16;
+  const uint4* frag =
+      reinterpret_cast<const uint4*>(w + static_cast<int64_t>(tile) * K * 16) + lane;
+  const uint32_t b0 = 0x3c003c00u, b1 = 0x3c003c00u;
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  uint4 buf[kP];
+#pragma unroll
+  for (int j = 0; j < kP; ++j) buf[j] = LoadStreaming(frag + min(j, steps - 1) * 32);
+  for (int j0 = 0; j0 < steps; j0 += kP) {
+#pragma unroll
+    for (int j = 0; j < kP; ++j) {
+      if (j0 + j < steps) Mma16816(d, buf[j].x, buf[j].y, buf[j].z, buf[j].w, b0, b1);
+      buf[j] = LoadStreaming(frag + min(j0 + kP + j, steps - 1) * 32);
+    }
+  }
+  Keep(d[0] + d[1] + d[2] + d[3], sink);
+}
+
 struct Shape {
   const char* name;
   int n, k;
@@ -409,6 +524,32 @@ void RunBulk(Ctx& c) {
          ms, blocks, per_sm, true, (c.sh->k + kKT - 1) / kKT);
 }
 
+template <int kTiles, int kKT, int kS, bool kChain>
+void RunTileBulk(Ctx& c) {
+  const int blocks = (c.sh->n / 16 + kTiles - 1) / kTiles, threads = 32 * (1 + kTiles);
+  const size_t smem = size_t{kS} * kTiles * 16 * kKT * 2 + 2 * kS * sizeof(uint64_t);
+  auto* k = TileBulkKernel<kTiles, kKT, kS, kChain>;
+  const int per_sm = PerSm(k, threads, smem);
+  const double ms = MedianMs(20, [&](int i) {
+    k<<<blocks, threads, smem>>>(c.ws[i % c.ws.size()], c.sh->n, c.sh->k, c.sink, c.cyc);
+  });
+  Report(c,
+         "tile-bulk T" + std::to_string(kTiles) + " KT" + std::to_string(kKT) + " S" +
+             std::to_string(kS) + (kChain ? " +chain" : ""),
+         ms, blocks, per_sm, true, (c.sh->k + kKT - 1) / kKT);
+}
+
+template <int kW, int kP>
+void RunTileLdg(Ctx& c) {
+  const int blocks = (c.sh->n / 16 + kW - 1) / kW;
+  const int per_sm = PerSm(TileLdgKernel<kW, kP>, 32 * kW, 0);
+  const double ms = MedianMs(20, [&](int i) {
+    TileLdgKernel<kW, kP><<<blocks, 32 * kW>>>(c.ws[i % c.ws.size()], c.sh->n, c.sh->k, c.sink);
+  });
+  Report(c, "tile-ldg W" + std::to_string(kW) + " P" + std::to_string(kP) + " +chain", ms, blocks,
+         per_sm, false, 1);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -474,6 +615,19 @@ int main(int argc, char** argv) {
     RunBulk<16, 256, 8, true>(c);
     RunBulk<16, 512, 6, true>(c);
     RunBulk<16, 1024, 4, true>(c);
+    // The tile-contiguous layout (session 37): TMA ring of one bulk copy a tile and stage, and
+    // fragments straight from global.
+    RunTileBulk<2, 1024, 3, false>(c);
+    RunTileBulk<2, 1024, 3, true>(c);
+    RunTileBulk<2, 512, 4, true>(c);
+    RunTileBulk<1, 1024, 3, true>(c);
+    RunTileBulk<1, 512, 4, true>(c);
+    RunTileBulk<1, 256, 8, true>(c);
+    RunTileBulk<4, 512, 3, true>(c);
+    RunTileLdg<2, 8>(c);
+    RunTileLdg<2, 16>(c);
+    RunTileLdg<4, 16>(c);
+    RunTileLdg<1, 24>(c);
     for (auto* p : c.ws) CK(cudaFree(p));
   }
   return 0;
