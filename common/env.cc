@@ -240,6 +240,17 @@ const EnvVar kDeterministicGemm = {
     0,
     0,
     "cublaslt|cublaslt-only|fixed-order|stream"};
+const EnvVar kDeterministicTiles = {
+    "TPSERVE_DETERMINISTIC_TILES",
+    EnvType::kChoice,
+    "off",
+    "--deterministic on CUDA with TPSERVE_DETERMINISTIC_GEMM=cublaslt: on keeps a second copy of "
+    "every GEMM weight in the chain GEMV's tile-contiguous layout (as many bytes again as the "
+    "weights, taken from the KV cache's budget) for decode batches of 1-2 tokens to stream with "
+    "bulk copies; the same bits as off",
+    0,
+    0,
+    "off|on"};
 const EnvVar kDeterministicPartition = {
     "TPSERVE_DETERMINISTIC_PARTITION",
     EnvType::kChoice,
@@ -461,6 +472,7 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kDeterministicGemm,
       &env::kDeterministicGemmM,
       &env::kDeterministicGemmPrefill,
+      &env::kDeterministicTiles,
       &env::kDeterministicPartition,
       &env::kDeterministicTokenGroups,
       &env::kDeterministicDecode,

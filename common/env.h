@@ -62,6 +62,7 @@ extern const EnvVar kDeterministicTokenGroups;
 extern const EnvVar kDeterministicDecode;
 extern const EnvVar kDeterministicSplitLoop;
 extern const EnvVar kDeterministicGemmPrefill;
+extern const EnvVar kDeterministicTiles;
 extern const EnvVar kLoadThreads;
 // Benchmarks only (kernels/cuda/bench_knobs.h, applied by tpserve-engine-bench).
 extern const EnvVar kOpProfile;

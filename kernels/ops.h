@@ -104,6 +104,23 @@ class Ops {
   // A bulk copier for weight loading. The default copies synchronously through CopyToDevice;
   // CUDA streams through pinned staging buffers on a copy stream.
   virtual std::unique_ptr<DeviceUploader> MakeUploader();
+  // Another layout of a loaded GEMM weight w[N, K] that this backend's decode kernels read
+  // instead (CUDA, deterministic mode: the chain GEMV's tile-contiguous copy,
+  // TPSERVE_DETERMINISTIC_TILES), owned by the returned handle: the kernels use it while the
+  // handle lives, and w must outlive the handle and stay unchanged. Null when the backend keeps
+  // none. Call after SetDeterministic; PreparedGemmWeightBytes says what it allocates.
+  struct PreparedWeight {
+    virtual ~PreparedWeight() = default;
+  };
+  virtual std::unique_ptr<PreparedWeight> PrepareGemmWeight(const Tensor& w) {
+    (void)w;
+    return nullptr;
+  }
+  virtual int64_t PreparedGemmWeightBytes(int64_t n, int64_t k) const {
+    (void)n;
+    (void)k;
+    return 0;
+  }
 
   // Makes `meta` the current batch for the ops below.
   virtual void SetBatch(const BatchMeta& meta) = 0;

@@ -91,6 +91,7 @@ struct LlamaModel::PlannedWeight {
   Tensor* out = nullptr;
   std::vector<int64_t> shape;
   std::vector<Part> parts;
+  bool gemm = false;  // a GEMM's weight [N, K] (Ops::PrepareGemmWeight)
 };
 
 namespace {
@@ -144,6 +145,9 @@ absl::StatusOr<ShardMemory> LlamaModel::EstimateMemory(const ModelFiles& files,
   ShardMemory out;
   for (const PlannedWeight& w : weights) {
     out.weight_bytes += AlignUp(MakeTensor(nullptr, w.shape, dt, ops->device()).bytes());
+  }
+  for (const PlannedWeight& w : weights) {
+    if (w.gemm) out.weight_bytes += ops->PreparedGemmWeightBytes(w.shape[0], w.shape[1]);
   }
   for (int64_t elems : m.ActivationElems()) out.activation_bytes += elems * DTypeSize(dt);
   return out;
@@ -201,7 +205,8 @@ absl::StatusOr<std::vector<LlamaModel::PlannedWeight>> LlamaModel::PlanWeights(
         config_.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
     plan.push_back({&lm_head_,
                     {shard_.vocab_shard, hidden},
-                    {rows(head, {vocab, hidden}, shard_.vocab_begin, vocab_count)}});
+                    {rows(head, {vocab, hidden}, shard_.vocab_begin, vocab_count)},
+                    /*gemm=*/true});
   }
   for (size_t i = 0; i < layers_.size(); ++i) {
     const std::string p = absl::StrCat("model.layers.", shard_.layer_begin + i, ".");
@@ -213,7 +218,8 @@ absl::StatusOr<std::vector<LlamaModel::PlannedWeight>> LlamaModel::PlanWeights(
                     {q_rows + 2 * kv_rows, hidden},
                     {rows(p + "self_attn.q_proj.weight", {q_full, hidden}, q_begin, q_rows),
                      rows(p + "self_attn.k_proj.weight", {kv_full, hidden}, kv_begin, kv_rows),
-                     rows(p + "self_attn.v_proj.weight", {kv_full, hidden}, kv_begin, kv_rows)}});
+                     rows(p + "self_attn.v_proj.weight", {kv_full, hidden}, kv_begin, kv_rows)},
+                    /*gemm=*/true});
     layer.has_qkv_bias = files.Has(p + "self_attn.q_proj.bias");
     if (layer.has_qkv_bias) {
       plan.push_back({&fused[2 * i + 1],
@@ -227,7 +233,8 @@ absl::StatusOr<std::vector<LlamaModel::PlannedWeight>> LlamaModel::PlanWeights(
     }
     plan.push_back({&layer.wo,
                     {hidden, q_rows},
-                    {cols(p + "self_attn.o_proj.weight", {hidden, q_full}, q_begin, q_rows)}});
+                    {cols(p + "self_attn.o_proj.weight", {hidden, q_full}, q_begin, q_rows)},
+                    /*gemm=*/true});
     layer.has_o_bias = shard_.tp_rank == 0 && files.Has(p + "self_attn.o_proj.bias");
     if (layer.has_o_bias) {
       plan.push_back({&layer.bo, {hidden}, {whole(p + "self_attn.o_proj.bias", hidden)}});
@@ -235,10 +242,12 @@ absl::StatusOr<std::vector<LlamaModel::PlannedWeight>> LlamaModel::PlanWeights(
     plan.push_back({&layer.w_gate_up,
                     {2 * inter_local, hidden},
                     {rows(p + "mlp.gate_proj.weight", {inter, hidden}, inter_begin, inter_local),
-                     rows(p + "mlp.up_proj.weight", {inter, hidden}, inter_begin, inter_local)}});
+                     rows(p + "mlp.up_proj.weight", {inter, hidden}, inter_begin, inter_local)},
+                    /*gemm=*/true});
     plan.push_back({&layer.w_down,
                     {hidden, inter_local},
-                    {cols(p + "mlp.down_proj.weight", {hidden, inter}, inter_begin, inter_local)}});
+                    {cols(p + "mlp.down_proj.weight", {hidden, inter}, inter_begin, inter_local)},
+                    /*gemm=*/true});
   }
   return plan;
 }
@@ -347,6 +356,20 @@ absl::Status LlamaModel::LoadWeights(const ModelFiles& files) {
       layer.bk = bias.rows(q_rows, kv_rows);
       layer.bv = bias.rows(q_rows + kv_rows, kv_rows);
     }
+  }
+
+  // The ops' other layouts of the GEMM weights (the fused q/k/v, o, gate/up, down, lm_head),
+  // made once every upload has landed.
+  for (const PlannedWeight& w : plan) {
+    if (!w.gemm) continue;
+    if (std::unique_ptr<Ops::PreparedWeight> p = ops_->PrepareGemmWeight(*w.out)) {
+      prepared_bytes_ += static_cast<size_t>(ops_->PreparedGemmWeightBytes(w.shape[0], w.shape[1]));
+      prepared_.push_back(std::move(p));
+    }
+  }
+  if (!prepared_.empty()) {
+    TP_LOG(INFO) << "GEMM weights also in the ops' decode layout: " << prepared_.size()
+                 << " tensors, " << BytesString(static_cast<int64_t>(prepared_bytes_));
   }
 
   // RoPE inverse frequencies stay fp32 on every backend.

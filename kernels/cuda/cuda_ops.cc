@@ -271,7 +271,35 @@ void CudaOps::SetDeterministic(bool on) {
   if (det_stream_gemm_) AllocateStreamWorkspace();
   det_partition_ = on ? static_cast<int>(std::stoi(EnvString(env::kDeterministicPartition))) : 0;
   det_token_groups_ = on && EnvBool(env::kDeterministicTokenGroups);
+  det_tiles_ = det_chain_ && EnvString(env::kDeterministicTiles) == "on";
   ++generation_;  // graphs captured before bake in the other kernels
+}
+
+namespace {
+
+// A weight's tile-contiguous copy, registered for the chain GEMV until destroyed.
+struct ChainTiles : Ops::PreparedWeight {
+  ChainTiles(Ops* ops, const Tensor& w, cudaStream_t stream)
+      : w_data(w.data), tiles(ops, cuda::ChainTileBytes(w.dim(0), w.dim(-1))) {
+    cuda::MakeChainTiles(w, tiles.get(), stream);
+    cuda::RegisterChainTiles(w, tiles.get());
+  }
+  ~ChainTiles() override { cuda::UnregisterChainTiles(w_data); }
+  const void* w_data;
+  DeviceBuffer tiles;
+};
+
+}  // namespace
+
+int64_t CudaOps::PreparedGemmWeightBytes(int64_t n, int64_t k) const {
+  return det_tiles_ && k % 16 == 0 ? static_cast<int64_t>(cuda::ChainTileBytes(n, k)) : 0;
+}
+
+std::unique_ptr<Ops::PreparedWeight> CudaOps::PrepareGemmWeight(const Tensor& w) {
+  if (w.ndim != 2 || w.dtype != DType::kBF16 || PreparedGemmWeightBytes(w.dim(0), w.dim(1)) == 0) {
+    return nullptr;
+  }
+  return std::make_unique<ChainTiles>(this, w, stream_);
 }
 
 void CudaOps::Reserve(const CudaReserve& r) {

@@ -70,6 +70,11 @@ class CudaOps final : public Ops {
   bool MemoryInfo(size_t* free_bytes, size_t* total_bytes) const override;
   // Pinned staging buffers and a copy stream of its own (kernels/cuda/uploader.h).
   std::unique_ptr<DeviceUploader> MakeUploader() override;
+  // Deterministic mode with TPSERVE_DETERMINISTIC_TILES=on (and the chain GEMMs): the weight's
+  // tile-contiguous copy (cuda::MakeChainTiles), registered for the chain GEMV while the handle
+  // lives; otherwise none.
+  std::unique_ptr<PreparedWeight> PrepareGemmWeight(const Tensor& w) override;
+  int64_t PreparedGemmWeightBytes(int64_t n, int64_t k) const override;
 
   void SetBatch(const BatchMeta& meta) override;
   // Deterministic mode (Ops::SetDeterministic): every GEMM through cuBLASLt with one algorithm
@@ -292,6 +297,7 @@ class CudaOps final : public Ops {
   // Deterministic mode: prefill tokens in groups (DeviceBatch::token_groups;
   // TPSERVE_DETERMINISTIC_TOKEN_GROUPS).
   bool det_token_groups_ = false;
+  bool det_tiles_ = false;               // TPSERVE_DETERMINISTIC_TILES=on with det_chain_
   std::vector<int> token_group_chunks_;  // DeviceBatch::token_group_chunks of the current batch
   // Deterministic mode's GEMM: cuBLASLt's fixed algorithm (the default), the fixed-order
   // kernel (TPSERVE_DETERMINISTIC_GEMM=fixed-order) or the stream GEMM on a fixed grid

@@ -25,15 +25,18 @@
 //   and each element's NormSquareFixed added into the record, as AddRmsNorm in deterministic
 //   mode.
 #include <algorithm>
+#include <atomic>
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gemm_epilogue.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/mma_util.cuh"
+#include "kernels/cuda/wgmma_util.cuh"
 
 namespace tpserve::cuda {
 namespace {
@@ -45,7 +48,7 @@ namespace {
 // ChainWide (M <= 2, by the waves of their grids: ChainWideWins) and ChainDefault (larger M);
 // kChainConfigs lists the others that tpserve-cuda-bench --chain compares.
 template <int kThreadsT, int kKTT, int kStagesT, bool kProducersOnlyT, int kRTT = 2,
-          bool kL2PrefetchT = false>
+          bool kL2PrefetchT = false, bool kTiledT = false>
 struct ChainCfg {
   static constexpr int kThreads = kThreadsT;
   static constexpr int kKT = kKTT;
@@ -53,6 +56,9 @@ struct ChainCfg {
   static constexpr bool kProducersOnly = kProducersOnlyT;
   static constexpr int kRT = kRTT;
   static constexpr bool kL2Prefetch = kL2PrefetchT;
+  // The weights from their tile-contiguous copy (MakeChainTiles) by one bulk copy (TMA) a tile and
+  // stage, freed by the chain warps on mbarriers; the kTok <= 2 forms only.
+  static constexpr bool kTiled = kTiledT;
   static constexpr int kRowStride = kKT + 8;  // +16 bytes: 8 rows hit 8 different bank groups
 };
 // 8 warps, copies by the 4-6 warps without a chain (M = 9-16: 4 chain warps).
@@ -64,24 +70,32 @@ enum Output { kOutStore = 0, kOutRopeKv = 1, kOutAddNorm = 2 };
 // A stage: kRT * 16 weight rows, then (kTok > 2) the input rows of its K tile (gate rows then up
 // rows for the SwiGLU input). With kTok = 2 (the fused decode forms) the whole input is instead
 // read once, transformed, and kept after the ring: kTok rows of XStride(K).
+// Tiled (C::kTiled): a stage is kRT tiles of 16 x kKT in fragment order (no padding), and the
+// ring's 2 kStages mbarriers (full, empty) follow the input rows.
 template <int kTok, int kIn, class C>
 struct Stage {
   static constexpr bool kUpfront = kTok <= 2;
+  static_assert(!C::kTiled || kUpfront, "tiled weights: the kTok <= 2 forms only");
   static constexpr int kXRows = kUpfront ? 0 : kIn == kInSwiGlu ? 2 * kTok : kTok;
-  static constexpr int kElems = (C::kRT * 16 + kXRows) * C::kRowStride;
+  static constexpr int kElems =
+      C::kTiled ? C::kRT * 16 * C::kKT : (C::kRT * 16 + kXRows) * C::kRowStride;
   static constexpr size_t kRingBytes = size_t{C::kStages} * kElems * 2;
   __host__ __device__ static constexpr int XStride(int K) {
     return (K + C::kKT - 1) / C::kKT * C::kKT + 8;
   }
-  static size_t SmemBytes(int K) {
+  __host__ __device__ static constexpr size_t BarrierOffset(int K) {
     return kRingBytes + (kUpfront ? size_t{2} * kTok * XStride(K) : 0);
+  }
+  static size_t SmemBytes(int K) {
+    return BarrierOffset(K) + (C::kTiled ? 2 * C::kStages * sizeof(uint64_t) : 0);
   }
 };
 constexpr size_t kMaxSmem = 227 * 1024;
 
 struct ChainArgs {
-  const __nv_bfloat16* x = nullptr;  // [M, K], or gate_up [M, 2K] for kInSwiGlu
-  const __nv_bfloat16* w = nullptr;  // [N, K]
+  const __nv_bfloat16* x = nullptr;   // [M, K], or gate_up [M, 2K] for kInSwiGlu
+  const __nv_bfloat16* w = nullptr;   // [N, K]
+  const __nv_bfloat16* wt = nullptr;  // its tile-contiguous copy (FindChainTiles), or null
   const __nv_bfloat16* bias = nullptr;
   __nv_bfloat16* y = nullptr;  // [M, N] (kOutStore, kOutAddNorm)
   int M = 0, N = 0, K = 0;
@@ -168,12 +182,42 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
     }
     CpAsyncCommit();  // an empty group past the end keeps the wait counts uniform
   };
+  // Tiled: one thread (lane 0 of the first warp without a chain) owns the ring's mbarriers and
+  // issues every stage as kRT bulk copies, one a tile: tile T's k16 steps k0 / 16 .. are the
+  // contiguous 16 x len elements at (T K + k0) 16 of the tile-contiguous copy.
+  [[maybe_unused]] uint64_t* full = nullptr;
+  [[maybe_unused]] uint64_t* empty = nullptr;
+  constexpr int kProducer = kRT * kMT * 32;
+  auto issue_tiles = [&](int kt) {
+    const int s = kt % kStages, k0 = kt * kKT, len = min(kKT, K - k0);
+    MbarExpectTx(&full[s], static_cast<uint32_t>(kRT * 16 * len * 2));
+#pragma unroll
+    for (int jt = 0; jt < kRT; ++jt) {
+      const int64_t tile = TileRow<kOut, kRT>(a, jt) / 16;
+      BulkCopyToShared(stages + s * St::kElems + jt * 16 * kKT, a.wt + (tile * K + k0) * 16,
+                       static_cast<uint32_t>(16 * len * 2), &full[s]);
+    }
+  };
   // The weights do not depend on the previous kernel: the first stages' go out before the wait
   // (they join stage 0's group); the inputs after it.
+  if constexpr (C::kTiled) {
+    full = reinterpret_cast<uint64_t*>(smem_raw + St::BarrierOffset(K));
+    empty = full + kStages;
+    if (tid == kProducer) {
+      for (int s = 0; s < kStages; ++s) {
+        MbarInit(&full[s], 1);
+        MbarInit(&empty[s], kRT * kMT);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      FenceProxyAsync();
+      for (int s = 0; s < min(kStages, num_kt); ++s) issue_tiles(s);
+    }
+  } else {
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    issue_w(s);
-    if constexpr (St::kUpfront) CpAsyncCommit();  // stage s: group s
+    for (int s = 0; s < kStages - 1; ++s) {
+      issue_w(s);
+      if constexpr (St::kUpfront) CpAsyncCommit();  // stage s: group s
+    }
   }
   const int j = warp % kRT, mt = warp / kRT;
   const bool chain_warp = warp < kRT * kMT;
@@ -280,7 +324,57 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
   // ldmatrix.x4 row addresses: lanes 0-7 rows 0-7 (k 0-7), 8-15 rows 8-15 (k 0-7), 16-23 rows
   // 0-7 (k 8-15), 24-31 rows 8-15 (k 8-15): registers 0-3 are the A fragment.
   const int lm_row = (lane & 7) + ((lane >> 3) & 1) * 8, lm_col = (lane >> 4) * 8;
-  for (int kt = 0; kt < num_kt; ++kt) {
+  if constexpr (C::kTiled) {
+    __syncthreads();  // the transformed input rows and the ring's mbarriers, for every warp
+    if (tid == kProducer) {
+      for (int kt = kStages; kt < num_kt; ++kt) {
+        MbarWait(&empty[kt % kStages], ((kt / kStages) - 1) & 1);
+        issue_tiles(kt);
+      }
+    } else if (chain_warp) {
+      for (int kt = 0; kt < num_kt; ++kt) {
+        const int s = kt % kStages, k0 = kt * kKT;
+        MbarWait(&full[s], (kt / kStages) & 1);
+        // Step q's A fragment: lane's 16 bytes at q 256 + lane 8 of the tile's stage.
+        const uint4* frag =
+            reinterpret_cast<const uint4*>(stages + s * St::kElems + j * 16 * kKT) + lane;
+        const __nv_bfloat16* b_row = xsm + min(m, kTok - 1) * x_stride + k0 + 2 * t;
+        const int groups = min(kKT, K - k0) / 16;
+        constexpr int kGroups = kKT / 16;
+        if (groups == kGroups) {
+#pragma unroll
+          for (int q0 = 0; q0 < kGroups; q0 += 16) {
+            constexpr int kQ = kGroups < 16 ? kGroups : 16;
+            uint4 af[kQ];
+            uint32_t bf[kQ][2];
+#pragma unroll
+            for (int q = 0; q < kQ; ++q) {
+              af[q] = frag[(q0 + q) * 32];
+              bf[q][0] = m < M ? *reinterpret_cast<const uint32_t*>(b_row + (q0 + q) * 16) : 0u;
+              bf[q][1] = m < M ? *reinterpret_cast<const uint32_t*>(b_row + (q0 + q) * 16 + 8) : 0u;
+            }
+#pragma unroll
+            for (int q = 0; q < kQ; ++q) {
+              Mma16816(d, af[q].x, af[q].y, af[q].z, af[q].w, bf[q][0], bf[q][1]);
+            }
+          }
+        } else {
+          for (int q = 0; q < groups; ++q) {
+            const uint4 af = frag[q * 32];
+            uint32_t b0 = 0u, b1 = 0u;
+            if (m < M) {
+              b0 = *reinterpret_cast<const uint32_t*>(b_row + q * 16);
+              b1 = *reinterpret_cast<const uint32_t*>(b_row + q * 16 + 8);
+            }
+            Mma16816(d, af.x, af.y, af.z, af.w, b0, b1);
+          }
+        }
+        __syncwarp();
+        if (lane == 0) MbarArrive(&empty[s]);
+      }
+    }
+  }
+  for (int kt = 0; kt < (C::kTiled ? 0 : num_kt); ++kt) {
     CpAsyncWait<kStages - 2>();
     __syncthreads();  // stage kt landed for everyone; stage kt - 1's slot is free
     issue_w(kt + kStages - 1);
@@ -437,6 +531,8 @@ void AllowChainSmem() {
 
 template <int kTok, int kIn, int kOut, class C = ChainDefault>
 void Launch(const ChainArgs& a, cudaStream_t stream) {
+  TP_CHECK(!C::kTiled || a.wt != nullptr)
+      << "ChainGemv: a tiled pipeline needs the weight's tile-contiguous copy (RegisterChainTiles)";
   const int blocks = ChainBlocks<kOut, C>(a);
   const size_t smem = Stage<kTok, kIn, C>::SmemBytes(a.K);
   TP_CHECK(smem <= kMaxSmem) << "ChainGemv: K " << a.K << " needs " << smem
@@ -490,9 +586,36 @@ bool ChainWideWins(const ChainArgs& a) {
   return it->second;
 }
 
+// The tiled pipelines (weights from their tile-contiguous copy): 4 stages of 512 k (one block an
+// SM) where that grid fits the GPU in one wave (o and down), else 4 stages of 256 k (two).
+using ChainTiledDeep = ChainCfg<256, 512, 4, true, 2, false, true>;
+using ChainTiledShallow = ChainCfg<256, 256, 4, true, 2, false, true>;
+
+template <int kTok, int kIn, int kOut>
+bool ChainTiledDeepFits(const ChainArgs& a) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, bool> choice;
+  std::lock_guard<std::mutex> lock(mu);
+  auto [it, inserted] = choice.try_emplace({a.N, a.K}, false);
+  if (inserted) {
+    int device = 0, sms = 0;
+    TP_CUDA_CHECK(cudaGetDevice(&device));
+    TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    it->second = ChainBlocks<kOut, ChainTiledDeep>(a) <=
+                 int64_t{sms} * ChainBlocksPerSm<kTok, kIn, kOut, ChainTiledDeep>(a.K);
+  }
+  return it->second;
+}
+
 template <int kTok, int kIn, int kOut>
 void LaunchAuto(const ChainArgs& a, cudaStream_t stream) {
-  if (ChainWideWins<kTok, kIn, kOut>(a)) {
+  if (a.wt != nullptr) {
+    if (ChainTiledDeepFits<kTok, kIn, kOut>(a)) {
+      Launch<kTok, kIn, kOut, ChainTiledDeep>(a, stream);
+    } else {
+      Launch<kTok, kIn, kOut, ChainTiledShallow>(a, stream);
+    }
+  } else if (ChainWideWins<kTok, kIn, kOut>(a)) {
     Launch<kTok, kIn, kOut, ChainWide>(a, stream);
   } else {
     Launch<kTok, kIn, kOut, ChainNarrow>(a, stream);
@@ -511,6 +634,34 @@ void LaunchForM(const ChainArgs& a, cudaStream_t stream) {
   }
 }
 
+// Tile-contiguous copies of weights (RegisterChainTiles), by the weight's address.
+struct Tiles {
+  const void* tiles;
+  int64_t n, k;
+};
+std::mutex tiles_mu;
+std::unordered_map<const void*, Tiles> tiles_of;
+std::atomic<int> tiles_count{0};
+
+__global__ void MakeChainTilesKernel(const __nv_bfloat16* __restrict__ w,
+                                     __nv_bfloat16* __restrict__ out, int N, int K,
+                                     int64_t pieces) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= pieces) return;
+  // Piece i: lane l of k16 step `step` of tile `tile` (K / 16 steps a tile, 32 lanes a step).
+  const int l = static_cast<int>(i % 32), g = l >> 2, t = l & 3;
+  const int64_t step = (i / 32) % (K / 16), tile = i / 32 / (K / 16);
+  __nv_bfloat16 v[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    // Element e: register e / 2 of the m16n8k16 A fragment, its half e % 2.
+    const int reg = e >> 1, row = static_cast<int>(tile * 16) + g + 8 * (reg & 1);
+    const int64_t k = step * 16 + 2 * t + (e & 1) + 8 * (reg >> 1);
+    v[e] = row < N ? w[int64_t{row} * K + k] : __float2bfloat16(0.0f);
+  }
+  *reinterpret_cast<uint4*>(out + i * 8) = *reinterpret_cast<const uint4*>(v);
+}
+
 // The GEMM arguments every entry point checks: bf16, [M, K] x [N, K], K % 16 == 0, aligned.
 ChainArgs GemmArgs(const char* op, const Tensor& x, int64_t x_width, const Tensor& w,
                    const Tensor* bias, int64_t max_m) {
@@ -526,6 +677,7 @@ ChainArgs GemmArgs(const char* op, const Tensor& x, int64_t x_width, const Tenso
   ChainArgs a;
   a.x = x.ptr<const __nv_bfloat16>();
   a.w = w.ptr<const __nv_bfloat16>();
+  a.wt = static_cast<const __nv_bfloat16*>(FindChainTiles(w));
   a.bias = bias != nullptr ? bias->ptr<const __nv_bfloat16>() : nullptr;
   a.M = static_cast<int>(M);
   a.N = static_cast<int>(N);
@@ -534,6 +686,46 @@ ChainArgs GemmArgs(const char* op, const Tensor& x, int64_t x_width, const Tenso
 }
 
 }  // namespace
+
+size_t ChainTileBytes(int64_t n, int64_t k) {
+  return static_cast<size_t>((n + 31) / 32 * 32) * static_cast<size_t>(k) * 2;
+}
+
+void MakeChainTiles(const Tensor& w, void* tiles, cudaStream_t stream) {
+  TP_CHECK_CUDA_TENSOR(w, DType::kBF16);
+  const int64_t N = w.dim(0), K = w.dim(-1);
+  TP_CHECK(w.ndim == 2 && K % 16 == 0 && N < (int64_t{1} << 31) && IsAligned16(tiles))
+      << "MakeChainTiles: w " << w.ShapeString() << " (needs K % 16 == 0, aligned tiles)";
+  const int64_t pieces = static_cast<int64_t>(ChainTileBytes(N, K) / 16);
+  if (pieces == 0) return;
+  MakeChainTilesKernel<<<static_cast<unsigned>((pieces + 255) / 256), 256, 0, stream>>>(
+      w.ptr<const __nv_bfloat16>(), static_cast<__nv_bfloat16*>(tiles), static_cast<int>(N),
+      static_cast<int>(K), pieces);
+  TP_CUDA_CHECK_LAUNCH();
+}
+
+void RegisterChainTiles(const Tensor& w, const void* tiles) {
+  std::lock_guard<std::mutex> lock(tiles_mu);
+  tiles_of[w.data] = Tiles{tiles, w.dim(0), w.dim(-1)};
+  tiles_count.store(static_cast<int>(tiles_of.size()));
+}
+
+void UnregisterChainTiles(const void* w) {
+  std::lock_guard<std::mutex> lock(tiles_mu);
+  tiles_of.erase(w);
+  tiles_count.store(static_cast<int>(tiles_of.size()));
+}
+
+const void* FindChainTiles(const Tensor& w) {
+  if (tiles_count.load(std::memory_order_relaxed) == 0) return nullptr;
+  std::lock_guard<std::mutex> lock(tiles_mu);
+  auto it = tiles_of.find(w.data);
+  // A view of the first rows of a registered weight reads the first tiles of its copy.
+  if (it == tiles_of.end() || w.ndim != 2 || w.dim(-1) != it->second.k || w.dim(0) > it->second.n) {
+    return nullptr;
+  }
+  return it->second.tiles;
+}
 
 bool ChainGemvFits(int64_t m, int64_t k, const void* x, const void* w) {
   // K up to 32768: the kTok = 2 forms keep their transformed input rows in shared memory.
@@ -565,10 +757,18 @@ constexpr ChainLaunch kChainConfigs[] = {
     Launch<2, kInPlain, kOutStore, ChainCfg<256, 256, 4, true, 1, true>>,
     Launch<2, kInPlain, kOutStore, ChainCfg<512, 256, 6, true, 2>>,
     Launch<2, kInPlain, kOutStore, ChainCfg<512, 512, 3, true, 2>>,
+    // Session 37: the weights from their tile-contiguous copy (these need RegisterChainTiles).
+    Launch<2, kInPlain, kOutStore, ChainTiledDeep>,
+    Launch<2, kInPlain, kOutStore, ChainTiledShallow>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<256, 1024, 3, true, 2, false, true>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<128, 512, 4, true, 1, false, true>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<128, 256, 8, true, 1, false, true>>,
 };
+constexpr int kChainTiledConfigs = 5;  // the last ones
 
-int ChainGemvNumConfigs(int64_t m) {
-  return m > kChainGemvMaxM ? 0 : m > 2 ? 1 : static_cast<int>(std::size(kChainConfigs));
+int ChainGemvNumConfigs(int64_t m, bool tiled) {
+  const int all = static_cast<int>(std::size(kChainConfigs));
+  return m > kChainGemvMaxM ? 0 : m > 2 ? 1 : tiled ? all : all - kChainTiledConfigs;
 }
 
 void LaunchChainGemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
@@ -576,9 +776,10 @@ void LaunchChainGemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tenso
   ChainArgs a = GemmArgs("ChainGemv", x, w.dim(-1), w, bias, kChainGemvMaxM);
   TP_CHECK_CUDA_TENSOR(y, DType::kBF16);
   TP_CHECK(y.numel() == int64_t{a.M} * a.N) << "ChainGemv: y " << y.ShapeString();
-  TP_CHECK(config >= 0 && config < ChainGemvNumConfigs(a.M))
-      << "ChainGemv: config " << config << " (1-" << ChainGemvNumConfigs(1) - 1
-      << " exist for M <= 2)";
+  TP_CHECK(config >= 0 && config < ChainGemvNumConfigs(a.M, a.wt != nullptr))
+      << "ChainGemv: config " << config << " (1-" << ChainGemvNumConfigs(1, true) - 1
+      << " exist for M <= 2, the last " << kChainTiledConfigs
+      << " with the weight's tiles registered)";
   if (a.M == 0 || a.N == 0) return;
   a.y = y.ptr<__nv_bfloat16>();
   if (config == 0) {

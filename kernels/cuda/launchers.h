@@ -348,9 +348,23 @@ bool ChainGemvFits(int64_t m, int64_t k, const void* x, const void* w);
 // benchmarking at M <= 2.
 void LaunchChainGemv(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor y,
                      cudaStream_t stream, int config = 0);
-// The configurations LaunchChainGemv takes at M = m: all at M <= 2, config 0 up to
-// kChainGemvMaxM, none above.
-int ChainGemvNumConfigs(int64_t m);
+// The configurations LaunchChainGemv takes at M = m: all at M <= 2 (the tiled ones only with
+// `tiled`: the weight's tiles registered), config 0 up to kChainGemvMaxM, none above.
+int ChainGemvNumConfigs(int64_t m, bool tiled = false);
+// A tile-contiguous copy of a weight for the M <= 2 forms (TPSERVE_DETERMINISTIC_TILES): tile T
+// (rows 16 T .. 16 T + 15, rows past N zero) holds its K / 16 steps one after another, each as
+// the 32 lanes' 16-byte A fragments of mma.m16n8k16, so a block streams a tile's stage with one
+// bulk copy (TMA) and a chain warp reads a step with one 16-byte shared load, in the same
+// hardware positions as ldmatrix gives them: the same bits. ChainTileBytes(N, K) bytes (N
+// rounded up to 32 rows); MakeChainTiles fills them on `stream`. RegisterChainTiles(w, tiles)
+// makes every M <= 2 chain launch on w (or on a view of its first rows) read them: the copy
+// must stay alive and equal to w until UnregisterChainTiles(w.data). FindChainTiles: the copy a
+// launch on w reads, or null.
+size_t ChainTileBytes(int64_t n, int64_t k);
+void MakeChainTiles(const Tensor& w, void* tiles, cudaStream_t stream);
+void RegisterChainTiles(const Tensor& w, const void* tiles);
+void UnregisterChainTiles(const void* w);
+const void* FindChainTiles(const Tensor& w);
 // y = SiluMul(gate_up) w^T for gate_up [M, 2K].
 void LaunchChainSwiGluGemv(const Tensor& gate_up, const Tensor& w, Tensor y, cudaStream_t stream);
 // y = ApplyRowScale(x) w^T (+ bias): x a deferred norm's output, `record` its producer's.

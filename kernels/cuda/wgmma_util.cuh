@@ -107,6 +107,16 @@ __device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
 __device__ __forceinline__ void MbarArrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddrOf(bar)) : "memory");
 }
+// One bulk copy (TMA without a tensor map) of `bytes` (a multiple of 16; both addresses 16-byte
+// aligned) from global to this block's shared memory, completing on `bar`'s transaction count.
+__device__ __forceinline__ void BulkCopyToShared(void* dst, const void* src, uint32_t bytes,
+                                                 uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(SmemAddrOf(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddrOf(bar))
+      : "memory");
+}
 // One poll of the phase of `bar` with this parity (try_wait suspends the thread for a while).
 __device__ __forceinline__ bool MbarTryWait(uint64_t* bar, uint32_t parity) {
   uint32_t done;

@@ -223,10 +223,27 @@ void DeterministicGemms(CudaOps& ops, double copy_gbs, bool chain_only) {
       };
       report("default", [&](int i) { ops.Gemm(x, wt(i), nullptr, y); });
       report("fixed cublasLt", [&](int i) { fixed_lt.Run(x, wt(i), nullptr, y, s); });
-      // The chain GEMM (cuBLASLt's bits) in each pipeline configuration it has at this M.
+      // The chain GEMM (cuBLASLt's bits) in each pipeline configuration it has at this M; at
+      // M <= 2 then with every copy's tiles registered (config 0 and the tiled ones).
       for (int c = 0; c < cuda::ChainGemvNumConfigs(m); ++c) {
         report("chain cfg" + std::to_string(c),
                [&](int i) { cuda::LaunchChainGemv(x, wt(i), nullptr, y, s, c); });
+      }
+      if (m <= 2) {
+        const size_t tile_bytes = cuda::ChainTileBytes(sh.n, sh.k);
+        void* tiles = ops.Alloc(tile_bytes * rw.copies);
+        for (int i = 0; i < rw.copies; ++i) {
+          cuda::MakeChainTiles(wt(i), static_cast<char*>(tiles) + i * tile_bytes, s);
+          cuda::RegisterChainTiles(wt(i), static_cast<char*>(tiles) + i * tile_bytes);
+        }
+        report("chain tiled", [&](int i) { cuda::LaunchChainGemv(x, wt(i), nullptr, y, s, 0); });
+        for (int c = cuda::ChainGemvNumConfigs(m); c < cuda::ChainGemvNumConfigs(m, true); ++c) {
+          report("chain tiled cfg" + std::to_string(c),
+                 [&](int i) { cuda::LaunchChainGemv(x, wt(i), nullptr, y, s, c); });
+        }
+        for (int i = 0; i < rw.copies; ++i) cuda::UnregisterChainTiles(wt(i).data);
+        ops.Synchronize();
+        ops.Free(tiles);
       }
       if (chain_only) continue;
       report("fixed-order", [&](int i) { cuda::LaunchFixedOrderGemm(x, wt(i), nullptr, y, s); });

@@ -121,6 +121,8 @@ TEST_F(DeterministicOpsTest, GemmRowsDoNotDependOnM) {
     auto xh = RandomBf16Bits(rng_, size_t{kPrefill} * s.k, 1.0f);
     Tensor x = Upload(xh, {kPrefill, s.k});
     Tensor w = Upload(RandomBf16Bits(rng_, size_t{1} * s.n * s.k, 0.05f), {s.n, s.k});
+    // With TPSERVE_DETERMINISTIC_TILES=on the M <= 2 rows read the weight's tiles.
+    std::unique_ptr<Ops::PreparedWeight> prepared = ops_->PrepareGemmWeight(w);
     Tensor bias_t = Upload(RandomBf16Bits(rng_, s.n, 0.5f), {s.n});
     const Tensor* bias = s.bias ? &bias_t : nullptr;
     Tensor full = Out({kRows, s.n});
@@ -142,6 +144,7 @@ TEST_F(DeterministicOpsTest, GemmRowsDoNotDependOnM) {
     ops_->Gemm(x, w, bias, y);  // a prefill of 2048 rows
     const std::vector<uint16_t> got = Bits(y, 0, kRows * s.n);
     EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 2), 0) << "M=2048";
+    prepared.reset();
     bufs_.clear();
   }
 }
@@ -246,15 +249,26 @@ TEST_F(DeterministicOpsTest, ChainGemmAgainstTheFixedCublasLtAlgorithm) {
                 << m * s.n << " (A vs B " << diff_ab << ")" << std::endl;
       EXPECT_TRUE(diff_a == 0 || diff_b == 0) << "N=" << s.n << " K=" << s.k << " M=" << m;
       // Every pipeline configuration of the chain GEMV (tpserve-cuda-bench --chain compares their
-      // speed; the others than 0 exist for M <= 2) has the fixed algorithm's bits too.
-      for (int c = 0; c < cuda::ChainGemvNumConfigs(m); ++c) {
-        Tensor y_c = Out({m, s.n});
-        cuda::LaunchChainGemv(x, w, nullptr, y_c, stream, c);
-        const auto c_bits = Bits(y_c, 0, m * s.n);
-        int64_t diff_c = 0;
-        for (int64_t i = 0; i < m * s.n; ++i) diff_c += lt_bits[i] != c_bits[i];
-        EXPECT_EQ(diff_c, 0) << "chain GEMV config " << c << ", N=" << s.n << " K=" << s.k
-                             << " M=" << m;
+      // speed; the others than 0 exist for M <= 2) has the fixed algorithm's bits too; at M = 1
+      // also with the weight's tile-contiguous copy registered (config 0 then reads it too).
+      auto check_configs = [&](bool tiled) {
+        for (int c = 0; c < cuda::ChainGemvNumConfigs(m, tiled); ++c) {
+          Tensor y_c = Out({m, s.n});
+          cuda::LaunchChainGemv(x, w, nullptr, y_c, stream, c);
+          const auto c_bits = Bits(y_c, 0, m * s.n);
+          int64_t diff_c = 0;
+          for (int64_t i = 0; i < m * s.n; ++i) diff_c += lt_bits[i] != c_bits[i];
+          EXPECT_EQ(diff_c, 0) << "chain GEMV config " << c << (tiled ? " (tiled)" : "")
+                               << ", N=" << s.n << " K=" << s.k << " M=" << m;
+        }
+      };
+      check_configs(false);
+      if (m == 1) {
+        bufs_.emplace_back(ops_.get(), cuda::ChainTileBytes(s.n, s.k));
+        cuda::MakeChainTiles(w, bufs_.back().get(), stream);
+        cuda::RegisterChainTiles(w, bufs_.back().get());
+        check_configs(true);
+        cuda::UnregisterChainTiles(w.data);
       }
       bufs_.clear();
     }

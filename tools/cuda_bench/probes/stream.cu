@@ -236,16 +236,6 @@ __device__ __forceinline__ void SpinWait(uint64_t* bar, uint32_t parity) {
   }
 }
 
-// One bulk copy (TMA, no tensor map) of `bytes` global -> shared, completing on `bar`.
-__device__ __forceinline__ void BulkCopy(void* dst, const void* src, uint32_t bytes,
-                                         uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(SmemAddrOf(dst)),
-      "l"(src), "r"(bytes), "r"(SmemAddrOf(bar))
-      : "memory");
-}
-
 // A TMA ring: warp 0 issues (lane r: row r's piece of the stage), warps 1..R/16 consume.
 template <int kR, int kKT, int kS, bool kChain>
 __global__ void __launch_bounds__(32 * (1 + kR / 16), 1)
@@ -276,8 +266,9 @@ __global__ void __launch_bounds__(32 * (1 + kR / 16), 1)
       if (lane == 0) MbarExpectTx(&full[s], static_cast<uint32_t>(rows * len * 2));
       __syncwarp();
       if (lane < rows) {
-        BulkCopy(stages + s * kElems + lane * kStride, w + static_cast<int64_t>(n0 + lane) * K + k0,
-                 static_cast<uint32_t>(len * 2), &full[s]);
+        BulkCopyToShared(stages + s * kElems + lane * kStride,
+                         w + static_cast<int64_t>(n0 + lane) * K + k0,
+                         static_cast<uint32_t>(len * 2), &full[s]);
       }
     }
   } else {
@@ -340,9 +331,9 @@ __global__ void __launch_bounds__(32 * (1 + kTiles), 1)
         const int k0 = kt * kKT, len = min(kKT, K - k0);
         MbarExpectTx(&full[s], static_cast<uint32_t>(tiles * 16 * len * 2));
         for (int t = 0; t < tiles; ++t) {
-          BulkCopy(stages + s * kElems + t * kTileElems,
-                   w + (static_cast<int64_t>(t0 + t) * K + k0) * 16,
-                   static_cast<uint32_t>(16 * len * 2), &full[s]);
+          BulkCopyToShared(stages + s * kElems + t * kTileElems,
+                           w + (static_cast<int64_t>(t0 + t) * K + k0) * 16,
+                           static_cast<uint32_t>(16 * len * 2), &full[s]);
         }
       }
     }
