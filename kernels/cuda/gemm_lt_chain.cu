@@ -587,7 +587,8 @@ bool ChainWideWins(const ChainArgs& a) {
 }
 
 // The tiled pipelines (weights from their tile-contiguous copy): 4 stages of 512 k (one block an
-// SM) where that grid fits the GPU in one wave (o and down), else 4 stages of 256 k (two).
+// SM) where that grid fits the GPU in one wave (o and down) and its shared memory fits (K up to
+// ~20k), else 4 stages of 256 k (two blocks an SM; shared memory as ChainNarrow's at any K).
 using ChainTiledDeep = ChainCfg<256, 512, 4, true, 2, false, true>;
 using ChainTiledShallow = ChainCfg<256, 256, 4, true, 2, false, true>;
 
@@ -601,8 +602,9 @@ bool ChainTiledDeepFits(const ChainArgs& a) {
     int device = 0, sms = 0;
     TP_CUDA_CHECK(cudaGetDevice(&device));
     TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    it->second = ChainBlocks<kOut, ChainTiledDeep>(a) <=
-                 int64_t{sms} * ChainBlocksPerSm<kTok, kIn, kOut, ChainTiledDeep>(a.K);
+    it->second = Stage<kTok, kIn, ChainTiledDeep>::SmemBytes(a.K) <= kMaxSmem &&
+                 ChainBlocks<kOut, ChainTiledDeep>(a) <=
+                     int64_t{sms} * ChainBlocksPerSm<kTok, kIn, kOut, ChainTiledDeep>(a.K);
   }
   return it->second;
 }
@@ -760,7 +762,7 @@ constexpr ChainLaunch kChainConfigs[] = {
     // Session 37: the weights from their tile-contiguous copy (these need RegisterChainTiles).
     Launch<2, kInPlain, kOutStore, ChainTiledDeep>,
     Launch<2, kInPlain, kOutStore, ChainTiledShallow>,
-    Launch<2, kInPlain, kOutStore, ChainCfg<256, 1024, 3, true, 2, false, true>>,
+    Launch<2, kInPlain, kOutStore, ChainCfg<256, 768, 3, true, 2, false, true>>,
     Launch<2, kInPlain, kOutStore, ChainCfg<128, 512, 4, true, 1, false, true>>,
     Launch<2, kInPlain, kOutStore, ChainCfg<128, 256, 8, true, 1, false, true>>,
 };
