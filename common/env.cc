@@ -243,11 +243,12 @@ const EnvVar kDeterministicGemm = {
 const EnvVar kDeterministicTiles = {
     "TPSERVE_DETERMINISTIC_TILES",
     EnvType::kChoice,
-    "off",
+    "on",
     "--deterministic on CUDA with TPSERVE_DETERMINISTIC_GEMM=cublaslt: on keeps a second copy of "
     "every GEMM weight in the chain GEMV's tile-contiguous layout (as many bytes again as the "
     "weights, taken from the KV cache's budget) for decode batches of 1-2 tokens to stream with "
-    "bulk copies; the same bits as off",
+    "bulk copies (batch 1 1.05x the default mode's time instead of 1.20x on an H100); off keeps "
+    "that memory for the cache; the same bits either way",
     0,
     0,
     "off|on"};

@@ -14,7 +14,13 @@
 // runs that tile's chain. The first stages' weights go out before the programmatic-launch wait
 // (they do not depend on the previous kernel); the epilogues' other operands (gamma, the
 // residual, the RoPE/KV store's positions and slots) are read right after it, so the stores at
-// the end wait on nothing. Fused forms for decode steps of at most
+// the end wait on nothing. With the weight's tile-contiguous copy registered (MakeChainTiles;
+// TPSERVE_DETERMINISTIC_TILES, on by default), the M <= 2 forms read it instead: one thread issues
+// each stage as one bulk copy (TMA) a tile into an mbarrier ring, and a chain warp loads a k16
+// step's A fragment with one 16-byte shared load (no ldmatrix, no cp.async in the LSU pipe), in
+// the positions ldmatrix gives, so the bits are the same (H100, session 37: o / q/k/v / gate_up /
+// down / lm_head at 66 / 87 / 94 / 81 / 98% of copy at M = 1, against 64 / 84 / 90 / 74 / 94 from
+// the row-major ring). Fused forms for decode steps of at most
 // kSkinnyFusedMaxM tokens (deterministic mode's versions of the skinny kernel's fusions, each
 // giving the bits of the unfused ops):
 // - input SwiGLU: B = bf16(SiluMulValue(gate, up)), as SiluMul stores it;
