@@ -572,10 +572,11 @@ int ChainBlocksPerSm(int K) {
 using ChainNarrow = ChainCfg<512, 256, 4, true>;
 using ChainWide = ChainCfg<256, 256, 3, true>;
 
-// Whether the 8-warp pipeline runs a kTok = 2 form of this shape (cached per N and K: the
-// occupancy query is not free, and eager decode steps launch ~160 chain GEMMs).
-template <int kTok, int kIn, int kOut>
-bool ChainWideWins(const ChainArgs& a) {
+// A pipeline decision per weight shape (N, K), made once from the GPU's SM count: the occupancy
+// queries are not free, and eager decode steps launch ~160 chain GEMMs. One cache per `decide`
+// (each caller's lambda, per instantiation, is a type of its own).
+template <class Decide>
+bool ShapeChoice(const ChainArgs& a, Decide decide) {
   static std::mutex mu;
   static std::map<std::pair<int, int>, bool> choice;
   std::lock_guard<std::mutex> lock(mu);
@@ -584,12 +585,20 @@ bool ChainWideWins(const ChainArgs& a) {
     int device = 0, sms = 0;
     TP_CUDA_CHECK(cudaGetDevice(&device));
     TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    const int64_t narrow_wave = int64_t{sms} * ChainBlocksPerSm<kTok, kIn, kOut, ChainNarrow>(a.K);
-    const int64_t wide_wave = int64_t{sms} * ChainBlocksPerSm<kTok, kIn, kOut, ChainWide>(a.K);
-    it->second = ChainBlocks<kOut, ChainWide>(a) <= wide_wave &&
-                 ChainBlocks<kOut, ChainNarrow>(a) > narrow_wave;
+    it->second = decide(int64_t{sms});
   }
   return it->second;
+}
+
+// Whether the 8-warp pipeline runs a kTok = 2 form of this shape.
+template <int kTok, int kIn, int kOut>
+bool ChainWideWins(const ChainArgs& a) {
+  return ShapeChoice(a, [&](int64_t sms) {
+    return ChainBlocks<kOut, ChainWide>(a) <=
+               sms * ChainBlocksPerSm<kTok, kIn, kOut, ChainWide>(a.K) &&
+           ChainBlocks<kOut, ChainNarrow>(a) >
+               sms * ChainBlocksPerSm<kTok, kIn, kOut, ChainNarrow>(a.K);
+  });
 }
 
 // The tiled pipelines (weights from their tile-contiguous copy): 4 stages of 512 k (one block an
@@ -600,19 +609,11 @@ using ChainTiledShallow = ChainCfg<256, 256, 4, true, 2, false, true>;
 
 template <int kTok, int kIn, int kOut>
 bool ChainTiledDeepFits(const ChainArgs& a) {
-  static std::mutex mu;
-  static std::map<std::pair<int, int>, bool> choice;
-  std::lock_guard<std::mutex> lock(mu);
-  auto [it, inserted] = choice.try_emplace({a.N, a.K}, false);
-  if (inserted) {
-    int device = 0, sms = 0;
-    TP_CUDA_CHECK(cudaGetDevice(&device));
-    TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    it->second = Stage<kTok, kIn, ChainTiledDeep>::SmemBytes(a.K) <= kMaxSmem &&
-                 ChainBlocks<kOut, ChainTiledDeep>(a) <=
-                     int64_t{sms} * ChainBlocksPerSm<kTok, kIn, kOut, ChainTiledDeep>(a.K);
-  }
-  return it->second;
+  return ShapeChoice(a, [&](int64_t sms) {
+    return Stage<kTok, kIn, ChainTiledDeep>::SmemBytes(a.K) <= kMaxSmem &&
+           ChainBlocks<kOut, ChainTiledDeep>(a) <=
+               sms * ChainBlocksPerSm<kTok, kIn, kOut, ChainTiledDeep>(a.K);
+  });
 }
 
 template <int kTok, int kIn, int kOut>
