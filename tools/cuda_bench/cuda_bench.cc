@@ -45,6 +45,7 @@
 #include "kernels/kv_quant.h"
 #include "nlohmann/json.hpp"
 #include "tools/cuda_bench/pdl_probe.h"
+#include "tools/cuda_bench/probes/probe_util.h"
 
 namespace tpserve {
 namespace {
@@ -58,24 +59,6 @@ std::vector<Row> g_rows;
 std::optional<std::regex> g_only;  // the rows to measure (all when empty)
 
 bool Wanted(const std::string& label) { return !g_only || std::regex_search(label, *g_only); }
-
-double MedianMs(cudaStream_t s, int iters, const std::function<void(int)>& fn) {
-  for (int i = 0; i < 3; ++i) fn(i);
-  std::vector<cudaEvent_t> ev(iters + 1);
-  for (auto& e : ev) TP_CUDA_CHECK(cudaEventCreate(&e));
-  std::vector<float> t(iters);
-  TP_CUDA_CHECK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < iters; ++i) {
-    fn(i);
-    TP_CUDA_CHECK(cudaEventRecord(ev[i + 1], s));
-  }
-  TP_CUDA_CHECK(cudaEventSynchronize(ev[iters]));
-  TP_CUDA_CHECK(cudaGetLastError());
-  for (int i = 0; i < iters; ++i) TP_CUDA_CHECK(cudaEventElapsedTime(&t[i], ev[i], ev[i + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(t.begin(), t.end());
-  return t[iters / 2];
-}
 
 // Fills device memory with random bf16 (a host pattern repeated at shifting offsets).
 void FillRandom(void* dst, size_t bytes, float scale) {

@@ -1,5 +1,6 @@
-// What the standalone CUDA probes (tpserve-regchain-probe, tpserve-stream-probe) share: a CUDA
-// call check that exits with the call and its error, and the median time of repeated launches.
+// What the standalone CUDA probes (tpserve-regchain-probe, tpserve-stream-probe) and
+// tpserve-cuda-bench share: a CUDA call check that exits with the call and its error, and the
+// median time of repeated launches.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,17 +20,17 @@
     }                                                                                         \
   } while (0)
 
-// fn(i) for i = 0..2 as warm-up, then `iters` times between CUDA events: the median of those
-// launches' times in ms.
-inline double MedianMs(int iters, const std::function<void(int)>& fn) {
+// fn(i) for i = 0..2 as warm-up, then `iters` times between CUDA events recorded on `s`: the
+// median of those launches' times in ms. (tpserve-cuda-bench times its rows with it too.)
+inline double MedianMs(cudaStream_t s, int iters, const std::function<void(int)>& fn) {
   for (int i = 0; i < 3; ++i) fn(i);
   std::vector<cudaEvent_t> ev(iters + 1);
   for (auto& e : ev) CK(cudaEventCreate(&e));
   std::vector<float> tm(iters);
-  CK(cudaEventRecord(ev[0]));
+  CK(cudaEventRecord(ev[0], s));
   for (int i = 0; i < iters; ++i) {
     fn(i);
-    CK(cudaEventRecord(ev[i + 1]));
+    CK(cudaEventRecord(ev[i + 1], s));
   }
   CK(cudaEventSynchronize(ev[iters]));
   CK(cudaGetLastError());
@@ -37,4 +38,8 @@ inline double MedianMs(int iters, const std::function<void(int)>& fn) {
   for (auto& e : ev) cudaEventDestroy(e);
   std::sort(tm.begin(), tm.end());
   return tm[iters / 2];
+}
+// The same on the legacy default stream (the probes launch there).
+inline double MedianMs(int iters, const std::function<void(int)>& fn) {
+  return MedianMs(nullptr, iters, fn);
 }
