@@ -317,7 +317,10 @@ BatchMeta MetaOf(const std::vector<SeqSpec>& seqs, int bs, int width) {
 // A prompt chunk of `chunk` tokens (positions ctx - chunk .. ctx - 1) run through
 // AttentionPrefill beside other sequences, then each of its tokens as a decode step of a
 // random batch (random others, a random place, a padded block-table width, padding
-// sequences as CUDA graphs add): every token's output rows have the same bits.
+// sequences as CUDA graphs add): every token's output rows have the same bits. The batches of
+// 1-70 take both decode forms of the bf16 tensor-core kernel: a block a split merged by the
+// last (under kDecodeLoopMinBlocks blocks), and a block a (sequence, head group) looping over
+// its splits (at 32 heads, batches of 32 and more).
 TEST_F(DeterministicOpsTest, PrefillTokensEqualTheirDecodeSteps) {
   struct Case {
     int hq, hk, d, ctx, chunk;
