@@ -252,15 +252,6 @@ const EnvVar kDeterministicTiles = {
     0,
     0,
     "off|on"};
-const EnvVar kDeterministicL2Prefetch = {
-    "TPSERVE_DETERMINISTIC_L2_PREFETCH",
-    EnvType::kInt,
-    "0",
-    "--deterministic on CUDA with the tiled chain GEMV: a one-wave GEMM whose weights past its "
-    "blocks' first ring fill are at most this many MB prefetches them into L2 before it waits "
-    "for the previous kernel (0 = none)",
-    0,
-    40};
 const EnvVar kDeterministicPartition = {
     "TPSERVE_DETERMINISTIC_PARTITION",
     EnvType::kChoice,
@@ -483,7 +474,6 @@ const std::vector<const EnvVar*>& DeclaredEnvVars() {
       &env::kDeterministicGemmM,
       &env::kDeterministicGemmPrefill,
       &env::kDeterministicTiles,
-      &env::kDeterministicL2Prefetch,
       &env::kDeterministicPartition,
       &env::kDeterministicTokenGroups,
       &env::kDeterministicDecode,

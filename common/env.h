@@ -63,7 +63,6 @@ extern const EnvVar kDeterministicDecode;
 extern const EnvVar kDeterministicSplitLoop;
 extern const EnvVar kDeterministicGemmPrefill;
 extern const EnvVar kDeterministicTiles;
-extern const EnvVar kDeterministicL2Prefetch;
 extern const EnvVar kLoadThreads;
 // Benchmarks only (kernels/cuda/bench_knobs.h, applied by tpserve-engine-bench).
 extern const EnvVar kOpProfile;

@@ -38,7 +38,6 @@
 #include <unordered_map>
 #include <utility>
 
-#include "common/env.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/gemm_epilogue.cuh"
 #include "kernels/cuda/launchers.h"
@@ -113,9 +112,6 @@ struct ChainArgs {
   __nv_bfloat16* normed = nullptr;
   unsigned long long* out_sums = nullptr;
   RopeKvArgs rope;  // kOutRopeKv
-  // Tiled: bytes of each tile past the ring's first fill that the producer prefetches into L2
-  // before the wait for the previous kernel (a multiple of 16; 0 = none).
-  uint32_t l2_prefetch = 0;
 };
 
 // First weight row of tile j of this block.
@@ -221,19 +217,6 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
       FenceProxyAsync();
       for (int s = 0; s < min(kStages, num_kt); ++s) issue_tiles(s);
-      // While the previous kernel runs (at batch 1 attention or another GEMM's tail leave the
-      // memory idle), the next of each tile's steps go to L2, in stage-sized pieces.
-      if (a.l2_prefetch > 0) {
-        constexpr uint32_t kPiece = 16 * kKT * 2;
-#pragma unroll
-        for (int jt = 0; jt < kRT; ++jt) {
-          const int64_t tile = TileRow<kOut, kRT>(a, jt) / 16;
-          const auto* rest = reinterpret_cast<const char*>(a.wt + (tile * K + kStages * kKT) * 16);
-          for (uint32_t off = 0; off < a.l2_prefetch; off += kPiece) {
-            BulkPrefetchL2(rest + off, min(kPiece, a.l2_prefetch - off));
-          }
-        }
-      }
     }
   } else {
 #pragma unroll
@@ -633,29 +616,11 @@ bool ChainTiledDeepFits(const ChainArgs& a) {
   });
 }
 
-// The L2 prefetch of a one-wave tiled launch (ChainArgs::l2_prefetch): the rest of each tile past
-// the ring's first fill (ring_k of K) where all of it, for every tile, is within
-// TPSERVE_DETERMINISTIC_L2_PREFETCH MB (read once; 0 = none): o of the 6.7B shape (16 MB past
-// its ring), which follows decode attention, whose batch-1 steps leave the memory idle; not
-// down (73 MB), which follows gate_up.
-uint32_t ChainL2PrefetchBytes(const ChainArgs& a, int blocks, int rt, int ring_k) {
-  static const int64_t budget = EnvInt(env::kDeterministicL2Prefetch) << 20;
-  const int64_t rest = int64_t{std::max(a.K - ring_k, 0)} * 16 * 2;
-  const int64_t tiles = int64_t{blocks} * rt;
-  if (rest == 0 || rest * tiles > budget || rest > UINT32_MAX) return 0;
-  return static_cast<uint32_t>(rest);
-}
-
 template <int kTok, int kIn, int kOut>
 void LaunchAuto(const ChainArgs& a, cudaStream_t stream) {
   if (a.wt != nullptr) {
     if (ChainTiledDeepFits<kTok, kIn, kOut>(a)) {
-      // One wave: every block's L2 prefetch goes out while the previous kernel runs.
-      ChainArgs b = a;
-      b.l2_prefetch =
-          ChainL2PrefetchBytes(a, ChainBlocks<kOut, ChainTiledDeep>(a), ChainTiledDeep::kRT,
-                               ChainTiledDeep::kStages * ChainTiledDeep::kKT);
-      Launch<kTok, kIn, kOut, ChainTiledDeep>(b, stream);
+      Launch<kTok, kIn, kOut, ChainTiledDeep>(a, stream);
     } else {
       Launch<kTok, kIn, kOut, ChainTiledShallow>(a, stream);
     }

@@ -117,11 +117,6 @@ __device__ __forceinline__ void BulkCopyToShared(void* dst, const void* src, uin
       "l"(src), "r"(bytes), "r"(SmemAddrOf(bar))
       : "memory");
 }
-// A bulk prefetch of `bytes` (a multiple of 16, 16-byte aligned) from global memory into L2;
-// nothing waits for it.
-__device__ __forceinline__ void BulkPrefetchL2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
 // One poll of the phase of `bar` with this parity (try_wait suspends the thread for a while).
 __device__ __forceinline__ bool MbarTryWait(uint64_t* bar, uint32_t parity) {
   uint32_t done;
