@@ -317,10 +317,10 @@ BatchMeta MetaOf(const std::vector<SeqSpec>& seqs, int bs, int width) {
 // A prompt chunk of `chunk` tokens (positions ctx - chunk .. ctx - 1) run through
 // AttentionPrefill beside other sequences, then each of its tokens as a decode step of a
 // random batch (random others, a random place, a padded block-table width, padding
-// sequences as CUDA graphs add): every token's output rows have the same bits. The batches of
-// 1-70 take both decode forms of the bf16 tensor-core kernel: a block a split merged by the
-// last (under kDecodeLoopMinBlocks blocks), and a block a (sequence, head group) looping over
-// its splits (at 32 heads, batches of 32 and more).
+// sequences as CUDA graphs add): every token's output rows have the same bits. The batches
+// take both decode forms of the bf16 tensor-core kernel: a block a split merged by the last
+// (under kDecodeLoopMinBlocks blocks), and a block a (sequence, head group) looping over its
+// splits (at 32 heads, batches of 32 and more).
 TEST_F(DeterministicOpsTest, PrefillTokensEqualTheirDecodeSteps) {
   struct Case {
     int hq, hk, d, ctx, chunk;
@@ -392,7 +392,8 @@ TEST_F(DeterministicOpsTest, PrefillTokensEqualTheirDecodeSteps) {
 
     int mismatched = 0;
     for (int i = 0; i < c.chunk; ++i) {
-      const int batch = 1 + static_cast<int>(rng_() % 70);
+      // The first two steps fix one batch of each decode form (40 and 3 at 32 heads).
+      const int batch = i == 0 ? 40 : i == 1 ? 3 : 1 + static_cast<int>(rng_() % 70);
       const int place = static_cast<int>(rng_() % batch);
       std::vector<SeqSpec> seqs;
       std::vector<int32_t> spare = free_blocks;
