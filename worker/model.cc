@@ -145,8 +145,6 @@ absl::StatusOr<ShardMemory> LlamaModel::EstimateMemory(const ModelFiles& files,
   ShardMemory out;
   for (const PlannedWeight& w : weights) {
     out.weight_bytes += AlignUp(MakeTensor(nullptr, w.shape, dt, ops->device()).bytes());
-  }
-  for (const PlannedWeight& w : weights) {
     if (w.gemm) out.weight_bytes += ops->PreparedGemmWeightBytes(w.shape[0], w.shape[1]);
   }
   for (int64_t elems : m.ActivationElems()) out.activation_bytes += elems * DTypeSize(dt);
@@ -360,16 +358,17 @@ absl::Status LlamaModel::LoadWeights(const ModelFiles& files) {
 
   // The ops' other layouts of the GEMM weights (the fused q/k/v, o, gate/up, down, lm_head),
   // made once every upload has landed.
+  int64_t prepared_bytes = 0;
   for (const PlannedWeight& w : plan) {
     if (!w.gemm) continue;
     if (std::unique_ptr<Ops::PreparedWeight> p = ops_->PrepareGemmWeight(*w.out)) {
-      prepared_bytes_ += static_cast<size_t>(ops_->PreparedGemmWeightBytes(w.shape[0], w.shape[1]));
+      prepared_bytes += ops_->PreparedGemmWeightBytes(w.shape[0], w.shape[1]);
       prepared_.push_back(std::move(p));
     }
   }
   if (!prepared_.empty()) {
     TP_LOG(INFO) << "GEMM weights also in the ops' decode layout: " << prepared_.size()
-                 << " tensors, " << BytesString(static_cast<int64_t>(prepared_bytes_));
+                 << " tensors, " << BytesString(prepared_bytes);
   }
 
   // RoPE inverse frequencies stay fp32 on every backend.

@@ -59,8 +59,6 @@ class LlamaModel {
   int64_t vocab_padded() const { return plan_.vocab_padded; }
   // Bytes of this rank's weights on the device.
   size_t weight_bytes() const { return weight_bytes_; }
-  // Bytes of the ops' other layouts of its GEMM weights (Ops::PrepareGemmWeight).
-  size_t prepared_weight_bytes() const { return prepared_bytes_; }
   // Bytes of its activation buffers.
   size_t activation_bytes() const { return activation_bytes_; }
 
@@ -109,7 +107,6 @@ class LlamaModel {
   // The ops' other layouts of the GEMM weights (Ops::PrepareGemmWeight), released before the
   // weights.
   std::vector<std::unique_ptr<Ops::PreparedWeight>> prepared_;
-  size_t prepared_bytes_ = 0;
   std::vector<DeviceBuffer> acts_;
 };
 
