@@ -677,7 +677,7 @@ __global__ void __launch_bounds__(kWgs* kWarpgroup + 32, 1)
       MbarInit(&empty[s], kConsumers);
     }
     MbarInit(&q_full, 32);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    FenceMbarrierInit();
   }
   __syncthreads();
 
@@ -866,7 +866,7 @@ __global__ void __launch_bounds__((kWgs + 1) * kWarpgroup, 1)
     }
     MbarInit(&q_full, kQCopiers);
     if constexpr (kPersistent) MbarInit(&q_empty, kConsumers);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    FenceMbarrierInit();
   }
   __syncthreads();  // the last block-wide barrier: the producer's warps exit below
 

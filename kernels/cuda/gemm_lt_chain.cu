@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(C::kThreads) ChainGemvKernel(const ChainArgs a
         MbarInit(&full[s], 1);
         MbarInit(&empty[s], kRT * kMT);
       }
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      FenceMbarrierInit();
       FenceProxyAsync();
       for (int s = 0; s < min(kStages, num_kt); ++s) issue_tiles(s);
     }

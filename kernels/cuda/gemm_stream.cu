@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kThreadsOf<kLoaders>)
       MbarInit(&full[s], kCp ? kLoaders + 1 : 1);
       MbarInit(&empty[s], kConsumers);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    FenceMbarrierInit();
   }
   __syncthreads();
   PdlLaunchDependents();

@@ -99,6 +99,11 @@ __device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddrOf(bar)), "r"(count)
                : "memory");
 }
+// Makes the mbarrier.init writes above visible to the async proxy (bulk copies completing on
+// them) and to the other threads; the initializing thread runs it before the block's barrier.
+__device__ __forceinline__ void FenceMbarrierInit() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
 __device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddrOf(bar)),
                "r"(bytes)
