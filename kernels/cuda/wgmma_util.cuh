@@ -99,8 +99,9 @@ __device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddrOf(bar)), "r"(count)
                : "memory");
 }
-// Makes the mbarrier.init writes above visible to the async proxy (bulk copies completing on
-// them) and to the other threads; the initializing thread runs it before the block's barrier.
+// Orders this thread's mbarrier.init operations above before its later release operations, so
+// the other threads (of the block, or cluster) see initialized barriers once a barrier or
+// release-acquire pair publishes them; the initializing thread runs it before the block's barrier.
 __device__ __forceinline__ void FenceMbarrierInit() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
