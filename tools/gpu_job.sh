@@ -45,7 +45,7 @@ final=${OUT:-$PWD/gpu-out}
 mkdir -p "$final"
 out=$(mktemp -d /tmp/gpu-job.XXXXXX)
 trap 'cp "$out/summary.txt" "$final/" 2>/dev/null; tar czf "$final/gpu-job.tgz" -C "$out" .' EXIT
-stage=.carry/gpu
+stage=${TPSERVE_GPU_STAGE:-.carry/gpu}  # where tools/gpu_stage.sh staged the binaries
 bash tools/gpu_unpack.sh "$stage"  # tools/gpu_stage.sh compressed the big files
 export LD_LIBRARY_PATH=$PWD/$stage/lib:${LD_LIBRARY_PATH:-}
 export TPSERVE_SOURCE_DIR=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
