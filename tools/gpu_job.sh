@@ -34,6 +34,7 @@
 #   DS67_PROMPT_LEN sets the 6.7B comparison's prompt length (64).
 #   BENCH_AB="VAR=value ...[;VAR=value ...]" runs the engine benchmark again with each of those
 #   environments (baselines of an A/B comparison in the same job), with BENCH_AB_ARGS.
+#   TPSERVE_GPU_STAGE: the staged folder (default .carry/gpu; gpu_stage.sh takes the same).
 #   BENCH_BINS="NAME[:ARGS][;NAME[:ARGS]...]" alternates tpserve-engine-bench-NAME (a build with
 #   tools/ab/NAME.patch, staged by TPSERVE_GPU_VARIANTS=NAME tools/gpu_stage.sh) with the main
 #   build, BENCH_BINS_ROUNDS (2) times each, both with BENCH_AB_ARGS and ARGS.
