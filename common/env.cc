@@ -151,14 +151,12 @@ const EnvVar kDecodeKernel = {
     "TPSERVE_DECODE_KERNEL",
     EnvType::kChoice,
     "auto",
-    "decode-attention kernel: auto (by the batch), subtile, twophase, mma, mma-bf16, mma-ring "
-    "or mma-ring3 (A/B runs; mma: fp8, int8, int4 caches at head_dim 64/128, mma-bf16: bf16 "
-    "caches at head_dim 64/128, mma-ring / mma-ring3: the mma kernel fed through a 4- / 3-tile "
-    "shared-memory ring, fp8 and int8 caches at head_dim 64/128, splits <= 512; else twophase; "
-    "--deterministic keeps its own)",
+    "decode-attention kernel: auto (by the batch), subtile, twophase, mma or mma-bf16 "
+    "(A/B runs; mma: fp8, int8, int4 caches at head_dim 64/128, mma-bf16: bf16 caches at "
+    "head_dim 64/128, else twophase; --deterministic keeps its own)",
     0,
     0,
-    "auto|subtile|twophase|mma|mma-bf16|mma-ring|mma-ring3"};
+    "auto|subtile|twophase|mma|mma-bf16"};
 const EnvVar kDecodePartition = {"TPSERVE_DECODE_PARTITION",
                                  EnvType::kChoice,
                                  "0",

@@ -718,21 +718,8 @@ __device__ __forceinline__ uint32_t Float2ToHalf2(float a, float b) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// kRing > 0 (DecodeKernel::kMmaRing, 8-bit caches): the same arithmetic (the same bits), but a
-// lane's K and V codes and K scales come through a ring of kRing one-tile stages in dynamic
-// shared memory (cp.async, each lane copying the 16-byte pieces it will read itself), issued
-// kRing tiles ahead across the phases: the V tiles are in flight during the softmax and the
-// loads no longer wait in registers (session 40; the register kernel keeps at most 2 tiles a
-// warp in flight and none between its phases).
-constexpr int kRingPieces = 4;  // 16-byte pieces a lane a stage: K 2 rows x kD / 64; V 4 keys
-constexpr int kRingSlotBytes = kRingPieces * 32 * 16 + 2 * 32 * sizeof(float);  // + K scales
-constexpr size_t RingSmemBytes(int ring) {
-  return static_cast<size_t>(ring) * (kThreads / 32) * kRingSlotBytes;
-}
-constexpr int MmaBlocksPerSm(int ring) { return ring == 0 ? kMmaBlocksPerSm : ring >= 4 ? 5 : 6; }
-
-template <typename Kv, int kD, int kG, bool kPrefetch, int kRing = 0>
-__global__ void __launch_bounds__(kThreads, MmaBlocksPerSm(kRing))
+template <typename Kv, int kD, int kG, bool kPrefetch>
+__global__ void __launch_bounds__(kThreads, kMmaBlocksPerSm)
     DecodeMmaKernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
                     const uint8_t* __restrict__ v_cache, const float* __restrict__ k_scales,
                     const float* __restrict__ v_scales, const int32_t* __restrict__ query_start,
@@ -743,7 +730,7 @@ __global__ void __launch_bounds__(kThreads, MmaBlocksPerSm(kRing))
                     int partition, float scale_log2, unsigned* __restrict__ counters,
                     float* __restrict__ records, __nv_bfloat16* __restrict__ out, int block_shift,
                     int order, int prefetch) {
-  if constexpr (kMmaDecodeSupported<Kv, kD> && kG <= 8 && (kRing == 0 || Kv::kBits == 8)) {
+  if constexpr (kMmaDecodeSupported<Kv, kD> && kG <= 8) {
     constexpr bool kI4 = Kv::kBits == 4;
     constexpr int kSteps = kD / 16;   // k steps of a score tile = dim blocks of an output tile
     constexpr int kChunks = kD / 64;  // K loads per key row and lane (dims 64 ch + 16 c + [0, 16))
@@ -753,9 +740,8 @@ __global__ void __launch_bounds__(kThreads, MmaBlocksPerSm(kRing))
     constexpr int kWarps = kThreads / 32;
     // Tiles in flight per warp. H200, fp8, B=64 ctx 1024, 512-key splits: 2 tiles 78% of copy
     // (80 registers: 6 blocks an SM), 4 tiles 71% (~128 registers: 4 blocks).
-    // The ring: one tile a stage (a warp's tiles in turn).
-    constexpr int kUnroll = kRing > 0 ? 1 : 2;
-    constexpr int kMaxP = kRing > 0 ? kMaxTwoPhasePartition : MmaMaxPartition(kG);
+    constexpr int kUnroll = 2;
+    constexpr int kMaxP = MmaMaxPartition(kG);
     using KLoad = std::conditional_t<kI4, uint2, uint4>;
     // A lane's V codes of one key: 8 bits, kD / 8 bytes; int4, one word per scale group.
     struct VLoad {
@@ -841,68 +827,14 @@ __global__ void __launch_bounds__(kThreads, MmaBlocksPerSm(kRing))
       for (int d = 1; d <= prefetch; ++d) prefetch_k(warp + d * kStride);
     }
 
-    // kRing: item j of a warp is its K tile warp + j kWarps (j < its_tiles), then its V tile
-    // warp + (j - its_tiles) kWarps; stage j % kRing holds piece i of lane l at (i 32 + l) 16 bytes
-    // (a warp's accesses of a piece are contiguous), then the K scales of rows r and r + 8.
-    extern __shared__ __align__(16) uint8_t ring_s[];
-    const int its_tiles = warp < num_tiles ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
-    auto stage = [&](int j) {
-      return ring_s +
-             static_cast<size_t>((j % (kRing > 0 ? kRing : 1)) * kWarps + warp) * kRingSlotBytes;
-    };
-    auto issue = [&](int j) {  // every lane of the warp, in item order
-      uint8_t* st = stage(j);
-      if (j < its_tiles) {
-        const int tile = warp + j * kWarps;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int tok = tile * 16 + r + 8 * h;
-          const bool in = tok < n;
-          const int64_t row =
-              in ? KvPoolRow(table, start + tok, block_size, block_shift, num_kv_heads, kv_head)
-                 : 0;
-          const uint8_t* p = k_cache + row * kRowBytes + c * 16;
-#pragma unroll
-          for (int ch = 0; ch < kChunks; ++ch) {
-            CpAsync16(SmemAddr(st + ((h * kChunks + ch) * 32 + lane) * 16), p + 64 * ch, in);
-          }
-          CpAsync4(SmemAddr(st + kRingPieces * 512 + (h * 32 + lane) * 4), k_scales + row, in);
-          if (c == 0 && in) {  // phase 3's V rows and phase 2's V scales (8 bits: keys < n only)
-            row_s[tok] = static_cast<int32_t>(row);
-            CpAsync4(SmemAddr(&vs_s[tok][0]), v_scales + row, true);
-          }
-        }
-      } else if (j < 2 * its_tiles) {
-        __syncwarp();  // row_s of the tile's keys, stored by lanes c = 0 at its K item
-        const int tile = warp + (j - its_tiles) * kWarps;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tok = tile * 16 + 4 * c + e;
-          const bool in = tok < n;
-          const uint8_t* p =
-              v_cache + (in ? static_cast<int64_t>(row_s[tok]) * kRowBytes : 0) + kVBytes * r;
-          if constexpr (kVBytes == 16) {
-            CpAsync16(SmemAddr(st + (e * 32 + lane) * 16), p, in);
-          } else {
-            CpAsync8(SmemAddr(st + (e * 32 + lane) * 16), p, in);
-          }
-        }
-      }
-      CpAsyncCommit();  // empty past the last item: every lane counts the same groups
-    };
-    if constexpr (kRing > 0) {
-      for (int j = 0; j < kRing; ++j) issue(j);
-    }
-
     // Phase 1: scores (log2 domain); the lanes of column 0 also keep each key's pool row and V
     // scales for phase 3.
     for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnroll) {
       if constexpr (kPrefetch) prefetch_k(t0 + (prefetch + 1) * kStride);
       KLoad kw[kUnroll][2][kChunks];
       float ks[kUnroll][2][kGroups];
-      const int item = (t0 - warp) / kWarps;  // kRing: this tile's item
 #pragma unroll
-      for (int u = 0; u < (kRing > 0 ? 0 : kUnroll); ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int tok = (t0 + u * kWarps) * 16 + r + 8 * h;
@@ -936,19 +868,6 @@ __global__ void __launch_bounds__(kThreads, MmaBlocksPerSm(kRing))
               for (int g = 0; g < kGroups; ++g) vs_s[tok][g] = 0.0f;
             }
           }
-        }
-      }
-      if constexpr (kRing > 0) {
-        CpAsyncWait<kRing - 1>();  // this item's copies (this lane's own pieces) have landed
-        const uint8_t* st = stage(item);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-          for (int ch = 0; ch < kChunks; ++ch) {
-            kw[0][h][ch] =
-                *reinterpret_cast<const uint4*>(st + ((h * kChunks + ch) * 32 + lane) * 16);
-          }
-          ks[0][h][0] = reinterpret_cast<const float*>(st + kRingPieces * 512)[h * 32 + lane];
         }
       }
 #pragma unroll
@@ -992,8 +911,6 @@ __global__ void __launch_bounds__(kThreads, MmaBlocksPerSm(kRing))
           if (g < kG && tok < n) p_s[g][tok] = sc * scale_log2;
         }
       }
-      // kRing: the stage just read is refilled (its reads are done: the MMAs above used them).
-      if constexpr (kRing > 0) issue(item + kRing);
     }
     __syncthreads();
 
@@ -1022,7 +939,7 @@ __global__ void __launch_bounds__(kThreads, MmaBlocksPerSm(kRing))
         }
       }
     };
-    if constexpr (kRing == 0) load_v(warp);
+    load_v(warp);
     if constexpr (kPrefetch) {
       for (int d = 1; d <= prefetch; ++d) prefetch_v(warp + d * kStride);
     }
@@ -1069,23 +986,7 @@ __global__ void __launch_bounds__(kThreads, MmaBlocksPerSm(kRing))
     }
     for (int t0 = warp; t0 < num_tiles; t0 += kWarps * kUnroll) {
       if constexpr (kPrefetch) prefetch_v(t0 + (prefetch + 1) * kStride);
-      const int item = its_tiles + (t0 - warp) / kWarps;  // kRing: this V tile's item
-      if constexpr (kRing > 0) {
-        CpAsyncWait<kRing - 1>();
-        const uint8_t* st = stage(item);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if constexpr (kVBytes == 16) {
-            const uint4 x = *reinterpret_cast<const uint4*>(st + (e * 32 + lane) * 16);
-            vw[0][e] = VLoad{{x.x, x.y, x.z, x.w}};
-          } else {
-            const uint2 x = *reinterpret_cast<const uint2*>(st + (e * 32 + lane) * 16);
-            vw[0][e] = VLoad{{x.x, x.y}};
-          }
-        }
-      } else if (t0 != warp) {
-        load_v(t0);
-      }
+      if (t0 != warp) load_v(t0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int tile = t0 + u * kWarps;
@@ -1138,7 +1039,6 @@ __global__ void __launch_bounds__(kThreads, MmaBlocksPerSm(kRing))
           }
         }
       }
-      if constexpr (kRing > 0) issue(item + kRing);
     }
     // The warps' partial outputs (in p_s, now dead), summed in warp order and scaled by vmax.
     __syncthreads();
@@ -1750,12 +1650,6 @@ DecodePlan PlanDecode(const DeviceBatch& b, int num_heads, int num_kv_heads) {
     return {kMmaBf16Supported<Kv, kD> ? DecodeKernel::kMmaBf16 : DecodeKernel::kTwoPhase,
             std::min(p > 0 ? p : auto_p, kMmaBf16MaxPartition)};
   }
-  if (named == DecodeKernel::kMmaRing || named == DecodeKernel::kMmaRing3) {  // by name only
-    const int p = DecodePartitionOverride();
-    const int ring_p = std::min(p > 0 ? p : kMaxTwoPhasePartition, kMaxTwoPhasePartition);
-    if constexpr (kMmaDecodeSupported<Kv, kD> && Kv::kBits == 8) return {named, ring_p};
-    return {kMmaDecodeSupported<Kv, kD> ? DecodeKernel::kMma : DecodeKernel::kTwoPhase, ring_p};
-  }
   DecodeKernel kernel = named;
   if (kernel == DecodeKernel::kAuto) {
     kernel = auto_p == kSub ? DecodeKernel::kSubTile : DecodeKernel::kTwoPhase;
@@ -1815,25 +1709,8 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
                 : plan.kernel == DecodeKernel::kMma
                     ? (DecodePrefetchOf() > 0 ? DecodeMmaKernel<Kv, kD, kG, true>
                                               : DecodeMmaKernel<Kv, kD, kG, false>)
-                : plan.kernel == DecodeKernel::kMmaRing  ? DecodeMmaKernel<Kv, kD, kG, false, 4>
-                : plan.kernel == DecodeKernel::kMmaRing3 ? DecodeMmaKernel<Kv, kD, kG, false, 3>
-                : plan.kernel == DecodeKernel::kMmaBf16  ? DecodeMmaBf16Kernel<Kv, kD, kG, 1>
-                                                         : DecodeTwoPhaseKernel<Kv, kD, kG, 1>;
-  const size_t kernel_smem = plan.kernel == DecodeKernel::kMmaRing    ? RingSmemBytes(4)
-                             : plan.kernel == DecodeKernel::kMmaRing3 ? RingSmemBytes(3)
-                                                                      : 0;
-  if (kernel_smem > 0) {  // with G = 8's static scores a ring block passes 48 KB
-    static const bool configured = [] {
-      TP_CUDA_CHECK(cudaFuncSetAttribute(DecodeMmaKernel<Kv, kD, kG, false, 4>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(RingSmemBytes(4))));
-      TP_CUDA_CHECK(cudaFuncSetAttribute(DecodeMmaKernel<Kv, kD, kG, false, 3>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(RingSmemBytes(3))));
-      return true;
-    }();
-    (void)configured;
-  }
+                : plan.kernel == DecodeKernel::kMmaBf16 ? DecodeMmaBf16Kernel<Kv, kD, kG, 1>
+                                                        : DecodeTwoPhaseKernel<Kv, kD, kG, 1>;
   const int block_shift = KvBlockShift(b.block_size);
   const auto* kc = static_cast<const uint8_t*>(k_cache.data);
   const auto* vc = static_cast<const uint8_t*>(v_cache.data);
@@ -1859,8 +1736,8 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
       }
     }
     const dim3 grid = DecodeGrid(DecodeSplits(b, partition), num_heads / kG, b.num_seqs);
-    LaunchPdl(kernel, grid, dim3(kThreads), kernel_smem, stream, q.ptr<const __nv_bfloat16>(), kc,
-              vc, k_scales, v_scales, b.query_start, b.context_lens, b.block_tables,
+    LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
+              k_scales, v_scales, b.query_start, b.context_lens, b.block_tables,
               static_cast<const int32_t*>(nullptr), static_cast<const int2*>(nullptr),
               b.max_blocks_per_seq, b.block_size, num_heads, num_kv_heads, partition,
               scale * kLog2e, counters, workspace, out.ptr<__nv_bfloat16>(), block_shift,
@@ -1935,8 +1812,8 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     DeviceBatch chunk = b;
     chunk.num_seqs = chunk.num_tokens = n;
     const dim3 grid = DecodeGrid(DecodeSplits(chunk, partition), num_heads / kG, n);
-    LaunchPdl(kernel, grid, dim3(kThreads), kernel_smem, stream, q.ptr<const __nv_bfloat16>(), kc,
-              vc, k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
+    LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
+              k_scales, v_scales, b.token_query_start + t0, b.token_context_lens + t0,
               b.block_tables, b.token_table_rows + t0, static_cast<const int2*>(nullptr),
               b.max_blocks_per_seq, b.block_size, num_heads, num_kv_heads, partition,
               scale * kLog2e, counters, workspace, out.ptr<__nv_bfloat16>(), block_shift,
@@ -1958,13 +1835,11 @@ void LaunchForDim(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
 }
 
 DecodeKernel ParseDecodeKernel(const std::string& name) {
-  return name == "subtile"     ? DecodeKernel::kSubTile
-         : name == "twophase"  ? DecodeKernel::kTwoPhase
-         : name == "mma"       ? DecodeKernel::kMma
-         : name == "mma-bf16"  ? DecodeKernel::kMmaBf16
-         : name == "mma-ring"  ? DecodeKernel::kMmaRing
-         : name == "mma-ring3" ? DecodeKernel::kMmaRing3
-                               : DecodeKernel::kAuto;
+  return name == "subtile"    ? DecodeKernel::kSubTile
+         : name == "twophase" ? DecodeKernel::kTwoPhase
+         : name == "mma"      ? DecodeKernel::kMma
+         : name == "mma-bf16" ? DecodeKernel::kMmaBf16
+                              : DecodeKernel::kAuto;
 }
 
 // The process-wide override (launchers.h), first read from the environment.

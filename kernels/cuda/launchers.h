@@ -186,11 +186,7 @@ inline int DecodePartition(int num_seqs, int num_heads, int num_kv_heads) {
 // two-phase kernel for such a cache.
 // kMmaBf16: deterministic mode's tensor-core kernel for bf16 caches at head_dim 64 and 128
 // (other bits than the two-phase kernel); by name it runs in any mode (tests, A/B runs).
-// kMmaRing, kMmaRing3: the mma kernel with its K/V codes brought through a shared-memory ring of 4
-// or 3 tiles a warp (cp.async) instead of registers, for 8-bit caches at head_dim 64 and 128 and
-// splits of at most 512 keys; the mma kernel's bits. By name only (A/B runs); int4 runs kMma,
-// other caches the two-phase kernel.
-enum class DecodeKernel { kAuto, kSubTile, kTwoPhase, kMma, kMmaBf16, kMmaRing, kMmaRing3 };
+enum class DecodeKernel { kAuto, kSubTile, kTwoPhase, kMma, kMmaBf16 };
 // Benchmarks and tests: every later decode launch of this process uses `kernel` (kAuto: by the
 // batch) and `partition` keys per split (0: by the batch; else 64, 128, 256, 512 or 1024; the
 // two-phase kernel takes at most 512, the mma kernel 1024 when asked for by name, else 512). Starts

@@ -18,10 +18,6 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool va
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
-__device__ __forceinline__ void CpAsync8(uint32_t dst, const void* src, bool valid) {
-  const int bytes = valid ? 8 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
 __device__ __forceinline__ void CpAsync4(uint32_t dst, const void* src, bool valid) {
   const int bytes = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));

@@ -994,10 +994,6 @@ int Main(const std::string& mode, const std::string& table_out) {
     variants.push_back({"mma p512 prefetch 1", cuda::DecodeKernel::kMma, 512, 1});
     variants.push_back({"mma p512 prefetch 2", cuda::DecodeKernel::kMma, 512, 2});
     variants.push_back({"mma p512 prefetch 4", cuda::DecodeKernel::kMma, 512, 4});
-    variants.push_back({"mma-ring p256", cuda::DecodeKernel::kMmaRing, 256});
-    variants.push_back({"mma-ring p512", cuda::DecodeKernel::kMmaRing, 512});
-    variants.push_back({"mma-ring3 p256", cuda::DecodeKernel::kMmaRing3, 256});
-    variants.push_back({"mma-ring3 p512", cuda::DecodeKernel::kMmaRing3, 512});
     variants.push_back({"mma-bf16 p128", cuda::DecodeKernel::kMmaBf16, 128});
     variants.push_back({"mma-bf16 p256", cuda::DecodeKernel::kMmaBf16, 256});
   }

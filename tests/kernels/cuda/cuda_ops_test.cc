@@ -10,7 +10,6 @@
 #include <iostream>
 #include <limits>
 #include <numeric>
-#include <optional>
 #include <random>
 
 #include <cuda_runtime.h>
@@ -1380,15 +1379,6 @@ class CudaAttentionTest : public CudaOpsTest {
     }
     const std::vector<float> got = Host(out);
     EXPECT_LT(RelL2(got, want), kBf16Tol);
-    if (decode && same_bits_as_) {  // another decode kernel that must give exactly these bits
-      const cuda::DecodeKernel kernel = cuda::DecodeKernelOverride();
-      const int partition = cuda::DecodePartitionOverride();
-      cuda::SetDecodeOverride(same_bits_as_->first, same_bits_as_->second);
-      Tensor other = GpuOut({T, qw});
-      ops_->AttentionDecode(gq, gk, gv, c.hq, c.hk, c.d, scale, other);
-      EXPECT_EQ(Host(other), got) << "against kernel " << static_cast<int>(same_bits_as_->first);
-      cuda::SetDecodeOverride(kernel, partition);
-    }
     // Deterministic: the same inputs give the same bits (greedy decoding depends on it).
     for (int rep = 0; rep < 3; ++rep) {
       Tensor again = GpuOut({T, qw});
@@ -1401,8 +1391,6 @@ class CudaAttentionTest : public CudaOpsTest {
     }
     bufs_.clear();
   }
-  // Run's decode output is also compared bit for bit with this (kernel, partition)'s.
-  std::optional<std::pair<cuda::DecodeKernel, int>> same_bits_as_;
 };
 
 // The mma.sync prefill kernel (TPSERVE_PREFILL_KERNEL=mma; the default runs wgmma where it can,
@@ -1756,8 +1744,7 @@ TEST_F(CudaAttentionTest, DecodeEveryKernelAndPartition) {
       {cuda::DecodeKernel::kMma, 512},      {cuda::DecodeKernel::kMma, 1024},
       {cuda::DecodeKernel::kMma, 64, 1},    {cuda::DecodeKernel::kMma, 512, 4},
       {cuda::DecodeKernel::kMmaBf16, 64},   {cuda::DecodeKernel::kMmaBf16, 128},
-      {cuda::DecodeKernel::kMmaBf16, 512},  {cuda::DecodeKernel::kMmaRing, 64},
-      {cuda::DecodeKernel::kMmaRing, 512},  {cuda::DecodeKernel::kMmaRing3, 256},
+      {cuda::DecodeKernel::kMmaBf16, 512},
   };
   const int env_prefetch = cuda::DecodePrefetch();
   for (DType kv : {DType::kBF16, DType::kF8E4M3, DType::kI8, DType::kI4}) {
@@ -1795,9 +1782,7 @@ TEST_F(CudaAttentionTest, DecodeStaleRowsPoisoned) {
     cuda::DecodeKernel kernel;
     int partition;
   };
-  const Variant variants[] = {{cuda::DecodeKernel::kMma, 512},
-                              {cuda::DecodeKernel::kMmaRing, 512},
-                              {cuda::DecodeKernel::kMmaRing3, 128}};
+  const Variant variants[] = {{cuda::DecodeKernel::kMma, 512}};
   for (DType kv : {DType::kF8E4M3, DType::kI8}) {
     for (const Variant& v : variants) {
       cuda::SetDecodeOverride(v.kernel, v.partition);
@@ -1812,36 +1797,6 @@ TEST_F(CudaAttentionTest, DecodeStaleRowsPoisoned) {
   cuda::SetDecodeOverride(cuda::DecodeKernel::kAuto, 0);
 }
 
-// The ring-fed mma kernels (kMmaRing, kMmaRing3: K/V codes through shared memory instead of
-// registers) do the mma kernel's arithmetic in its order: for 8-bit caches their outputs equal its
-// bits at the same partition, over DecodeEveryKernelAndPartition's cases (G = 1, 2, 8, head_dim 64
-// and 128, block sizes 16, 24, 32, contexts of one key to several splits, padding).
-TEST_F(CudaAttentionTest, DecodeRingGivesTheMmaKernelsBits) {
-  const std::vector<AttnCase> cases = {
-      {{{1, 1}, {1, 63}, {1, 0}, {1, 129}, {1, 700}, {1, 1500}}, 32, 32, 128, 16},  // G=1
-      {{{1, 257}, {1, 1024}, {1, 1025}}, 16, 2, 64, 16},                            // G=8
-      {{{1, 100}, {1, 0}, {1, 777}}, 8, 4, 128, 32},                                // G=2, bs 32
-      {{{1, 300}, {1, 24}, {1, 1100}}, 8, 8, 128, 24},                              // block size 24
-      {{{1, 17}, {1, 513}, {1, 250}}, 16, 16, 64, 16},                              // G=1, d 64
-  };
-  for (DType kv : {DType::kF8E4M3, DType::kI8}) {
-    for (cuda::DecodeKernel ring : {cuda::DecodeKernel::kMmaRing, cuda::DecodeKernel::kMmaRing3}) {
-      for (int partition : {64, 256, 512}) {
-        cuda::SetDecodeOverride(ring, partition);
-        same_bits_as_ = std::make_pair(cuda::DecodeKernel::kMma, partition);
-        for (size_t i = 0; i < cases.size(); ++i) {
-          SCOPED_TRACE(std::string(KvCacheDTypeName(kv)) + " ring " +
-                       std::to_string(static_cast<int>(ring)) + " partition " +
-                       std::to_string(partition) + " case " + std::to_string(i));
-          Run(cases[i], /*decode=*/true, kv);
-        }
-      }
-    }
-  }
-  same_bits_as_.reset();
-  cuda::SetDecodeOverride(cuda::DecodeKernel::kAuto, 0);
-}
-
 // A decode step captured once replays correctly for new contexts and tokens (same sizes): a
 // bf16 cache through the kernel the batch picks, and 8-bit caches through the tensor-core
 // kernel (G = 4).
@@ -1853,8 +1808,7 @@ TEST_F(CudaOpsTest, DecodeStepReplaysAsCudaGraph) {
   };
   for (const Variant& v : {Variant{DType::kBF16, cuda::DecodeKernel::kAuto, 0},
                            Variant{DType::kF8E4M3, cuda::DecodeKernel::kMma, 0},
-                           Variant{DType::kI8, cuda::DecodeKernel::kMma, 64},
-                           Variant{DType::kF8E4M3, cuda::DecodeKernel::kMmaRing, 0}}) {
+                           Variant{DType::kI8, cuda::DecodeKernel::kMma, 64}}) {
     SCOPED_TRACE(std::string(KvCacheDTypeName(v.kv)) + " kernel " +
                  std::to_string(static_cast<int>(v.kernel)));
     cuda::SetDecodeOverride(v.kernel, v.partition);
