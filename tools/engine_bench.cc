@@ -298,9 +298,11 @@ absl::Status Main(const std::vector<std::string>& args) {
   }
   out["batched_decode"] = rows;
   if (a.Flag("profile")) {  // per-op CUDA event times of eager steps (tools/engine_profile.h)
-    TP_ASSIGN_OR_RETURN(out["op_profile"],
-                        ProfileEngineOps(*engine, options.block_size,
-                                         DefaultOpProfileScenarios(static_cast<int>(prefill_len))));
+    TP_ASSIGN_OR_RETURN(
+        out["op_profile"],
+        ProfileEngineOps(*engine, options.block_size,
+                         DefaultOpProfileScenarios(static_cast<int>(prefill_len),
+                                                   static_cast<int>(prompt_len + new_tokens / 2))));
   }
   // Device memory in use (a CUDA build run on the CPU, e.g. on a machine without a GPU, has none).
   out["peak_device_memory_GB"] = device == "cuda" ? DeviceMemoryInUse() / 1e9 : 0.0;

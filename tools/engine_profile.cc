@@ -44,11 +44,15 @@ BatchMeta ScenarioMeta(const OpProfileScenario& sc, int block_size) {
 
 }  // namespace
 
-std::vector<OpProfileScenario> DefaultOpProfileScenarios(int prefill_len) {
-  return {{"decode_b1_ctx768", 1, 768, false, 5},
-          {"decode_b64_ctx1024", 64, 1024, false, 3},
-          {"mixed_b63_ctx1024_chunk449", 64, 1024, false, 3, 449},
-          {absl::StrCat("prefill_", prefill_len), 1, prefill_len, true, 3}};
+std::vector<OpProfileScenario> DefaultOpProfileScenarios(int prefill_len, int batch1_context) {
+  std::vector<OpProfileScenario> s = {{"decode_b1_ctx768", 1, 768, false, 5}};
+  if (batch1_context != 768) {
+    s.push_back({absl::StrCat("decode_b1_ctx", batch1_context), 1, batch1_context, false, 5});
+  }
+  s.push_back({"decode_b64_ctx1024", 64, 1024, false, 3});
+  s.push_back({"mixed_b63_ctx1024_chunk449", 64, 1024, false, 3, 449});
+  s.push_back({absl::StrCat("prefill_", prefill_len), 1, prefill_len, true, 3});
+  return s;
 }
 
 absl::StatusOr<nlohmann::json> ProfileEngineOps(Engine& engine, int block_size,

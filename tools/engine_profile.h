@@ -22,8 +22,10 @@ struct OpProfileScenario {
 
 // The default scenarios: decode batch 1 at context 768, decode batch 64 at context 1024, 63
 // decode rows at context 1024 beside a 449-token prompt chunk (a served step of 512 tokens),
-// prefill of `prefill_len` tokens.
-std::vector<OpProfileScenario> DefaultOpProfileScenarios(int prefill_len);
+// prefill of `prefill_len` tokens; and decode batch 1 at `batch1_context` too where that is
+// another context (the benchmark's batch-1 run, whose mean context is its prompt plus half its
+// new tokens: a short one takes other attention splits than 768).
+std::vector<OpProfileScenario> DefaultOpProfileScenarios(int prefill_len, int batch1_context);
 
 // Runs each scenario that fits the engine's KV cache and batch limits (others are reported as
 // skipped). Needs the CUDA ops.
