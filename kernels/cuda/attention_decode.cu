@@ -1116,8 +1116,16 @@ template <typename Kv, int kD, int kG>
 inline constexpr int kMmaBf16GroupTokens = kMmaBf16Supported<Kv, kD> ? std::max(1, kTokenGroup / kG)
                                                                      : 1;
 
+// A single-token launch (kQ = 1, a block a split: decode batches under kDecodeLoopMinBlocks
+// (sequence, head group) pairs) keeps all of a warp's tiles of a 256-key split in flight at once
+// (kUnroll 4: one round trip for its K tiles, one for its V tiles, where 2 took two each), at 2
+// blocks an SM for the registers. A warp adds its tiles in the same order: the same bits.
+template <int kQ, bool kLoopSplits>
+inline constexpr bool kMmaBf16Wide = kQ == 1 && !kLoopSplits;
 template <typename Kv, int kD, int kG, int kQ, bool kLoopSplits = false>
-__global__ void __launch_bounds__(kThreads, kLoopSplits ? 3 : 4)
+__global__ void __launch_bounds__(kThreads, kLoopSplits                        ? 3
+                                            : kMmaBf16Wide<kQ, kLoopSplits> ? 2
+                                                                            : 4)
     DecodeMmaBf16Kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
                         const uint8_t* __restrict__ v_cache, const float* __restrict__ /*ks*/,
                         const float* __restrict__ /*vs*/, const int32_t* __restrict__ query_start,
@@ -1137,7 +1145,7 @@ __global__ void __launch_bounds__(kThreads, kLoopSplits ? 3 : 4)
     constexpr int kRowBytes = kD * 2;
     constexpr int kWarps = kThreads / 32;
     // Tiles in flight per warp (the order in which a warp adds its tiles does not change).
-    constexpr int kUnroll = kF == 1 ? 2 : 1;
+    constexpr int kUnroll = kMmaBf16Wide<kQ, kLoopSplits> ? 4 : kF == 1 ? 2 : 1;
     constexpr int kMaxP = kMmaBf16MaxPartition;
     static_assert(kWarps * kD <= kMaxP, "the warps' outputs fit in p_s");
     __shared__ __align__(16) float p_s[kC][kMaxP];
