@@ -232,7 +232,7 @@ const EnvVar kDeterministicGemm = {
     EnvType::kChoice,
     "cublaslt",
     "--deterministic on CUDA: cublaslt (one unsplit cuBLASLt algorithm per shape, chosen at "
-    "TPSERVE_DETERMINISTIC_GEMM_M, with decode batches of up to 16 rows through our chain GEMMs, "
+    "TPSERVE_DETERMINISTIC_GEMM_M, with decode batches of 1-2 rows through our chain GEMMs, "
     "which have its bits, and the skinny path's fusions), cublaslt-only (cuBLASLt at every M, "
     "unfused), fixed-order (our GEMM, one arithmetic for every M: faster at batches up to 8, "
     "slower above), or stream (the weight-streaming wgmma GEMM on a fixed grid for every M, in "

@@ -765,7 +765,7 @@ void CudaOps::SiluMulGemm(const Tensor& gate_up, const Tensor& w, Tensor act, Te
 }
 
 bool CudaOps::ChainFits(int64_t m, int64_t k, const void* x, const void* w) const {
-  return det_chain_ && cuda::ChainGemvFits(m, k, x, w);
+  return det_chain_ && m <= kDetChainMaxM && cuda::ChainGemvFits(m, k, x, w);
 }
 
 bool CudaOps::ChainFusedFits(int64_t m, int64_t k, const void* x, const void* w) const {

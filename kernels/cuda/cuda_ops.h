@@ -251,10 +251,18 @@ class CudaOps final : public Ops {
   void AllocateStreamWorkspace();
   bool fused_skinny_ = true;
   bool fused_norm_ = true;
-  // Deterministic mode with cuBLASLt's fixed algorithm: decode GEMMs (M <= kChainGemvMaxM) run
-  // the chain kernels, which have its bits (TPSERVE_DETERMINISTIC_GEMM=cublaslt, the default;
-  // cublaslt-only leaves them out).
+  // Deterministic mode with cuBLASLt's fixed algorithm: decode GEMMs of up to kDetChainMaxM rows
+  // run the chain kernels, which have its bits, with the skinny path's fusions
+  // (TPSERVE_DETERMINISTIC_GEMM=cublaslt, the default; cublaslt-only leaves them out); larger M
+  // run the fixed cuBLASLt algorithm itself.
   bool det_chain_ = false;
+  // The chain kernels (ChainGemvFits: up to kChainGemvMaxM = 16 rows) pay above 2 rows: their
+  // ring form streams the input rows with the weights, unfused, where cuBLASLt's fixed algorithm
+  // reads the weights once at any M. H100, `tpserve-engine-bench --deterministic`, 6.7B shape,
+  // decode steps at context 1024 (two rounds, kernels/cuda/NOTES.md session 41): chain /
+  // cuBLASLt alone / default mode, batch 2 5.66 / 6.11 / 5.63 ms, 3 7.86 / 6.36 / 6.20, 4 7.99 /
+  // 6.54 / 6.35, 8 9.58 / 7.27 / 7.21, 16 12.85 / 8.74 / 8.54; batch 1 4.93 / 5.79 / 4.68.
+  static constexpr int64_t kDetChainMaxM = 2;
   bool ChainFits(int64_t m, int64_t k, const void* x, const void* w) const;
   bool ChainFusedFits(int64_t m, int64_t k, const void* x, const void* w) const;
   // Deferred norms: kMaxNormRecords records of cuda::kNormRecordWords counters; each batch

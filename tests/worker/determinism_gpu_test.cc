@@ -118,7 +118,7 @@ TEST(DeterminismGpuTest, DeepSeek67BShape) {
 }
 
 // TPSERVE_DETERMINISTIC_GEMM=cublaslt-only: every GEMM through cuBLASLt and the unfused ops (the
-// default runs decode steps of up to 16 rows through the chain GEMMs and their fusions).
+// default runs decode steps of 1-2 rows through the chain GEMMs and their fusions).
 TEST(DeterminismGpuTest, CublasLtOnlyTinyCoderAnd67BShape) {
   SKIP_WITHOUT_GPU();
   ASSERT_EQ(setenv("TPSERVE_DETERMINISTIC_GEMM", "cublaslt-only", 1), 0);

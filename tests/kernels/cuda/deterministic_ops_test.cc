@@ -95,7 +95,7 @@ class DeterministicOpsTest : public ::testing::Test {
 
 // The GEMMs of the 6.7B shape and of tiny-coder (with a bias, as Qwen2's q/k/v), M = 1..256 at
 // a random first row, and M = 2048: every row equals the same row of one 256-row GEMM (through
-// Ops::Gemm: with TPSERVE_DETERMINISTIC_GEMM=cublaslt, the default, the chain GEMMs up to M = 16
+// Ops::Gemm: with TPSERVE_DETERMINISTIC_GEMM=cublaslt, the default, the chain GEMMs up to M = 2
 // and cuBLASLt's fixed algorithm above; or cuBLASLt alone, or the fixed-order kernel).
 TEST_F(DeterministicOpsTest, GemmRowsDoNotDependOnM) {
   struct Shape {
