@@ -1116,16 +1116,19 @@ template <typename Kv, int kD, int kG>
 inline constexpr int kMmaBf16GroupTokens = kMmaBf16Supported<Kv, kD> ? std::max(1, kTokenGroup / kG)
                                                                      : 1;
 
-// A single-token launch (kQ = 1, a block a split: decode batches under kDecodeLoopMinBlocks
-// (sequence, head group) pairs) keeps all of a warp's tiles of a 256-key split in flight at once
-// (kUnroll 4: one round trip for its K tiles, one for its V tiles, where 2 took two each), at 2
-// blocks an SM for the registers. A warp adds its tiles in the same order: the same bits.
-template <int kQ, bool kLoopSplits>
-inline constexpr bool kMmaBf16Wide = kQ == 1 && !kLoopSplits;
-template <typename Kv, int kD, int kG, int kQ, bool kLoopSplits = false>
-__global__ void __launch_bounds__(kThreads, kLoopSplits                        ? 3
-                                            : kMmaBf16Wide<kQ, kLoopSplits> ? 2
-                                                                            : 4)
+// kWide, for a decode launch (kQ = 1, a block a split) of at most one wave at
+// kMmaBf16WideBlocksPerSm blocks an SM (the 6.7B shape: batch 1, or 2 at context 1024): all of a
+// warp's tiles of a 256-key split in flight at once (kUnroll 4: one round trip for its K tiles
+// and one for its V tiles, where 2 took two each), at 2 blocks an SM for the registers (ptxas:
+// 194-198 at head_dim 128, no spills). A warp adds its tiles in the same order: the same bits.
+// H100: batch 1's attention 11.15 -> 10.74 us a call at context 160, 16.53 -> 16.32 at 768; but
+// taken for every such launch, the batch-16 step at context 1024 (2,048 blocks) took 9.24 ms
+// against 8.74 without it (kernels/cuda/NOTES.md, session 41).
+inline constexpr int kMmaBf16WideBlocksPerSm = 2;
+template <typename Kv, int kD, int kG, int kQ, bool kLoopSplits = false, bool kWide = false>
+__global__ void __launch_bounds__(kThreads, kLoopSplits ? 3
+                                            : kWide     ? kMmaBf16WideBlocksPerSm
+                                                        : 4)
     DecodeMmaBf16Kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_cache,
                         const uint8_t* __restrict__ v_cache, const float* __restrict__ /*ks*/,
                         const float* __restrict__ /*vs*/, const int32_t* __restrict__ query_start,
@@ -1145,7 +1148,8 @@ __global__ void __launch_bounds__(kThreads, kLoopSplits                        ?
     constexpr int kRowBytes = kD * 2;
     constexpr int kWarps = kThreads / 32;
     // Tiles in flight per warp (the order in which a warp adds its tiles does not change).
-    constexpr int kUnroll = kMmaBf16Wide<kQ, kLoopSplits> ? 4 : kF == 1 ? 2 : 1;
+    static_assert(!kWide || (kQ == 1 && !kLoopSplits), "the wide form is a decode block a split");
+    constexpr int kUnroll = kWide ? 4 : kF == 1 ? 2 : 1;
     constexpr int kMaxP = kMmaBf16MaxPartition;
     static_assert(kWarps * kD <= kMaxP, "the warps' outputs fit in p_s");
     __shared__ __align__(16) float p_s[kC][kMaxP];
@@ -1704,6 +1708,17 @@ dim3 DecodeGrid(int splits, int groups, int seqs) {
   }
 }
 
+// The current device's SMs (read once: a process drives one device).
+int DeviceSms() {
+  static const int sms = [] {
+    int device = 0, n = 0;
+    TP_CUDA_CHECK(cudaGetDevice(&device));
+    TP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return n;
+  }();
+  return sms;
+}
+
 template <typename Kv, int kD, int kG>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                  int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
@@ -1744,6 +1759,10 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
       }
     }
     const dim3 grid = DecodeGrid(DecodeSplits(b, partition), num_heads / kG, b.num_seqs);
+    if (plan.kernel == DecodeKernel::kMmaBf16 &&
+        int64_t{grid.x} * grid.y * grid.z <= int64_t{kMmaBf16WideBlocksPerSm} * DeviceSms()) {
+      kernel = DecodeMmaBf16Kernel<Kv, kD, kG, 1, false, /*kWide=*/true>;
+    }
     LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,
               k_scales, v_scales, b.query_start, b.context_lens, b.block_tables,
               static_cast<const int32_t*>(nullptr), static_cast<const int2*>(nullptr),
