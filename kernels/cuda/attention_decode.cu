@@ -1708,17 +1708,6 @@ dim3 DecodeGrid(int splits, int groups, int seqs) {
   }
 }
 
-// The current device's SMs (read once: a process drives one device).
-int DeviceSms() {
-  static const int sms = [] {
-    int device = 0, n = 0;
-    TP_CUDA_CHECK(cudaGetDevice(&device));
-    TP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    return n;
-  }();
-  return sms;
-}
-
 template <typename Kv, int kD, int kG>
 void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int num_heads,
                  int num_kv_heads, float scale, const DeviceBatch& b, float* workspace,
@@ -1759,8 +1748,9 @@ void LaunchTyped(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
       }
     }
     const dim3 grid = DecodeGrid(DecodeSplits(b, partition), num_heads / kG, b.num_seqs);
+    static const int sms = CurrentDeviceSms();  // read once: a process drives one device
     if (plan.kernel == DecodeKernel::kMmaBf16 &&
-        int64_t{grid.x} * grid.y * grid.z <= int64_t{kMmaBf16WideBlocksPerSm} * DeviceSms()) {
+        int64_t{grid.x} * grid.y * grid.z <= int64_t{kMmaBf16WideBlocksPerSm} * sms) {
       kernel = DecodeMmaBf16Kernel<Kv, kD, kG, 1, false, /*kWide=*/true>;
     }
     LaunchPdl(kernel, grid, dim3(kThreads), 0, stream, q.ptr<const __nv_bfloat16>(), kc, vc,

@@ -1008,12 +1008,7 @@ void LaunchFa3Typed(const Tensor& q, const Tensor& k_cache, const Tensor& v_cach
   // fewer when there are fewer work items x heads.
   const int num_items = b.num_prefill_work * num_heads;
   dim3 grid = PrefillGrid(b, num_heads);
-  if constexpr (kPersistent) {
-    int device = 0, sms = 0;
-    TP_CUDA_CHECK(cudaGetDevice(&device));
-    TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    grid = dim3(std::min(num_items, sms));
-  }
+  if constexpr (kPersistent) grid = dim3(std::min(num_items, CurrentDeviceSms()));
   kernel<<<grid, (kWgs + 1) * kWarpgroup, kSmem, stream>>>(
       k_map, v_map, q.ptr<const __nv_bfloat16>(), k_cache.ptr<const __nv_bfloat16>(),
       v_cache.ptr<const __nv_bfloat16>(), b.prefill_work, b.query_start, b.context_lens,

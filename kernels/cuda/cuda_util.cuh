@@ -143,6 +143,15 @@ __device__ __forceinline__ T LoadProduced(const T* p) {
   return __ldcg(p);
 }
 
+// The current device's SMs (cudaDevAttrMultiProcessorCount), for launchers that size a grid by
+// them.
+inline int CurrentDeviceSms() {
+  int device = 0, sms = 0;
+  TP_CUDA_CHECK(cudaGetDevice(&device));
+  TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 // True when kernels are launched with programmatic stream serialization: a Hopper-or-newer
 // device, TPSERVE_PDL not set to 0 (read once), and the current batch (CudaOps::SetBatch on
 // this thread) decode-sized (at most 256 tokens).

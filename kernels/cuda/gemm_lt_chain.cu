@@ -581,12 +581,7 @@ bool ShapeChoice(const ChainArgs& a, Decide decide) {
   static std::map<std::pair<int, int>, bool> choice;
   std::lock_guard<std::mutex> lock(mu);
   auto [it, inserted] = choice.try_emplace({a.N, a.K}, false);
-  if (inserted) {
-    int device = 0, sms = 0;
-    TP_CUDA_CHECK(cudaGetDevice(&device));
-    TP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    it->second = decide(int64_t{sms});
-  }
+  if (inserted) it->second = decide(int64_t{CurrentDeviceSms()});
   return it->second;
 }
 
